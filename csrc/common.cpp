@@ -1,0 +1,52 @@
+// Status strings, the per-thread error message and argument checks shared by CPU and CUDA.
+#include "common.h"
+
+namespace vllm_ext {
+
+namespace {
+thread_local std::string last_error_message;
+}
+
+int fail(int status, const std::string& message) {
+  last_error_message = message;
+  return status;
+}
+
+int check_copy_args(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
+                    int32_t num_layers, int32_t num_components, int64_t chunk_nbytes) {
+  if (src == nullptr || dst == nullptr) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "src/dst is NULL");
+  if (num_ids < 0 || num_layers < 0 || num_components < 1 || num_components > 2 || chunk_nbytes < 0)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT,
+                "negative count, or num_components not 1 or 2 (num_ids=" + std::to_string(num_ids) +
+                    ", num_layers=" + std::to_string(num_layers) +
+                    ", num_components=" + std::to_string(num_components) +
+                    ", chunk_nbytes=" + std::to_string(chunk_nbytes) + ")");
+  for (const vllm_ext_side* side : {src, dst}) {
+    if (side->layer_ptrs == nullptr && side->base == 0 && num_ids > 0 && num_layers > 0)
+      return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "a side has neither layer_ptrs nor base");
+    if (side->num_blocks < 0 || side->block_stride < 0 || side->component_stride < 0)
+      return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "a side has a negative stride or block count");
+  }
+  return VLLM_EXT_OK;
+}
+
+}  // namespace vllm_ext
+
+extern "C" {
+
+const char* vllm_ext_status_string(int status) {
+  switch (status) {
+    case VLLM_EXT_OK: return "success";
+    case VLLM_EXT_ERR_INVALID_ARGUMENT: return "invalid argument";
+    case VLLM_EXT_ERR_NO_CUDA: return "library built without CUDA";
+    case VLLM_EXT_ERR_CUDA: return "CUDA error";
+    case VLLM_EXT_ERR_NO_KERNEL_IMAGE: return "no kernel image for this GPU";
+    default: return "unknown status";
+  }
+}
+
+const char* vllm_ext_last_error(void) { return vllm_ext::last_error_message.c_str(); }
+
+int32_t vllm_ext_abi_version(void) { return VLLM_EXT_ABI_VERSION; }
+
+}  // extern "C"

@@ -1,0 +1,284 @@
+// CUDA half of the ABI: the one batched block-copy kernel, device checks, peer access and IPC.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <string>
+
+#include "common.h"
+
+#ifndef VLLM_EXT_CUDA_ARCHS
+#define VLLM_EXT_CUDA_ARCHS "unknown"
+#endif
+
+namespace {
+
+using vllm_ext::fail;
+
+constexpr int kThreads = 256;
+constexpr int kMaxDevices = 64;
+
+int cuda_fail(cudaError_t err, const char* what) {
+  const int status = (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction)
+                         ? VLLM_EXT_ERR_NO_KERNEL_IMAGE
+                         : VLLM_EXT_ERR_CUDA;
+  return fail(status, std::string(what) + ": " + cudaGetErrorName(err) + " (" +
+                          cudaGetErrorString(err) + ")");
+}
+
+#define VLLM_EXT_CUDA_TRY(call)                             \
+  do {                                                      \
+    const cudaError_t err_ = (call);                        \
+    if (err_ != cudaSuccess) return cuda_fail(err_, #call); \
+  } while (0)
+
+// Makes `device` current for the scope and restores the caller's device (torch keeps its own).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    ok_ = cudaGetDevice(&previous_) == cudaSuccess;
+    if (ok_ && previous_ != device) ok_ = cudaSetDevice(device) == cudaSuccess;
+  }
+  ~DeviceGuard() {
+    if (ok_) cudaSetDevice(previous_);
+  }
+  bool ok() const { return ok_; }
+
+ private:
+  int previous_ = 0;
+  bool ok_ = false;
+};
+
+template <int kBytes> struct VecOf;
+template <> struct VecOf<16> { using type = uint4; };
+template <> struct VecOf<8> { using type = uint2; };
+template <> struct VecOf<4> { using type = uint32_t; };
+template <> struct VecOf<2> { using type = uint16_t; };
+template <> struct VecOf<1> { using type = uint8_t; };
+
+__device__ __forceinline__ uint64_t layer_base(const vllm_ext_side& side, int32_t layer) {
+  return side.layer_ptrs != nullptr ? side.layer_ptrs[layer]
+                                    : side.base + static_cast<uint64_t>(layer * side.layer_stride);
+}
+
+// grid: (min(tiles, SMs x 8)), block: (kThreads); a grid-stride loop over tiles.
+// A tile is kThreads x kUnroll vectors of one chunk; chunk index = (i * L + l) * C + c, so the
+// wire order of a buffer side is written front to back. Every thread issues its kUnroll loads
+// before its first store to keep enough bytes in flight. src/dst chunks:
+//   layer_base(l) + block_ids[i] * block_stride + c * component_stride, chunk_vecs vectors.
+template <int kVecBytes, int kUnroll>
+__global__ void __launch_bounds__(kThreads)
+    copy_blocks_kernel(const vllm_ext_side src, const vllm_ext_side dst, int32_t num_layers,
+                       int32_t num_components, int64_t chunk_vecs, int64_t tiles_per_chunk,
+                       int64_t num_tiles) {
+  using Vec = typename VecOf<kVecBytes>::type;
+  constexpr int64_t kTileVecs = int64_t{kThreads} * kUnroll;
+  for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const int64_t chunk = tile / tiles_per_chunk;
+    const int64_t first = (tile - chunk * tiles_per_chunk) * kTileVecs + threadIdx.x;
+    const int32_t c = static_cast<int32_t>(chunk % num_components);
+    const int64_t rest = chunk / num_components;
+    const int32_t l = static_cast<int32_t>(rest % num_layers);
+    const int64_t i = rest / num_layers;
+    const int64_t s = src.block_ids != nullptr ? src.block_ids[i] : i;
+    const int64_t d = dst.block_ids != nullptr ? dst.block_ids[i] : i;
+    // Never touch memory outside the described blocks, whatever the ids say.
+    if (s < 0 || s >= src.num_blocks || d < 0 || d >= dst.num_blocks) continue;
+    const Vec* from = reinterpret_cast<const Vec*>(vllm_ext::chunk_address(src, layer_base(src, l), s, c));
+    Vec* to = reinterpret_cast<Vec*>(vllm_ext::chunk_address(dst, layer_base(dst, l), d, c));
+    Vec v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t k = first + int64_t{u} * kThreads;
+      if (k < chunk_vecs) v[u] = from[k];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t k = first + int64_t{u} * kThreads;
+      if (k < chunk_vecs) to[k] = v[u];
+    }
+  }
+}
+
+int multiprocessor_count(int device) {
+  static int counts[kMaxDevices] = {};
+  if (device < 0 || device >= kMaxDevices) return 132;
+  if (counts[device] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0)
+      n = 132;
+    counts[device] = n;
+  }
+  return counts[device];
+}
+
+template <int kVecBytes>
+int launch(const vllm_ext_side& src, const vllm_ext_side& dst, int64_t num_ids, int32_t num_layers,
+           int32_t num_components, int64_t chunk_nbytes, int device, cudaStream_t stream) {
+  const int64_t chunk_vecs = chunk_nbytes / kVecBytes;
+  const int64_t num_chunks = num_ids * num_layers * num_components;
+  // NOTE: small chunks (a few hundred vectors) would leave most of a 4-deep tile idle; they
+  // get one vector per thread and more tiles instead.
+  const bool deep = chunk_vecs >= int64_t{kThreads} * 4;
+  const int64_t tile_vecs = int64_t{kThreads} * (deep ? 4 : 1);
+  const int64_t tiles_per_chunk = (chunk_vecs + tile_vecs - 1) / tile_vecs;
+  const int64_t num_tiles = num_chunks * tiles_per_chunk;
+  const int64_t grid = std::min<int64_t>(num_tiles, int64_t{multiprocessor_count(device)} * 8);
+  if (deep) {
+    copy_blocks_kernel<kVecBytes, 4><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+        src, dst, num_layers, num_components, chunk_vecs, tiles_per_chunk, num_tiles);
+  } else {
+    copy_blocks_kernel<kVecBytes, 1><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+        src, dst, num_layers, num_components, chunk_vecs, tiles_per_chunk, num_tiles);
+  }
+  VLLM_EXT_CUDA_TRY(cudaGetLastError());
+  return VLLM_EXT_OK;
+}
+
+using GetAddressRange = int (*)(unsigned long long* base, size_t* size, unsigned long long ptr);
+
+// cuMemGetAddressRange from the driver, reached without linking libcuda.
+GetAddressRange driver_get_address_range() {
+  static GetAddressRange fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult query;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000, cudaEnableDefault,
+                                         &query) == cudaSuccess &&
+        query == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<GetAddressRange>(p);
+  });
+  return fn;
+}
+
+}  // namespace
+
+extern "C" {
+
+int vllm_ext_copy_blocks_cuda(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
+                              int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
+                              int32_t alignment, int32_t device, void* stream) {
+  int status = vllm_ext::check_copy_args(src, dst, num_ids, num_layers, num_components, chunk_nbytes);
+  if (status != VLLM_EXT_OK) return status;
+  if (alignment <= 0 || (alignment & (alignment - 1)) != 0 || chunk_nbytes % alignment != 0)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT,
+                "alignment " + std::to_string(alignment) + " is not a power of two dividing chunk_nbytes " +
+                    std::to_string(chunk_nbytes));
+  if (num_ids == 0 || num_layers == 0 || chunk_nbytes == 0) return VLLM_EXT_OK;
+  DeviceGuard guard(device);
+  if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
+  auto s = static_cast<cudaStream_t>(stream);
+  const int width = std::min(alignment, 16);
+  switch (width) {
+    case 16: return launch<16>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s);
+    case 8: return launch<8>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s);
+    case 4: return launch<4>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s);
+    case 2: return launch<2>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s);
+    default: return launch<1>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s);
+  }
+}
+
+int vllm_ext_check_device(int32_t device, int32_t* major, int32_t* minor) {
+  int count = 0;
+  VLLM_EXT_CUDA_TRY(cudaGetDeviceCount(&count));
+  if (device < 0 || device >= count)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT,
+                "device " + std::to_string(device) + " out of range for " + std::to_string(count) +
+                    " CUDA devices");
+  int ma = 0, mi = 0;
+  VLLM_EXT_CUDA_TRY(cudaDeviceGetAttribute(&ma, cudaDevAttrComputeCapabilityMajor, device));
+  VLLM_EXT_CUDA_TRY(cudaDeviceGetAttribute(&mi, cudaDevAttrComputeCapabilityMinor, device));
+  if (major) *major = ma;
+  if (minor) *minor = mi;
+  DeviceGuard guard(device);
+  if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
+  cudaFuncAttributes attr;
+  // Loading the kernel is what fails on a GPU with neither machine code nor usable PTX.
+  VLLM_EXT_CUDA_TRY(cudaFuncGetAttributes(&attr, copy_blocks_kernel<16, 4>));
+  return VLLM_EXT_OK;
+}
+
+int32_t vllm_ext_device_count(void) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" error
+    return 0;
+  }
+  return count;
+}
+
+int vllm_ext_enable_peer_access(int32_t device, int32_t peer_device) {
+  if (device == peer_device) return VLLM_EXT_OK;
+  DeviceGuard guard(device);
+  if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
+  const cudaError_t err = cudaDeviceEnablePeerAccess(peer_device, 0);
+  if (err == cudaErrorPeerAccessAlreadyEnabled) {
+    cudaGetLastError();
+    return VLLM_EXT_OK;
+  }
+  if (err != cudaSuccess) return cuda_fail(err, "cudaDeviceEnablePeerAccess");
+  return VLLM_EXT_OK;
+}
+
+int vllm_ext_can_access_peer(int32_t device, int32_t peer_device, int32_t* can_access) {
+  int can = device == peer_device ? 1 : 0;
+  if (device != peer_device) VLLM_EXT_CUDA_TRY(cudaDeviceCanAccessPeer(&can, device, peer_device));
+  if (can_access) *can_access = can;
+  return VLLM_EXT_OK;
+}
+
+int vllm_ext_device_pci_bus_id(int32_t device, char* buf, int32_t buf_len) {
+  if (buf == nullptr || buf_len < 16) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "buffer too small");
+  VLLM_EXT_CUDA_TRY(cudaDeviceGetPCIBusId(buf, buf_len, device));
+  return VLLM_EXT_OK;
+}
+
+int vllm_ext_ipc_export(uint64_t address, uint8_t handle[VLLM_EXT_IPC_HANDLE_BYTES],
+                        uint64_t* offset, uint64_t* allocation_nbytes) {
+  if (address == 0 || handle == nullptr || offset == nullptr || allocation_nbytes == nullptr)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "null argument to vllm_ext_ipc_export");
+  GetAddressRange range = driver_get_address_range();
+  if (range == nullptr) return fail(VLLM_EXT_ERR_CUDA, "cuMemGetAddressRange is not available");
+  unsigned long long base = 0;
+  size_t size = 0;
+  const int rc = range(&base, &size, static_cast<unsigned long long>(address));
+  if (rc != 0)
+    return fail(VLLM_EXT_ERR_CUDA, "cuMemGetAddressRange failed with CUresult " + std::to_string(rc) +
+                                       " (is the address device memory?)");
+  cudaIpcMemHandle_t h;
+  VLLM_EXT_CUDA_TRY(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)));
+  static_assert(sizeof(h) == VLLM_EXT_IPC_HANDLE_BYTES, "IPC handle size");
+  std::memcpy(handle, &h, sizeof(h));
+  *offset = address - base;
+  *allocation_nbytes = size;
+  return VLLM_EXT_OK;
+}
+
+int vllm_ext_ipc_import(const uint8_t handle[VLLM_EXT_IPC_HANDLE_BYTES], int32_t device,
+                        uint64_t* mapped_base) {
+  if (handle == nullptr || mapped_base == nullptr)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "null argument to vllm_ext_ipc_import");
+  DeviceGuard guard(device);
+  if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, handle, sizeof(h));
+  void* p = nullptr;
+  VLLM_EXT_CUDA_TRY(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
+  *mapped_base = reinterpret_cast<uint64_t>(p);
+  return VLLM_EXT_OK;
+}
+
+int vllm_ext_ipc_close(uint64_t mapped_base, int32_t device) {
+  DeviceGuard guard(device);
+  if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
+  VLLM_EXT_CUDA_TRY(cudaIpcCloseMemHandle(reinterpret_cast<void*>(mapped_base)));
+  return VLLM_EXT_OK;
+}
+
+int32_t vllm_ext_built_with_cuda(void) { return 1; }
+
+const char* vllm_ext_cuda_archs(void) { return VLLM_EXT_CUDA_ARCHS; }
+
+}  // extern "C"

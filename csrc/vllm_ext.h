@@ -1,0 +1,119 @@
+/*
+ * vllm_ext.h: the whole C ABI of libvllm_ext.
+ *
+ * One primitive moves KV-cache blocks: a batched copy of `num_ids` blocks, each made of
+ * `num_layers x num_components` chunks of `chunk_nbytes` contiguous bytes, from one side to
+ * another. A side is a paged KV cache (per-layer base addresses plus strides) or a buffer (the
+ * same description with identity block ids), so gather, scatter and peer pull are one kernel.
+ *
+ * Conventions: every function returns a vllm_ext_status (0 = success); vllm_ext_status_string()
+ * decodes it and vllm_ext_last_error() gives the detailed message of the calling thread's last
+ * failure. A stream, when taken, is the last argument (a cudaStream_t passed as void*).
+ * Memory spaces are marked [host], [device] (memory the kernel's GPU can address: its own
+ * memory, a peer GPU's with peer access enabled, or pinned host memory) or [any].
+ */
+#ifndef VLLM_EXT_H_
+#define VLLM_EXT_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define VLLM_EXT_ABI_VERSION 1
+
+/* The library is built with hidden visibility; only these functions are exported. */
+#if defined(__GNUC__)
+#define VLLM_EXT_API __attribute__((visibility("default")))
+#else
+#define VLLM_EXT_API
+#endif
+
+typedef enum {
+  VLLM_EXT_OK = 0,
+  VLLM_EXT_ERR_INVALID_ARGUMENT = 1, /* a null pointer, a negative count, misaligned sizes */
+  VLLM_EXT_ERR_NO_CUDA = 2,          /* the library was built without CUDA */
+  VLLM_EXT_ERR_CUDA = 3,             /* a CUDA runtime call failed; see vllm_ext_last_error() */
+  VLLM_EXT_ERR_NO_KERNEL_IMAGE = 4,  /* the GPU's arch is not among the built archs */
+} vllm_ext_status;
+
+/*
+ * One side of a block copy. Chunk (layer l, component c) of block b starts at
+ *   layer_base(l) + b * block_stride + c * component_stride
+ * where layer_base(l) = layer_ptrs[l] if layer_ptrs is non-null, else base + l * layer_stride.
+ * A buffer of rows [n, num_layers * num_components * chunk_nbytes] is the side
+ *   {layer_ptrs = NULL, base = buf, layer_stride = C * chunk, block_stride = L * C * chunk,
+ *    component_stride = chunk, block_ids = NULL}.
+ * Ids >= num_blocks or < 0 are skipped by every implementation: nothing outside the
+ * described blocks is ever read or written (callers validate ids before calling).
+ */
+typedef struct {
+  const uint64_t* layer_ptrs; /* [num_layers] base addresses; [device] for CUDA, [host] for CPU */
+  uint64_t base;              /* used when layer_ptrs is NULL */
+  int64_t layer_stride;       /* bytes; used when layer_ptrs is NULL */
+  int64_t block_stride;       /* bytes between consecutive blocks of one component */
+  int64_t component_stride;   /* bytes between K and V of one block (0 when one component) */
+  int64_t num_blocks;         /* blocks this side holds: the bound for block_ids */
+  const int64_t* block_ids;   /* [num_ids]; [device] for CUDA, [host] for CPU; NULL = 0..n-1 */
+} vllm_ext_side;
+
+/*
+ * Copies chunk (l, c) of block src.block_ids[i] to chunk (l, c) of block dst.block_ids[i] for
+ * every i < num_ids, l < num_layers, c < num_components.
+ * `alignment` is a power of two that divides chunk_nbytes, every stride and every base
+ * address of both sides (the caller knows the addresses); it selects the access width (16
+ * bytes at most).
+ */
+
+/* CUDA: one kernel launch on `device`, enqueued on `stream`; no allocation, no synchronisation,
+ * so the call can be captured in a CUDA graph. */
+VLLM_EXT_API int vllm_ext_copy_blocks_cuda(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
+                              int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
+                              int32_t alignment, int32_t device, void* stream);
+
+/* CPU twin: the same copy with memcpy over [host] memory, split over num_threads threads. */
+VLLM_EXT_API int vllm_ext_copy_blocks_cpu(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
+                             int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
+                             int32_t num_threads);
+
+/* Checks that the library holds code that runs on `device` (loading the kernel on it).
+ * Returns VLLM_EXT_ERR_NO_KERNEL_IMAGE for a GPU arch the library was not built for.
+ * *major / *minor receive the device's compute capability. */
+VLLM_EXT_API int vllm_ext_check_device(int32_t device, int32_t* major, int32_t* minor);
+
+/* Number of CUDA devices the driver shows (0 without a driver or a CUDA build). Never fails. */
+VLLM_EXT_API int32_t vllm_ext_device_count(void);
+
+/* Lets kernels on `device` read and write memory of `peer_device` (idempotent). */
+VLLM_EXT_API int vllm_ext_enable_peer_access(int32_t device, int32_t peer_device);
+
+/* 1 when kernels on `device` can address memory of `peer_device`, else 0. */
+VLLM_EXT_API int vllm_ext_can_access_peer(int32_t device, int32_t peer_device, int32_t* can_access);
+
+/* PCI bus id of `device` ("0000:3b:00.0"), written to buf [host] of buf_len bytes. */
+VLLM_EXT_API int vllm_ext_device_pci_bus_id(int32_t device, char* buf, int32_t buf_len);
+
+/* CUDA IPC. The exporting side turns a device address into the handle of the allocation that
+ * holds it plus the address's offset and the allocation's size; the importing side maps that
+ * allocation on `device` (peer access enabled lazily) and later unmaps it. */
+#define VLLM_EXT_IPC_HANDLE_BYTES 64
+VLLM_EXT_API int vllm_ext_ipc_export(uint64_t address, uint8_t handle[VLLM_EXT_IPC_HANDLE_BYTES],
+                        uint64_t* offset, uint64_t* allocation_nbytes);
+VLLM_EXT_API int vllm_ext_ipc_import(const uint8_t handle[VLLM_EXT_IPC_HANDLE_BYTES], int32_t device,
+                        uint64_t* mapped_base);
+VLLM_EXT_API int vllm_ext_ipc_close(uint64_t mapped_base, int32_t device);
+
+/* Static strings. */
+VLLM_EXT_API const char* vllm_ext_status_string(int status);
+VLLM_EXT_API const char* vllm_ext_last_error(void); /* the calling thread's last detailed error message */
+VLLM_EXT_API int32_t vllm_ext_abi_version(void);
+VLLM_EXT_API int32_t vllm_ext_built_with_cuda(void); /* 1 for a CUDA build, 0 for a CPU-only build */
+VLLM_EXT_API const char* vllm_ext_cuda_archs(void);  /* the -gencode targets the library holds, e.g. "sm_90 compute_120" */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* VLLM_EXT_H_ */

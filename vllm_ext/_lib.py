@@ -1,0 +1,220 @@
+"""The only module that knows about ctypes: loads libvllm_ext.so once, declares its C ABI
+(csrc/vllm_ext.h) as a table, and sends every return code through one check."""
+
+import ctypes
+import functools
+import json
+import os
+import threading
+from pathlib import Path
+
+_DIR = Path(__file__).resolve().parent
+LIBRARY_PATH = _DIR / "libvllm_ext.so"
+BUILD_INFO_PATH = _DIR / "_build_info.json"
+ABI_VERSION = 1
+IPC_HANDLE_BYTES = 64
+
+# vllm_ext_status
+OK, ERR_INVALID_ARGUMENT, ERR_NO_CUDA, ERR_CUDA, ERR_NO_KERNEL_IMAGE = range(5)
+
+
+class VllmExtError(RuntimeError):
+    """A call into libvllm_ext failed; `status` is the vllm_ext_status code."""
+
+    def __init__(self, message, status):
+        super().__init__(message)
+        self.status = status
+
+
+class Side(ctypes.Structure):
+    """vllm_ext_side: one side of a block copy (see csrc/vllm_ext.h)."""
+
+    _fields_ = [
+        ("layer_ptrs", ctypes.c_void_p),
+        ("base", ctypes.c_uint64),
+        ("layer_stride", ctypes.c_int64),
+        ("block_stride", ctypes.c_int64),
+        ("component_stride", ctypes.c_int64),
+        ("num_blocks", ctypes.c_int64),
+        ("block_ids", ctypes.c_void_p),
+    ]
+
+
+_i32, _i64, _u64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
+_side_p, _i32_p, _u64_p = ctypes.POINTER(Side), ctypes.POINTER(_i32), ctypes.POINTER(_u64)
+_handle = ctypes.c_uint8 * IPC_HANDLE_BYTES
+
+# name: (restype, argtypes). The C prototype of each row is in csrc/vllm_ext.h.
+_FUNCTIONS = {
+    # int vllm_ext_copy_blocks_cuda(const side* src, const side* dst, int64 num_ids,
+    #     int32 num_layers, int32 num_components, int64 chunk_nbytes, int32 alignment,
+    #     int32 device, void* stream)
+    "vllm_ext_copy_blocks_cuda": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i32, _i32, _ptr]),
+    # int vllm_ext_copy_blocks_cpu(const side* src, const side* dst, int64 num_ids,
+    #     int32 num_layers, int32 num_components, int64 chunk_nbytes, int32 num_threads)
+    "vllm_ext_copy_blocks_cpu": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i32]),
+    # int vllm_ext_check_device(int32 device, int32* major, int32* minor)
+    "vllm_ext_check_device": (_i32, [_i32, _i32_p, _i32_p]),
+    # int32 vllm_ext_device_count(void)
+    "vllm_ext_device_count": (_i32, []),
+    # int vllm_ext_enable_peer_access(int32 device, int32 peer_device)
+    "vllm_ext_enable_peer_access": (_i32, [_i32, _i32]),
+    # int vllm_ext_can_access_peer(int32 device, int32 peer_device, int32* can_access)
+    "vllm_ext_can_access_peer": (_i32, [_i32, _i32, _i32_p]),
+    # int vllm_ext_device_pci_bus_id(int32 device, char* buf, int32 buf_len)
+    "vllm_ext_device_pci_bus_id": (_i32, [_i32, ctypes.c_char_p, _i32]),
+    # int vllm_ext_ipc_export(uint64 address, uint8 handle[64], uint64* offset, uint64* nbytes)
+    "vllm_ext_ipc_export": (_i32, [_u64, _handle, _u64_p, _u64_p]),
+    # int vllm_ext_ipc_import(const uint8 handle[64], int32 device, uint64* mapped_base)
+    "vllm_ext_ipc_import": (_i32, [_handle, _i32, _u64_p]),
+    # int vllm_ext_ipc_close(uint64 mapped_base, int32 device)
+    "vllm_ext_ipc_close": (_i32, [_u64, _i32]),
+    # const char* vllm_ext_status_string(int status)
+    "vllm_ext_status_string": (ctypes.c_char_p, [ctypes.c_int]),
+    # const char* vllm_ext_last_error(void)
+    "vllm_ext_last_error": (ctypes.c_char_p, []),
+    # int32 vllm_ext_abi_version(void)
+    "vllm_ext_abi_version": (_i32, []),
+    # int32 vllm_ext_built_with_cuda(void)
+    "vllm_ext_built_with_cuda": (_i32, []),
+    # const char* vllm_ext_cuda_archs(void)
+    "vllm_ext_cuda_archs": (ctypes.c_char_p, []),
+}
+
+_load_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=None)
+def lib():
+    """The loaded library, with every function of the table declared."""
+    with _load_lock:
+        if not LIBRARY_PATH.exists():
+            raise ImportError(
+                f"vllm-ext: {LIBRARY_PATH.name} is missing next to {__file__}; the package was "
+                "not built (pip install . or make develop builds it)"
+            )
+        handle = ctypes.CDLL(str(LIBRARY_PATH), mode=os.RTLD_LOCAL)
+        for name, (restype, argtypes) in _FUNCTIONS.items():
+            fn = getattr(handle, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        abi = handle.vllm_ext_abi_version()
+        if abi != ABI_VERSION:
+            raise ImportError(f"vllm-ext: {LIBRARY_PATH} has ABI {abi}, this package wants {ABI_VERSION}")
+        return handle
+
+
+def check(status, what):
+    """Raises VllmExtError with the decoded status and the library's detailed message."""
+    if status != OK:
+        h = lib()
+        name = h.vllm_ext_status_string(status).decode()
+        detail = (h.vllm_ext_last_error() or b"").decode()
+        raise VllmExtError(f"{what} failed: {name}: {detail}", status)
+
+
+@functools.lru_cache(maxsize=None)
+def build_info():
+    """The build-info record written next to the library at build time."""
+    try:
+        info = json.loads(BUILD_INFO_PATH.read_text())
+    except FileNotFoundError:
+        raise ImportError(f"vllm-ext: {BUILD_INFO_PATH.name} is missing; the package was not built")
+    return dict(info)
+
+
+def built_with_cuda():
+    return bool(lib().vllm_ext_built_with_cuda())
+
+
+def device_count():
+    return int(lib().vllm_ext_device_count())
+
+
+_checked_devices = {}
+_checked_lock = threading.Lock()
+
+
+def ensure_device(device):
+    """Raises one readable error when the library has no code for GPU `device`; cached."""
+    with _checked_lock:
+        if device in _checked_devices:
+            return
+        if not built_with_cuda():
+            raise ValueError(
+                f"vllm-ext was built without CUDA (target device "
+                f"{build_info().get('target_device')!r}), so it cannot work on cuda:{device}; "
+                "rebuild where nvcc is available or with VLLM_EXT_TARGET_DEVICE=cuda"
+            )
+        major, minor = _i32(0), _i32(0)
+        status = lib().vllm_ext_check_device(device, ctypes.byref(major), ctypes.byref(minor))
+        if status == ERR_NO_KERNEL_IMAGE:
+            archs = build_info().get("cuda_archs") or lib().vllm_ext_cuda_archs().decode().split()
+            raise VllmExtError(
+                f"vllm-ext has no code for cuda:{device}, a GPU of compute capability "
+                f"{major.value}.{minor.value} (sm_{major.value}{minor.value}); this build holds "
+                f"{' '.join(archs)}. Rebuild with TORCH_CUDA_ARCH_LIST including "
+                f"{major.value}.{minor.value}.",
+                status,
+            )
+        check(status, f"checking cuda:{device}")
+        _checked_devices[device] = (major.value, minor.value)
+
+
+_peers_enabled = set()
+
+
+def enable_peer_access(device, peer_device):
+    """Lets kernels on `device` address memory of `peer_device`; raises if the link lacks P2P."""
+    key = (device, peer_device)
+    if key in _peers_enabled or device == peer_device:
+        return
+    can = _i32(0)
+    check(lib().vllm_ext_can_access_peer(device, peer_device, ctypes.byref(can)), "cudaDeviceCanAccessPeer")
+    if not can.value:
+        raise ValueError(
+            f"cuda:{device} cannot access memory of cuda:{peer_device} (no peer access between "
+            "them); stage through a buffer instead (gather_blocks + scatter_blocks)"
+        )
+    check(lib().vllm_ext_enable_peer_access(device, peer_device), "enabling peer access")
+    _peers_enabled.add(key)
+
+
+def device_pci_bus_id(device):
+    buf = ctypes.create_string_buffer(64)
+    check(lib().vllm_ext_device_pci_bus_id(device, buf, len(buf)), "cudaDeviceGetPCIBusId")
+    return buf.value.decode()
+
+
+def ipc_export(address):
+    """-> (64-byte handle, offset of `address` in its allocation, allocation size)."""
+    handle, offset, nbytes = _handle(), _u64(0), _u64(0)
+    check(lib().vllm_ext_ipc_export(address, handle, ctypes.byref(offset), ctypes.byref(nbytes)),
+          "exporting a CUDA IPC handle")
+    return bytes(handle), offset.value, nbytes.value
+
+
+def ipc_import(handle_bytes, device):
+    """Maps an allocation exported by another process on `device`; -> its base address."""
+    if not isinstance(handle_bytes, (bytes, bytearray)) or len(handle_bytes) != IPC_HANDLE_BYTES:
+        raise ValueError(f"IPC handle must be {IPC_HANDLE_BYTES} bytes")
+    base = _u64(0)
+    check(lib().vllm_ext_ipc_import(_handle.from_buffer_copy(handle_bytes), device, ctypes.byref(base)),
+          "opening a CUDA IPC handle")
+    return base.value
+
+
+def ipc_close(base, device):
+    check(lib().vllm_ext_ipc_close(base, device), "closing a CUDA IPC mapping")
+
+
+def copy_blocks_cuda(src, dst, num_ids, num_layers, num_components, chunk_nbytes, alignment, device,
+                     stream):
+    check(lib().vllm_ext_copy_blocks_cuda(ctypes.byref(src), ctypes.byref(dst), num_ids, num_layers,
+                                          num_components, chunk_nbytes, alignment, device, stream),
+          "vllm_ext_copy_blocks_cuda")
+
+
+def copy_blocks_cpu(src, dst, num_ids, num_layers, num_components, chunk_nbytes, num_threads):
+    check(lib().vllm_ext_copy_blocks_cpu(ctypes.byref(src), ctypes.byref(dst), num_ids, num_layers,
+                                         num_components, chunk_nbytes, num_threads),
+          "vllm_ext_copy_blocks_cpu")

@@ -1,0 +1,251 @@
+"""Block movement between paged KV caches and buffers: one kernel launch per call.
+
+Wire format of a buffer (fixed): a uint8 tensor [n, cache.block_nbytes]; row i holds block
+`block_ids[i]`, laid out layer by layer, and within a layer component by component (K then V;
+MLA has one), each component's `chunk_nbytes` bytes exactly as the cache stores them. So the
+first k rows are a self-contained prefix that can be sent before the rest is gathered.
+
+Where the copy runs:
+  * both sides on the CPU: the CPU implementation (memcpy, torch.get_num_threads() threads);
+  * otherwise a CUDA kernel on the destination's GPU, or on the source's when the destination
+    is host memory. A CPU side used with a GPU must be pinned; the kernel reads or writes it
+    over PCIe directly. Two GPUs need peer access; the kernel on the destination reads the
+    source over NVLink with no staging.
+CUDA work is enqueued on the current torch stream of the kernel's GPU, with no
+synchronisation and no allocation inside, so a call can be captured in a CUDA graph (pass
+device tensors of ids then; their host-side checks are skipped during capture, and the kernel
+never touches memory outside the given caches and buffer, whatever the ids).
+
+Every argument is checked before any work starts; a bad one raises ValueError or TypeError
+naming it, and nothing is written.
+"""
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from . import _lib
+from .cache import KVCache, _pow2_alignment
+
+BlockIds = Union[Sequence[int], torch.Tensor]
+
+__all__ = ["gather_blocks", "scatter_blocks", "copy_blocks"]
+
+
+def gather_blocks(cache: KVCache, block_ids: BlockIds, out: Optional[torch.Tensor] = None,
+                  *, check_ids: bool = True) -> torch.Tensor:
+    """Copies blocks `block_ids` of `cache` into rows of a buffer.
+
+    Args:
+        cache: the source KVCache.
+        block_ids: n block ids of `cache` (list, CPU or CUDA tensor of ints); repeats allowed.
+        out: optional uint8 [m >= n, cache.block_nbytes], row-contiguous: on the cache's GPU,
+            pinned host memory (for a CUDA cache), or CPU (for a CPU cache). Default: a new
+            tensor on the cache's device.
+        check_ids: check device-tensor ids on the host (one synchronisation); skipped
+            automatically during CUDA graph capture.
+    Returns:
+        `out` (or the new buffer); rows n.. are left as they were.
+    """
+    _check_cache(cache, "cache")
+    n = _count(block_ids, "block_ids")
+    if out is None:
+        device = cache.device if cache.device.type == "cuda" else torch.device("cpu")
+        out = torch.empty((n, cache.block_nbytes), dtype=torch.uint8, device=device)
+    _check_buffer(out, "out", n, cache)
+    kernel_device = _placement(cache.device, cache.pinned, "cache", out.device, _pinned(out), "out")
+    ids = _block_ids(block_ids, "block_ids", cache.num_blocks, kernel_device, unique=False,
+                     check=check_ids)
+    _run(_cache_side(cache, ids, kernel_device), _buffer_side(out, cache), n, cache,
+         min(cache.alignment, _buffer_alignment(out, cache)), kernel_device)
+    return out
+
+
+def scatter_blocks(buf: torch.Tensor, cache: KVCache, block_ids: BlockIds, *,
+                   check_ids: bool = True) -> None:
+    """Writes rows 0..n-1 of `buf` (the wire format of gather_blocks) into blocks `block_ids`
+    of `cache`. Ids must be distinct; `buf` may be on the cache's GPU, pinned host memory (for
+    a CUDA cache) or CPU (for a CPU cache)."""
+    _check_cache(cache, "cache")
+    n = _count(block_ids, "block_ids")
+    _check_buffer(buf, "buf", n, cache)
+    kernel_device = _placement(buf.device, _pinned(buf), "buf", cache.device, cache.pinned, "cache")
+    ids = _block_ids(block_ids, "block_ids", cache.num_blocks, kernel_device, unique=True,
+                     check=check_ids)
+    _run(_buffer_side(buf, cache), _cache_side(cache, ids, kernel_device), n, cache,
+         min(cache.alignment, _buffer_alignment(buf, cache)), kernel_device)
+
+
+def copy_blocks(src_cache: KVCache, src_ids: BlockIds, dst_cache: KVCache, dst_ids: BlockIds, *,
+                check_ids: bool = True) -> None:
+    """Copies block src_ids[i] of `src_cache` to block dst_ids[i] of `dst_cache` for all i.
+
+    The caches must share geometry() (layers, components, block size, heads, head size,
+    dtype); their layouts may differ (flash <-> flashinfer). Supported pairs: one GPU; two GPUs
+    with peer access (the kernel runs on the destination and reads the source directly);
+    pinned host <-> GPU; CPU <-> CPU. dst_ids must be distinct; src_ids may repeat.
+    """
+    _check_cache(src_cache, "src_cache")
+    _check_cache(dst_cache, "dst_cache")
+    src_geometry, dst_geometry = src_cache.geometry(), dst_cache.geometry()
+    if src_geometry != dst_geometry:
+        diff = ", ".join(f"{k} {src_geometry[k]} vs {dst_geometry[k]}"
+                         for k in src_geometry if src_geometry[k] != dst_geometry[k])
+        raise ValueError(f"src_cache and dst_cache: geometry differs ({diff})")
+    n = _count(src_ids, "src_ids")
+    if _count(dst_ids, "dst_ids") != n:
+        raise ValueError(f"src_ids and dst_ids: lengths differ ({n} vs {_count(dst_ids, 'dst_ids')})")
+    kernel_device = _placement(src_cache.device, src_cache.pinned, "src_cache", dst_cache.device,
+                               dst_cache.pinned, "dst_cache")
+    sids = _block_ids(src_ids, "src_ids", src_cache.num_blocks, kernel_device, unique=False,
+                      check=check_ids)
+    dids = _block_ids(dst_ids, "dst_ids", dst_cache.num_blocks, kernel_device, unique=True,
+                      check=check_ids)
+    if src_cache is dst_cache and n:
+        _check_disjoint(sids, dids, check_ids)
+    _run(_cache_side(src_cache, sids, kernel_device), _cache_side(dst_cache, dids, kernel_device),
+         n, src_cache, min(src_cache.alignment, dst_cache.alignment), kernel_device)
+
+
+# ---- validation ------------------------------------------------------------------------------
+def _check_cache(cache, name):
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"{name}: expected vllm_ext.KVCache, got {type(cache).__name__}")
+    if cache.device.type == "cuda" and cache.layers is None and cache._ipc_mappings is None:
+        raise ValueError(f"{name}: this imported peer cache was closed")
+
+
+def _count(block_ids, name):
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.dim() != 1:
+            raise ValueError(f"{name}: expected a 1-D tensor of ids, got shape {list(block_ids.shape)}")
+        return block_ids.shape[0]
+    if isinstance(block_ids, (str, bytes)) or not hasattr(block_ids, "__len__"):
+        raise TypeError(f"{name}: expected a list or tensor of ints, got {type(block_ids).__name__}")
+    return len(block_ids)
+
+
+def _pinned(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.is_pinned()
+
+
+def _check_buffer(buf, name, n, cache):
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(buf).__name__}")
+    if buf.dtype != torch.uint8:
+        raise TypeError(f"{name}: dtype {buf.dtype}, expected torch.uint8 (the wire format is bytes)")
+    if buf.dim() != 2 or buf.shape[1] != cache.block_nbytes or buf.shape[0] < n:
+        raise ValueError(f"{name}: shape {list(buf.shape)}, expected [>= {n}, "
+                         f"{cache.block_nbytes}] ({n} blocks of {cache.block_nbytes} bytes)")
+    if buf.shape[0] > 1 and buf.stride() != (cache.block_nbytes, 1) or buf.shape[0] <= 1 and buf.stride(1) != 1:
+        raise ValueError(f"{name}: not contiguous (strides {buf.stride()}); rows must be "
+                         f"{cache.block_nbytes} bytes apart")
+    if buf.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: device {buf.device} is not supported (cpu or cuda)")
+
+
+def _placement(src_device, src_pinned, src_name, dst_device, dst_pinned, dst_name) -> torch.device:
+    """Where the copy runs: the CPU, or the GPU of the destination (else of the source)."""
+    if src_device.type == "cpu" and dst_device.type == "cpu":
+        return torch.device("cpu")
+    for device, pinned, name in ((src_device, src_pinned, src_name), (dst_device, dst_pinned, dst_name)):
+        if device.type == "cpu" and not pinned:
+            raise ValueError(f"{name}: CPU memory used with a CUDA tensor must be pinned "
+                             "(tensor.pin_memory(), or KVCache.allocate(..., pin_memory=True))")
+    kernel = dst_device if dst_device.type == "cuda" else src_device
+    _lib.ensure_device(kernel.index)
+    if src_device.type == "cuda" and dst_device.type == "cuda" and src_device != dst_device:
+        _lib.ensure_device(src_device.index)
+        _lib.enable_peer_access(dst_device.index, src_device.index)
+    return kernel
+
+
+def _block_ids(block_ids, name, num_blocks, device, *, unique, check):
+    """Validated ids as a contiguous int64 tensor on `device` (where the copy runs)."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.dtype == torch.bool or block_ids.is_floating_point() or block_ids.is_complex():
+            raise TypeError(f"{name}: dtype {block_ids.dtype}, expected an integer dtype")
+        ids = block_ids
+    else:
+        values = list(block_ids)
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int) and not (
+                    hasattr(v, "__index__") and not isinstance(v, float)):
+                raise TypeError(f"{name}: {v!r} is not an int")
+        if capturing:
+            raise ValueError(f"{name}: pass a CUDA tensor of ids while capturing a CUDA graph "
+                             "(a Python list needs a host-to-device copy)")
+        ids = torch.tensor([int(v) for v in values], dtype=torch.int64)
+    if ids.device.type == "cpu" or (check and not capturing):
+        _check_id_values(ids, name, num_blocks, unique)
+    if ids.dtype != torch.int64 or ids.device != device:
+        ids = ids.to(device=device, dtype=torch.int64, non_blocking=ids.device.type != "cpu")
+    return ids.contiguous()
+
+
+def _check_id_values(ids, name, num_blocks, unique):
+    if ids.numel() == 0:
+        return
+    if ids.device.type == "cpu":
+        ids = ids.to(torch.int64)
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= num_blocks:
+            bad = low if low < 0 else high
+            raise ValueError(f"{name}: id {bad} out of range for a cache of {num_blocks} blocks")
+        if unique:
+            sorted_ids = ids.sort().values
+            dup = (sorted_ids[1:] == sorted_ids[:-1]).nonzero()
+            if dup.numel():
+                raise ValueError(f"{name}: duplicate id {int(sorted_ids[dup[0, 0]])}; destination "
+                                 "ids must be distinct")
+        return
+    # Device ids: one synchronisation for all checks.
+    sorted_ids = ids.to(torch.int64).sort().values
+    dups = (sorted_ids[1:] == sorted_ids[:-1]).sum() if unique else sorted_ids.new_zeros(())
+    low, high, ndup = torch.stack([sorted_ids[0], sorted_ids[-1], dups]).tolist()
+    if low < 0 or high >= num_blocks:
+        raise ValueError(f"{name}: id {low if low < 0 else high} out of range for a cache of "
+                         f"{num_blocks} blocks")
+    if ndup:
+        raise ValueError(f"{name}: {ndup} duplicate ids; destination ids must be distinct")
+
+
+def _check_disjoint(src_ids, dst_ids, check):
+    """Within one cache, reading and writing the same block in one launch is a race."""
+    if src_ids.device.type == "cuda" and (not check or torch.cuda.is_current_stream_capturing()):
+        return
+    if torch.isin(dst_ids, src_ids).any().item():
+        raise ValueError("src_ids and dst_ids: copying within one cache, the id sets overlap; "
+                         "a block cannot be read and written by one call")
+
+
+# ---- the call into the library -----------------------------------------------------------------
+def _cache_side(cache: KVCache, ids: torch.Tensor, device: torch.device) -> _lib.Side:
+    return _lib.Side(layer_ptrs=cache.layer_table(device).data_ptr(), base=0, layer_stride=0,
+                     block_stride=cache.block_stride, component_stride=cache.component_stride,
+                     num_blocks=cache.num_blocks, block_ids=ids.data_ptr() if ids.numel() else None)
+
+
+def _buffer_side(buf: torch.Tensor, cache: KVCache) -> _lib.Side:
+    chunk = cache.chunk_nbytes
+    return _lib.Side(layer_ptrs=None, base=buf.data_ptr(),
+                     layer_stride=cache.num_components * chunk, block_stride=cache.block_nbytes,
+                     component_stride=chunk, num_blocks=buf.shape[0], block_ids=None)
+
+
+def _buffer_alignment(buf, cache):
+    return _pow2_alignment([buf.data_ptr(), cache.chunk_nbytes])
+
+
+def _run(src: _lib.Side, dst: _lib.Side, n: int, cache: KVCache, alignment: int,
+         device: torch.device) -> None:
+    if n == 0:
+        return
+    if device.type == "cpu":
+        _lib.copy_blocks_cpu(src, dst, n, cache.num_layers, cache.num_components,
+                             cache.chunk_nbytes, torch.get_num_threads())
+        return
+    stream = torch.cuda.current_stream(device).cuda_stream
+    _lib.copy_blocks_cuda(src, dst, n, cache.num_layers, cache.num_components, cache.chunk_nbytes,
+                          alignment, device.index, stream)
