@@ -9,7 +9,8 @@ import threading
 from pathlib import Path
 
 _DIR = Path(__file__).resolve().parent
-LIBRARY_PATH = _DIR / "libvllm_ext.so"
+# VLLM_EXT_LIBRARY loads another build of the library (tests use it for arch checks).
+LIBRARY_PATH = Path(os.environ.get("VLLM_EXT_LIBRARY") or _DIR / "libvllm_ext.so")
 BUILD_INFO_PATH = _DIR / "_build_info.json"
 ABI_VERSION = 1
 IPC_HANDLE_BYTES = 64
@@ -84,7 +85,7 @@ _FUNCTIONS = {
 _load_lock = threading.Lock()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def lib():
     """The loaded library, with every function of the table declared."""
     with _load_lock:
@@ -112,13 +113,13 @@ def check(status, what):
         raise VllmExtError(f"{what} failed: {name}: {detail}", status)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def build_info():
     """The build-info record written next to the library at build time."""
     try:
         info = json.loads(BUILD_INFO_PATH.read_text())
-    except FileNotFoundError:
-        raise ImportError(f"vllm-ext: {BUILD_INFO_PATH.name} is missing; the package was not built")
+    except FileNotFoundError as e:
+        raise ImportError(f"vllm-ext: {BUILD_INFO_PATH.name} is missing; the package was not built") from e
     return dict(info)
 
 
@@ -148,7 +149,7 @@ def ensure_device(device):
         major, minor = _i32(0), _i32(0)
         status = lib().vllm_ext_check_device(device, ctypes.byref(major), ctypes.byref(minor))
         if status == ERR_NO_KERNEL_IMAGE:
-            archs = build_info().get("cuda_archs") or lib().vllm_ext_cuda_archs().decode().split()
+            archs = lib().vllm_ext_cuda_archs().decode().split()
             raise VllmExtError(
                 f"vllm-ext has no code for cuda:{device}, a GPU of compute capability "
                 f"{major.value}.{minor.value} (sm_{major.value}{minor.value}); this build holds "

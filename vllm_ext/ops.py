@@ -137,7 +137,8 @@ def _check_buffer(buf, name, n, cache):
     if buf.dim() != 2 or buf.shape[1] != cache.block_nbytes or buf.shape[0] < n:
         raise ValueError(f"{name}: shape {list(buf.shape)}, expected [>= {n}, "
                          f"{cache.block_nbytes}] ({n} blocks of {cache.block_nbytes} bytes)")
-    if buf.shape[0] > 1 and buf.stride() != (cache.block_nbytes, 1) or buf.shape[0] <= 1 and buf.stride(1) != 1:
+    rows_apart = buf.shape[0] <= 1 or buf.stride(0) == cache.block_nbytes
+    if not rows_apart or buf.stride(1) != 1:
         raise ValueError(f"{name}: not contiguous (strides {buf.stride()}); rows must be "
                          f"{cache.block_nbytes} bytes apart")
     if buf.device.type not in ("cpu", "cuda"):

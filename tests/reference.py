@@ -1,0 +1,110 @@
+"""Plain torch reference implementations of the block ops, and data helpers for the tests.
+
+Everything compares bytes (uint8 views), so fp8 and NaN payloads compare exactly."""
+
+import random
+
+import torch
+
+from vllm_ext import KVCache
+
+LAYOUTS = ("flash", "flashinfer", "mla")
+DTYPES = tuple(
+    d for d in (torch.bfloat16, torch.float16, torch.float32, getattr(torch, "float8_e4m3fn", None),
+                torch.uint8)
+    if d is not None
+)
+BLOCK_SIZES = (1, 2, 16)
+HEAD_SIZES = (1, 3, 8, 64, 80)
+
+
+def random_geometry(rng: random.Random, layout: str, max_blocks: int = 40) -> dict:
+    return {
+        "num_layers": rng.randint(1, 5),
+        "num_blocks": rng.randint(1, max_blocks),
+        "block_size": rng.choice(BLOCK_SIZES),
+        "num_kv_heads": 1 if layout == "mla" else rng.randint(1, 4),
+        "head_size": rng.choice(HEAD_SIZES),
+    }
+
+
+def fill_random_(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Random bytes everywhere (never zeros), whatever the dtype."""
+    raw = t.view(torch.uint8) if t.is_contiguous() else None
+    if raw is None:
+        raise ValueError("fill_random_ needs a contiguous tensor")
+    src = torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator)
+    raw.copy_(src.to(raw.device))
+    return t
+
+
+def random_cache(geometry: dict, dtype, layout, device="cpu", seed=0, pin_memory=False) -> KVCache:
+    cache = KVCache.allocate(**geometry, dtype=dtype, device=device, layout=layout,
+                             pin_memory=pin_memory)
+    g = torch.Generator().manual_seed(seed)
+    for t in cache.layers:
+        fill_random_(t, g)
+    return cache
+
+
+def chunk_view(layer: torch.Tensor, layout: str, block: int, component: int) -> torch.Tensor:
+    """The tensor view of one component of one block of one layer."""
+    if layout == "flash":
+        return layer[component, block]
+    if layout == "flashinfer":
+        return layer[block, component]
+    assert component == 0
+    return layer[block]
+
+
+def chunk_bytes(layer, layout, block, component) -> torch.Tensor:
+    return chunk_view(layer, layout, block, component).contiguous().view(torch.uint8).flatten()
+
+
+def ref_gather(cache: KVCache, ids) -> torch.Tensor:
+    rows = []
+    for b in ids:
+        parts = [chunk_bytes(t, cache.layout, int(b), c).cpu()
+                 for t in cache.layers for c in range(cache.num_components)]
+        rows.append(torch.cat(parts))
+    if not rows:
+        return torch.empty((0, cache.block_nbytes), dtype=torch.uint8)
+    return torch.stack(rows)
+
+
+def ref_scatter(buf: torch.Tensor, cache: KVCache, ids) -> None:
+    chunk = cache.chunk_nbytes
+    for i, b in enumerate(ids):
+        row = buf[i].cpu()
+        k = 0
+        for t in cache.layers:
+            for c in range(cache.num_components):
+                view = chunk_view(t, cache.layout, int(b), c)
+                view.copy_(row[k * chunk:(k + 1) * chunk].view(t.dtype).view(view.shape).to(view.device))
+                k += 1
+
+
+def cache_bytes(cache: KVCache) -> list:
+    """A snapshot of every byte of a cache (CPU copies)."""
+    return [t.detach().contiguous().view(torch.uint8).cpu().clone() for t in cache.layers]
+
+
+def assert_cache_bytes_equal(cache: KVCache, snapshot: list) -> None:
+    for i, (t, before) in enumerate(zip(cache.layers, snapshot)):
+        now = t.detach().contiguous().view(torch.uint8).cpu()
+        assert torch.equal(now, before), f"layer {i} changed"
+
+
+def to_device(cache: KVCache, device, pin_memory=False) -> KVCache:
+    """A copy of `cache` (same layout, bytes) on another device."""
+    layers = []
+    for t in cache.layers:
+        c = t.detach().to(device)
+        if pin_memory:
+            c = c.pin_memory()
+        layers.append(c)
+    return KVCache.from_layers(layers, layout=cache.layout)
+
+
+def distinct_ids(rng: random.Random, num_blocks: int, n: int) -> list:
+    return rng.sample(range(num_blocks), n)

@@ -1,0 +1,177 @@
+"""Every invalid input is refused before any work, with an error naming the argument, and
+leaves every tensor as it was."""
+
+import random
+
+import pytest
+import torch
+from reference import assert_cache_bytes_equal, cache_bytes, fill_random_, random_cache
+
+from vllm_ext import KVCache, _lib, ops
+
+GEOMETRY = {"num_layers": 3, "num_blocks": 10, "block_size": 4, "num_kv_heads": 2, "head_size": 8}
+
+
+@pytest.fixture
+def cache():
+    return random_cache(GEOMETRY, torch.float16, "flash", seed=random.randrange(1 << 30))
+
+
+@pytest.fixture
+def other():
+    return random_cache(GEOMETRY, torch.float16, "flashinfer", seed=random.randrange(1 << 30))
+
+
+def layer(shape=(2, 10, 4, 2, 8), dtype=torch.float16):
+    return fill_random_(torch.empty(shape, dtype=dtype), torch.Generator().manual_seed(1))
+
+
+# ---- KVCache construction ---------------------------------------------------------------------
+@pytest.mark.parametrize("layers,layout,exc,match", [
+    (lambda: layer(), "flash", TypeError, "layers: expected a list"),
+    (lambda: [layer(), "x"], "flash", TypeError, r"layers\[1\]: expected torch.Tensor"),
+    (lambda: [], "flash", ValueError, "layers: empty"),
+    (lambda: [layer()], "paged", ValueError, "layout: 'paged'"),
+    (lambda: [layer(), layer(dtype=torch.bfloat16)], "flash", ValueError, r"layers\[1\]: dtype"),
+    (lambda: [layer(), layer((2, 9, 4, 2, 8))], "flash", ValueError, r"layers\[1\]: shape"),
+    (lambda: [layer((3, 10, 4, 2, 8))], "flash", ValueError, "does not match layout 'flash'"),
+    (lambda: [layer((10, 3, 4, 2, 8))], "flashinfer", ValueError, "does not match layout 'flashinfer'"),
+    (lambda: [layer((10, 4, 8, 1))], "mla", ValueError, "does not match layout 'mla'"),
+    (lambda: [layer((2, 10, 4, 8, 2)).transpose(-1, -2)], "flash", ValueError, r"layers\[0\]: not contiguous"),
+    (lambda: [layer(), layer((2, 10, 4, 8, 2)).transpose(-1, -2)], "flash", ValueError, r"layers\[1\]: strides"),
+    (lambda: [layer((1, 4, 2, 8)).expand(2, 10, 4, 2, 8)], "flash", ValueError, "overlap"),
+    (lambda: [layer((2, 0, 4, 2, 8))], "flash", ValueError, "empty dimension"),
+])
+def test_from_layers_rejects(layers, layout, exc, match):
+    with pytest.raises(exc, match=match):
+        KVCache.from_layers(layers(), layout=layout)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"num_layers": 0}, ValueError, "num_layers: must be a positive int"),
+    ({"num_blocks": -1}, ValueError, "num_blocks: must be a positive int"),
+    ({"head_size": 2.0}, ValueError, "head_size: must be a positive int"),
+    ({"dtype": "bf16"}, TypeError, "dtype: expected torch.dtype"),
+    ({"layout": "mla", "num_kv_heads": 2}, ValueError, "num_kv_heads: an mla cache has one"),
+    ({"layout": "nope"}, ValueError, "layout: 'nope'"),
+])
+def test_allocate_rejects(kwargs, exc, match):
+    args = dict(GEOMETRY, dtype=torch.float16, device="cpu", layout="flash")
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        KVCache.allocate(**args)
+
+
+# ---- gather -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("ids,out,exc,match", [
+    ([10], None, ValueError, "block_ids: id 10 out of range for a cache of 10 blocks"),
+    ([-1], None, ValueError, "block_ids: id -1 out of range"),
+    (torch.tensor([1, 99]), None, ValueError, "block_ids: id 99 out of range"),
+    ([1.0], None, TypeError, "block_ids: 1.0 is not an int"),
+    ([True], None, TypeError, "block_ids: True is not an int"),
+    (torch.tensor([1.0]), None, TypeError, "block_ids: dtype torch.float32"),
+    (torch.tensor([True]), None, TypeError, "block_ids: dtype torch.bool"),
+    (torch.tensor([[1]]), None, ValueError, "block_ids: expected a 1-D tensor"),
+    ("12", None, TypeError, "block_ids: expected a list or tensor"),
+    (5, None, TypeError, "block_ids: expected a list or tensor"),
+    ([1, 2], lambda c: torch.empty(2, c.block_nbytes, dtype=torch.int8), TypeError, "out: dtype torch.int8"),
+    ([1, 2], lambda c: torch.empty(1, c.block_nbytes, dtype=torch.uint8), ValueError, r"out: shape \[1, 768\]"),
+    ([1, 2], lambda c: torch.empty(2, c.block_nbytes - 1, dtype=torch.uint8), ValueError, "out: shape"),
+    ([1, 2], lambda c: torch.empty(2 * c.block_nbytes, dtype=torch.uint8), ValueError, "out: shape"),
+    ([1, 2], lambda c: torch.empty(c.block_nbytes, 2, dtype=torch.uint8).t(), ValueError, "out: not contiguous"),
+    ([1, 2], lambda c: [0] * 2, TypeError, "out: expected a torch.Tensor"),
+])
+def test_gather_rejects(cache, ids, out, exc, match):
+    before = cache_bytes(cache)
+    out_tensor = out(cache) if out else None
+    out_before = out_tensor.clone() if isinstance(out_tensor, torch.Tensor) else None
+    with pytest.raises(exc, match=match):
+        ops.gather_blocks(cache, ids, out=out_tensor)
+    assert_cache_bytes_equal(cache, before)
+    if out_before is not None:
+        assert torch.equal(out_tensor, out_before)
+
+
+def test_gather_rejects_non_cache():
+    with pytest.raises(TypeError, match="cache: expected vllm_ext.KVCache"):
+        ops.gather_blocks([torch.zeros(1)], [0])
+
+
+# ---- scatter ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("ids,rows,dtype,exc,match", [
+    ([1, 1], 2, torch.uint8, ValueError, "block_ids: duplicate id 1"),
+    (torch.tensor([4, 2, 4]), 3, torch.uint8, ValueError, "block_ids: duplicate id 4"),
+    ([10], 1, torch.uint8, ValueError, "block_ids: id 10 out of range"),
+    ([-3], 1, torch.uint8, ValueError, "block_ids: id -3 out of range"),
+    ([1, 2, 3], 2, torch.uint8, ValueError, r"buf: shape \[2, 768\], expected \[>= 3, 768\]"),
+    ([1], 1, torch.float16, TypeError, "buf: dtype torch.float16"),
+])
+def test_scatter_rejects(cache, ids, rows, dtype, exc, match):
+    before = cache_bytes(cache)
+    width = cache.block_nbytes if dtype == torch.uint8 else cache.block_nbytes // 2
+    buf = torch.randint(0, 255, (rows, width), dtype=torch.uint8).view(dtype)
+    with pytest.raises(exc, match=match):
+        ops.scatter_blocks(buf, cache, ids)
+    assert_cache_bytes_equal(cache, before)
+
+
+# ---- copy_blocks ------------------------------------------------------------------------------
+@pytest.mark.parametrize("change,match", [
+    ({"dtype": torch.bfloat16}, "geometry differs .*dtype float16 vs bfloat16"),
+    ({"num_kv_heads": 1}, "geometry differs .*num_kv_heads 2 vs 1"),
+    ({"num_layers": 2}, "geometry differs .*num_layers 3 vs 2"),
+    ({"block_size": 8}, "geometry differs .*block_size 4 vs 8"),
+    ({"head_size": 16, "num_kv_heads": 1}, "geometry differs"),
+])
+def test_copy_rejects_geometry_mismatch(cache, change, match):
+    args = dict(GEOMETRY, dtype=torch.float16)
+    args.update(change)
+    dtype = args.pop("dtype")
+    dst = random_cache(args, dtype, "flash", seed=3)
+    src_before, dst_before = cache_bytes(cache), cache_bytes(dst)
+    with pytest.raises(ValueError, match=match):
+        ops.copy_blocks(cache, [0], dst, [0])
+    assert_cache_bytes_equal(cache, src_before)
+    assert_cache_bytes_equal(dst, dst_before)
+
+
+@pytest.mark.parametrize("src_ids,dst_ids,exc,match", [
+    ([0, 1], [2], ValueError, r"src_ids and dst_ids: lengths differ \(2 vs 1\)"),
+    ([0, 1], [2, 2], ValueError, "dst_ids: duplicate id 2"),
+    ([0, 10], [2, 3], ValueError, "src_ids: id 10 out of range"),
+    ([0, 1], [2, -1], ValueError, "dst_ids: id -1 out of range"),
+    ([0, 1], [2, 3.5], TypeError, "dst_ids: 3.5 is not an int"),
+])
+def test_copy_rejects_ids(cache, other, src_ids, dst_ids, exc, match):
+    src_before, dst_before = cache_bytes(cache), cache_bytes(other)
+    with pytest.raises(exc, match=match):
+        ops.copy_blocks(cache, src_ids, other, dst_ids)
+    assert_cache_bytes_equal(cache, src_before)
+    assert_cache_bytes_equal(other, dst_before)
+
+
+def test_copy_within_one_cache_rejects_overlapping_sets(cache):
+    before = cache_bytes(cache)
+    with pytest.raises(ValueError, match="id sets overlap"):
+        ops.copy_blocks(cache, [1, 2], cache, [2, 3])
+    assert_cache_bytes_equal(cache, before)
+
+
+def test_copy_rejects_non_cache(cache):
+    with pytest.raises(TypeError, match="dst_cache: expected vllm_ext.KVCache"):
+        ops.copy_blocks(cache, [0], "cache", [0])
+
+
+# ---- CUDA requests where CUDA cannot serve them -------------------------------------------------
+def test_cuda_with_cpu_only_build_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(_lib, "built_with_cuda", lambda: False)
+    monkeypatch.setattr(_lib, "_checked_devices", {})
+    with pytest.raises(ValueError, match="built without CUDA .* cannot work on cuda:0"):
+        _lib.ensure_device(0)
+
+
+def test_pageable_host_memory_with_a_gpu_is_refused():
+    """A GPU side with a pageable CPU side is refused before any device work."""
+    with pytest.raises(ValueError, match="out: CPU memory used with a CUDA tensor must be pinned"):
+        ops._placement(torch.device("cuda", 0), False, "cache", torch.device("cpu"), False,
+                              "out")
