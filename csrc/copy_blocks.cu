@@ -14,7 +14,9 @@
 
 namespace {
 
+using vllm_ext::chunk_address;
 using vllm_ext::fail;
+using vllm_ext::layer_base;
 
 constexpr int kThreads = 256;
 constexpr int kMaxDevices = 64;
@@ -57,11 +59,6 @@ template <> struct VecOf<4> { using type = uint32_t; };
 template <> struct VecOf<2> { using type = uint16_t; };
 template <> struct VecOf<1> { using type = uint8_t; };
 
-__device__ __forceinline__ uint64_t layer_base(const vllm_ext_side& side, int32_t layer) {
-  return side.layer_ptrs != nullptr ? side.layer_ptrs[layer]
-                                    : side.base + static_cast<uint64_t>(layer * side.layer_stride);
-}
-
 // grid: (min(tiles, SMs x 8)), block: (kThreads); a grid-stride loop over tiles.
 // A tile is kThreads x kUnroll vectors of one chunk; chunk index = (i * L + l) * C + c, so the
 // wire order of a buffer side is written front to back. Every thread issues its kUnroll loads
@@ -85,8 +82,8 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t d = dst.block_ids != nullptr ? dst.block_ids[i] : i;
     // Never touch memory outside the described blocks, whatever the ids say.
     if (s < 0 || s >= src.num_blocks || d < 0 || d >= dst.num_blocks) continue;
-    const Vec* from = reinterpret_cast<const Vec*>(vllm_ext::chunk_address(src, layer_base(src, l), s, c));
-    Vec* to = reinterpret_cast<Vec*>(vllm_ext::chunk_address(dst, layer_base(dst, l), d, c));
+    const Vec* from = reinterpret_cast<const Vec*>(chunk_address(src, layer_base(src, l), s, c));
+    Vec* to = reinterpret_cast<Vec*>(chunk_address(dst, layer_base(dst, l), d, c));
     Vec v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -178,6 +175,30 @@ int vllm_ext_copy_blocks_cuda(const vllm_ext_side* src, const vllm_ext_side* dst
     case 2: return launch<2>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s);
     default: return launch<1>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s);
   }
+}
+
+int vllm_ext_copy_blocks_memcpy(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
+                                int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
+                                int32_t device, void* stream) {
+  int status = vllm_ext::check_copy_args(src, dst, num_ids, num_layers, num_components, chunk_nbytes);
+  if (status != VLLM_EXT_OK) return status;
+  DeviceGuard guard(device);
+  if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
+  auto s = static_cast<cudaStream_t>(stream);
+  for (int64_t i = 0; i < num_ids; ++i) {
+    const int64_t sb = src->block_ids ? src->block_ids[i] : i;
+    const int64_t db = dst->block_ids ? dst->block_ids[i] : i;
+    if (sb < 0 || sb >= src->num_blocks || db < 0 || db >= dst->num_blocks) continue;
+    for (int32_t l = 0; l < num_layers; ++l) {
+      for (int32_t c = 0; c < num_components; ++c) {
+        const uint64_t from = chunk_address(*src, layer_base(*src, l), sb, c);
+        const uint64_t to = chunk_address(*dst, layer_base(*dst, l), db, c);
+        VLLM_EXT_CUDA_TRY(cudaMemcpyAsync(reinterpret_cast<void*>(to), reinterpret_cast<const void*>(from),
+                                          static_cast<size_t>(chunk_nbytes), cudaMemcpyDefault, s));
+      }
+    }
+  }
+  return VLLM_EXT_OK;
 }
 
 int vllm_ext_check_device(int32_t device, int32_t* major, int32_t* minor) {

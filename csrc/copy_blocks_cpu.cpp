@@ -10,11 +10,7 @@
 namespace {
 
 using vllm_ext::chunk_address;
-
-uint64_t layer_base(const vllm_ext_side& side, int32_t layer) {
-  return side.layer_ptrs != nullptr ? side.layer_ptrs[layer]
-                                    : side.base + static_cast<uint64_t>(layer * side.layer_stride);
-}
+using vllm_ext::layer_base;
 
 // Copies the chunks with flat index in [begin, end); flat index = (i * L + l) * C + c, the
 // wire order, so each thread writes a contiguous range of a buffer side.

@@ -73,6 +73,13 @@ VLLM_EXT_API int vllm_ext_copy_blocks_cuda(const vllm_ext_side* src, const vllm_
                               int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
                               int32_t alignment, int32_t device, void* stream);
 
+/* Baseline (what vLLM's swap_blocks and Llumnix do): one cudaMemcpyAsync per (block, layer,
+ * component) on the copy engines. Here layer_ptrs and block_ids of both sides are [host]; host
+ * work grows with blocks x layers. Benchmarks compare the kernel against it. */
+VLLM_EXT_API int vllm_ext_copy_blocks_memcpy(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
+                                int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
+                                int32_t device, void* stream);
+
 /* CPU twin: the same copy with memcpy over [host] memory, split over num_threads threads. */
 VLLM_EXT_API int vllm_ext_copy_blocks_cpu(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
                              int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,

@@ -51,6 +51,9 @@ _FUNCTIONS = {
     #     int32 num_layers, int32 num_components, int64 chunk_nbytes, int32 alignment,
     #     int32 device, void* stream)
     "vllm_ext_copy_blocks_cuda": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i32, _i32, _ptr]),
+    # int vllm_ext_copy_blocks_memcpy(const side* src, const side* dst, int64 num_ids,
+    #     int32 num_layers, int32 num_components, int64 chunk_nbytes, int32 device, void* stream)
+    "vllm_ext_copy_blocks_memcpy": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i32, _ptr]),
     # int vllm_ext_copy_blocks_cpu(const side* src, const side* dst, int64 num_ids,
     #     int32 num_layers, int32 num_components, int64 chunk_nbytes, int32 num_threads)
     "vllm_ext_copy_blocks_cpu": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i32]),
@@ -213,6 +216,12 @@ def copy_blocks_cuda(src, dst, num_ids, num_layers, num_components, chunk_nbytes
     check(lib().vllm_ext_copy_blocks_cuda(ctypes.byref(src), ctypes.byref(dst), num_ids, num_layers,
                                           num_components, chunk_nbytes, alignment, device, stream),
           "vllm_ext_copy_blocks_cuda")
+
+
+def copy_blocks_memcpy(src, dst, num_ids, num_layers, num_components, chunk_nbytes, device, stream):
+    check(lib().vllm_ext_copy_blocks_memcpy(ctypes.byref(src), ctypes.byref(dst), num_ids, num_layers,
+                                            num_components, chunk_nbytes, device, stream),
+          "vllm_ext_copy_blocks_memcpy")
 
 
 def copy_blocks_cpu(src, dst, num_ids, num_layers, num_components, chunk_nbytes, num_threads):

@@ -1,0 +1,362 @@
+"""Kernel benchmark: gather, scatter and peer copy of KV blocks on Llumnix's geometry, each
+next to the hardware ceiling measured in the same run and two baselines.
+
+Geometry (Qwen-7B under vLLM, as in Llumnix's CI): 32 layers, 32 KV heads, head size 128,
+block size 16, bf16, flash layout: one block over all layers and K/V = 8 MiB.
+
+Measured per size (1, 2, 4, 8, 16, 32, 68 blocks and 1 GiB = 128 blocks):
+  gather    paged cache -> contiguous buffer (ops.gather_blocks)
+  scatter   buffer -> paged cache            (ops.scatter_blocks)
+  peer      paged cache on GPU0 -> paged cache on GPU1, kernel on GPU1 (ops.copy_blocks)
+Ceilings, same bytes, same run: device-to-device copy of one contiguous buffer (torch copy_),
+and for peer the peer copy of one contiguous buffer GPU0 -> GPU1.
+Baselines: `memcpy` = one cudaMemcpyAsync per (block, layer, K/V) issued from C (how vLLM's
+swap_blocks and Llumnix copy); `torch` = index_select / index_copy_ per layer.
+
+Formulas: GB/s = payload bytes (blocks x 8 MiB) / median time, GB = 1e9 bytes; % of ceiling =
+our GB/s / ceiling GB/s at the same size; speed-up = baseline time / our time. Times come from
+CUDA events around each call after a warm-up; inputs rotate over enough id sets and buffers
+that the working set exceeds L2. Every measured op's output is checked against the memcpy
+baseline's (`wrong` column).
+
+    python benchmarks/kernels.py [--out benchmarks/results] [--quick]
+Without a GPU it measures the CPU implementation against a host memcpy ceiling.
+"""
+
+import argparse
+import ctypes
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from vllm_ext import KVCache, _lib, build_info, ops
+
+GEOMETRY = {"num_layers": 32, "block_size": 16, "num_kv_heads": 32, "head_size": 128}
+DTYPE = torch.bfloat16
+SIZES_BLOCKS = [1, 2, 4, 8, 16, 32, 68, 128]
+ROTATE_BYTES = 512 << 20  # working set per size: well past the H200's 50 MB L2
+MIB = 1 << 20
+
+TARGETS = [
+    # (op, min blocks, min fraction of ceiling, label)
+    ("gather", 8, 0.90, "gather >= 64 MiB: 90% of device copy"),
+    ("scatter", 8, 0.90, "scatter >= 64 MiB: 90% of device copy"),
+    ("peer", 8, 0.85, "peer >= 64 MiB: 85% of peer copy"),
+    ("gather", 1, 0.50, "gather 8 MiB: 50% of device copy"),
+    ("scatter", 1, 0.50, "scatter 8 MiB: 50% of device copy"),
+]
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---- timing -------------------------------------------------------------------------------------
+class Timer:
+    """Times callables with CUDA events on the current stream of `device` (or the host clock)."""
+
+    def __init__(self, device, peer_device=None):
+        self.device, self.peer_device = device, peer_device
+
+    def _once(self, fn):
+        if self.device.type == "cpu":
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+        stream = torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        if self.peer_device is not None:
+            # Work torch puts on the source GPU's stream starts after `start` and ends before `end`.
+            peer_stream = torch.cuda.current_stream(self.peer_device)
+            peer_stream.wait_event(start)
+        fn()
+        if self.peer_device is not None:
+            done = torch.cuda.Event()
+            done.record(peer_stream)
+            stream.wait_event(done)
+        end.record(stream)
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def median_ms(self, fns, iters, warmup=3):
+        for i in range(warmup):
+            fns[i % len(fns)]()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        samples = [self._once(fns[i % len(fns)]) for i in range(iters)]
+        return statistics.median(samples), min(samples), max(samples)
+
+
+# ---- the memcpy baseline (C loop of cudaMemcpyAsync) ------------------------------------------
+class HostSide:
+    """A vllm_ext_side with host-side tables, as the memcpy baseline wants."""
+
+    def __init__(self, cache=None, ids=None, buf=None, block_nbytes=0, chunk=0, components=2):
+        self._keep = []
+        if cache is not None:
+            table = (ctypes.c_uint64 * cache.num_layers)(*cache.layer_addresses)
+            id_array = (ctypes.c_int64 * len(ids))(*ids)
+            self._keep += [table, id_array]
+            self.side = _lib.Side(ctypes.addressof(table), 0, 0, cache.block_stride, cache.component_stride,
+                                  cache.num_blocks, ctypes.addressof(id_array))
+        else:
+            self.side = _lib.Side(None, buf.data_ptr(), components * chunk, block_nbytes, chunk, buf.shape[0],
+                                  None)
+
+
+def memcpy_baseline(src: HostSide, dst: HostSide, n, cache, device):
+    stream = torch.cuda.current_stream(device).cuda_stream
+    _lib.copy_blocks_memcpy(src.side, dst.side, n, cache.num_layers, cache.num_components, cache.chunk_nbytes,
+                            device.index, stream)
+
+
+# ---- the torch baseline (index_select / index_copy_ per layer) --------------------------------
+def torch_gather(cache, ids_dev, out):
+    view = out.view(out.shape[0], cache.num_layers, 2, -1).view(cache.dtype)
+    for layer, t in enumerate(cache.layers):
+        picked = t.index_select(1, ids_dev)  # [2, n, bs, h, d]
+        view[:, layer].copy_(picked.flatten(2).transpose(0, 1))
+
+
+def torch_scatter(buf, cache, ids_dev):
+    view = buf.view(buf.shape[0], cache.num_layers, 2, -1).view(cache.dtype)
+    shape = (2, buf.shape[0], cache.block_size, cache.num_kv_heads, cache.head_size)
+    for layer, t in enumerate(cache.layers):
+        t.index_copy_(1, ids_dev, view[:, layer].transpose(0, 1).reshape(shape))
+
+
+def torch_peer(src, src_ids, dst, dst_ids):
+    for s, d in zip(src.layers, dst.layers):
+        d.index_copy_(1, dst_ids, s.index_select(1, src_ids).to(d.device, non_blocking=True))
+
+
+# ---- one size -----------------------------------------------------------------------------------
+def random_fill(cache, seed):
+    g = torch.Generator(device=cache.device).manual_seed(seed) if cache.device.type == "cuda" else \
+        torch.Generator().manual_seed(seed)
+    for t in cache.layers:
+        raw = t.view(torch.int16)
+        raw.copy_(torch.randint(-32768, 32767, raw.shape, dtype=torch.int16, device=t.device, generator=g))
+
+
+def rotations(nbytes, device):
+    if device.type == "cpu":
+        return 2  # host caches dwarf the CPU caches anyway; keep the CPU run short
+    return max(1, min(32, math.ceil(ROTATE_BYTES / nbytes)))
+
+
+def bench_size(n, cache, rng, timer, iters, peer=None):
+    """Measures one size; returns {op: {...}}."""
+    dev = cache.device
+    nbytes = n * cache.block_nbytes
+    sets = rotations(nbytes, dev)
+    id_sets = [rng.sample(range(cache.num_blocks), n) for _ in range(sets)]
+    ids_dev = [torch.tensor(s, device=dev) for s in id_sets]
+    # Buffers are written once up front, so no run pays first-touch page faults.
+    bufs = [torch.full((n, cache.block_nbytes), 7, dtype=torch.uint8, device=dev) for _ in range(sets)]
+    results = {}
+
+    def record(op, ours, ceiling, baselines, wrong):
+        entry = {"blocks": n, "bytes": nbytes, "time_ms": ours[0], "min_ms": ours[1], "max_ms": ours[2],
+                 "gbps": nbytes / ours[0] / 1e6, "ceiling_gbps": nbytes / ceiling[0] / 1e6,
+                 "wrong": wrong}
+        entry["pct_of_ceiling"] = 100.0 * entry["gbps"] / entry["ceiling_gbps"]
+        for name, t in baselines.items():
+            entry[f"{name}_ms"] = t[0]
+            entry[f"speedup_vs_{name}"] = t[0] / ours[0]
+        results[op] = entry
+        log(f"  {op:8s} {nbytes / MIB:7.0f} MiB  {entry['gbps']:8.1f} GB/s  {entry['pct_of_ceiling']:5.1f}% "
+            f"of {entry['ceiling_gbps']:.0f}  " + "  ".join(f"x{entry[f'speedup_vs_{b}']:.1f} vs {b}"
+                                                           for b in baselines) + f"  wrong={wrong}")
+
+    # ceiling: one contiguous copy of the same bytes
+    srcs = [torch.full((nbytes,), 3, dtype=torch.uint8, device=dev) for _ in range(sets)]
+    dsts = [torch.full((nbytes,), 5, dtype=torch.uint8, device=dev) for _ in range(sets)]
+    ceiling = timer.median_ms([lambda i=i: dsts[i].copy_(srcs[i]) for i in range(sets)], iters)
+    del srcs, dsts
+
+    # gather
+    ours = timer.median_ms([lambda i=i: ops.gather_blocks(cache, ids_dev[i], out=bufs[i], check_ids=False)
+                            for i in range(sets)], iters)
+    baselines = {}
+    if dev.type == "cuda":
+        sides = [(HostSide(cache, id_sets[i]), HostSide(buf=bufs[i], block_nbytes=cache.block_nbytes,
+                                                         chunk=cache.chunk_nbytes)) for i in range(sets)]
+        baselines["memcpy"] = timer.median_ms([lambda i=i: memcpy_baseline(*sides[i], n, cache, dev)
+                                               for i in range(sets)], max(5, iters // 4))
+    baselines["torch"] = timer.median_ms([lambda i=i: torch_gather(cache, ids_dev[i], bufs[i])
+                                          for i in range(sets)], max(5, iters // 4))
+    check = bufs[0].clone()
+    ops.gather_blocks(cache, ids_dev[0], out=check)
+    reference = torch.empty_like(check)
+    torch_gather(cache, ids_dev[0], reference)
+    record("gather", ours, ceiling, baselines, int(not torch.equal(check, reference)))
+
+    # scatter (writes random buffers into random blocks; distinct ids per set)
+    ours = timer.median_ms([lambda i=i: ops.scatter_blocks(bufs[i], cache, ids_dev[i], check_ids=False)
+                            for i in range(sets)], iters)
+    baselines = {}
+    if dev.type == "cuda":
+        sides = [(HostSide(buf=bufs[i], block_nbytes=cache.block_nbytes, chunk=cache.chunk_nbytes),
+                  HostSide(cache, id_sets[i])) for i in range(sets)]
+        baselines["memcpy"] = timer.median_ms([lambda i=i: memcpy_baseline(*sides[i], n, cache, dev)
+                                               for i in range(sets)], max(5, iters // 4))
+    baselines["torch"] = timer.median_ms([lambda i=i: torch_scatter(bufs[i], cache, ids_dev[i])
+                                          for i in range(sets)], max(5, iters // 4))
+    probe = torch.randint(0, 256, bufs[0].shape, dtype=torch.uint8, device=dev)
+    ops.scatter_blocks(probe, cache, ids_dev[0])
+    record("scatter", ours, ceiling, baselines, int(not torch.equal(ops.gather_blocks(cache, ids_dev[0]), probe)))
+
+    if peer is not None:
+        dst_cache, peer_timer = peer
+        dst_dev = dst_cache.device
+        dst_sets = [rng.sample(range(dst_cache.num_blocks), n) for _ in range(sets)]
+        src_ids_dst = [torch.tensor(s, device=dst_dev) for s in id_sets]
+        dst_ids_dst = [torch.tensor(s, device=dst_dev) for s in dst_sets]
+        srcs = [torch.full((nbytes,), 3, dtype=torch.uint8, device=dev) for _ in range(sets)]
+        dsts = [torch.full((nbytes,), 5, dtype=torch.uint8, device=dst_dev) for _ in range(sets)]
+        peer_ceiling = peer_timer.median_ms([lambda i=i: dsts[i].copy_(srcs[i]) for i in range(sets)], iters)
+        del srcs, dsts
+        ours = peer_timer.median_ms([lambda i=i: ops.copy_blocks(cache, src_ids_dst[i], dst_cache, dst_ids_dst[i],
+                                                                 check_ids=False) for i in range(sets)], iters)
+        sides = [(HostSide(cache, id_sets[i]), HostSide(dst_cache, dst_sets[i])) for i in range(sets)]
+        baselines = {
+            "memcpy": peer_timer.median_ms([lambda i=i: memcpy_baseline(*sides[i], n, cache, dst_dev)
+                                            for i in range(sets)], max(5, iters // 4)),
+            "torch": peer_timer.median_ms([lambda i=i: torch_peer(cache, ids_dev[i], dst_cache, dst_ids_dst[i])
+                                           for i in range(sets)], max(5, iters // 4)),
+        }
+        ops.copy_blocks(cache, src_ids_dst[0], dst_cache, dst_ids_dst[0])
+        torch.cuda.synchronize(dst_dev)
+        same = torch.equal(ops.gather_blocks(dst_cache, dst_ids_dst[0]).to(dev), ops.gather_blocks(cache, ids_dev[0]))
+        record("peer", ours, peer_ceiling, baselines, int(not same))
+    return results
+
+
+# ---- output -------------------------------------------------------------------------------------
+def markdown(rows, meta):
+    lines = [f"# vllm-ext kernel benchmark ({meta['device_name']})", "",
+             f"Geometry: {meta['geometry']}, {meta['block_mib']:.0f} MiB per block. GB/s = 1e9 bytes/s of "
+             "payload; ceiling = one contiguous copy of the same bytes in the same run; speed-up = baseline "
+             "time / our time.", "",
+             "| op | size (MiB) | blocks | time (us) | GB/s | ceiling GB/s | % of ceiling | x vs memcpy | "
+             "x vs torch | wrong |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mem = f"{r['speedup_vs_memcpy']:.1f}" if "speedup_vs_memcpy" in r else "-"
+        lines.append(f"| {r['op']} | {r['bytes'] / MIB:.0f} | {r['blocks']} | {r['time_ms'] * 1e3:.1f} | "
+                     f"{r['gbps']:.1f} | {r['ceiling_gbps']:.1f} | {r['pct_of_ceiling']:.1f} | {mem} | "
+                     f"{r['speedup_vs_torch']:.1f} | {r['wrong']} |")
+    lines += ["", "## Targets", "", "| target | worst measured | met |", "|---|---|---|"]
+    for label, worst, met in meta["targets"]:
+        lines.append(f"| {label} | {worst} | {'yes' if met else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def evaluate_targets(rows):
+    out = []
+    for op, min_blocks, fraction, label in TARGETS:
+        sel = [r for r in rows if r["op"] == op and (r["blocks"] >= min_blocks if min_blocks > 1
+                                                     else r["blocks"] == 1)]
+        if not sel:
+            continue
+        worst = min(r["pct_of_ceiling"] for r in sel)
+        out.append((label, f"{worst:.1f}%", worst >= 100 * fraction))
+    beats = all(r.get("speedup_vs_memcpy", 2) > 1 and r["speedup_vs_torch"] > 1 for r in rows)
+    worst_speedup = min(min(r.get("speedup_vs_memcpy", math.inf), r["speedup_vs_torch"]) for r in rows)
+    out.append(("beats both baselines at every size", f"x{worst_speedup:.2f}", beats))
+    return out
+
+
+def plot(rows, path, title):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not installed: no plot (pip install matplotlib)")
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for op in dict.fromkeys(r["op"] for r in rows):
+        sel = [r for r in rows if r["op"] == op]
+        x = [r["bytes"] / MIB for r in sel]
+        line, = ax.plot(x, [r["gbps"] for r in sel], marker="o", label=f"{op} (vllm-ext)")
+        ax.plot(x, [r["ceiling_gbps"] for r in sel], ls="--", color=line.get_color(), label=f"{op} ceiling")
+        for baseline, style in (("memcpy", ":"), ("torch", "-.")):
+            base = [r for r in sel if f"{baseline}_ms" in r]
+            if base:
+                ax.plot([r["bytes"] / MIB for r in base], [r["bytes"] / r[f"{baseline}_ms"] / 1e6 for r in base],
+                        ls=style, color=line.get_color(), alpha=0.5, label=f"{op} {baseline} baseline")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("transfer size (MiB)")
+    ax.set_ylabel("GB/s")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
+    parser.add_argument("--iters", type=int, default=None)
+    args = parser.parse_args(argv)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() and _lib.built_with_cuda() else 0
+    device = torch.device("cuda", 0) if gpus else torch.device("cpu")
+    sizes = SIZES_BLOCKS if gpus else [1, 2, 4, 8]
+    if args.quick:
+        sizes = [s for s in sizes if s in (1, 8, 68)]
+    iters = args.iters or (40 if gpus else 10)
+    num_blocks = 256 if gpus else 16
+    log(f"vllm-ext {build_info()['version']}: kernel benchmark on {device}"
+        f"{' + cuda:1 (peer)' if gpus >= 2 else ''}, sizes {sizes} blocks, {iters} iterations")
+    rng = random.Random(0)
+    cache = KVCache.allocate(num_blocks=num_blocks, dtype=DTYPE, device=device, **GEOMETRY)
+    random_fill(cache, 1)
+    peer = None
+    if gpus >= 2:
+        dst = KVCache.allocate(num_blocks=num_blocks, dtype=DTYPE, device="cuda:1", **GEOMETRY)
+        random_fill(dst, 2)
+        peer = (dst, Timer(torch.device("cuda", 1), peer_device=device))
+    elif gpus == 1:
+        log("one GPU: peer copy not measured (needs two)")
+    timer = Timer(device)
+    rows = []
+    for n in sizes:
+        log(f"[{sizes.index(n) + 1}/{len(sizes)}] {n} blocks ({n * cache.block_nbytes / MIB:.0f} MiB)")
+        for op, entry in bench_size(n, cache, rng, timer, iters, peer).items():
+            rows.append(dict(entry, op=op))
+    rows.sort(key=lambda r: (["gather", "scatter", "peer"].index(r["op"]), r["blocks"]))
+    name = torch.cuda.get_device_name(0) if gpus else platform.processor() or "CPU"
+    meta = {"device_name": name, "gpus": gpus, "geometry": GEOMETRY | {"dtype": str(DTYPE), "layout": "flash"},
+            "block_mib": cache.block_nbytes / MIB, "iters": iters, "build": build_info(),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    meta["targets"] = evaluate_targets(rows) if gpus else []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "kernels-" + ("cuda" if gpus else "cpu")
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    table = markdown(rows, meta)
+    (out / f"{stem}.md").write_text(table)
+    plotted = plot(rows, out / f"{stem}.png", f"vllm-ext kernels on {name}")
+    print(table)
+    log(f"wrote {out / (stem + '.json')}, {stem}.md" + (f", {stem}.png" if plotted else ""))
+    return 1 if any(r["wrong"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
