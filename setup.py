@@ -113,7 +113,8 @@ def check_archs_supported(nvcc, names):
     if out.returncode != 0:
         return
     known = set(out.stdout.split())
-    missing = [n for n in names.split() if n.startswith("sm_") and n not in known]
+    # --list-gpu-code names the base archs only: sm_90 stands for sm_90a and sm_90f too.
+    missing = [n for n in names.split() if n.startswith("sm_") and n.rstrip("af") not in known]
     if missing:
         raise SystemExit(f"TORCH_CUDA_ARCH_LIST: {nvcc} cannot build {', '.join(missing)}; "
                          f"it supports {' '.join(sorted(known))}")
