@@ -140,6 +140,8 @@ _checked_lock = threading.Lock()
 
 def ensure_device(device):
     """Raises one readable error when the library has no code for GPU `device`; cached."""
+    if device in _checked_devices:  # the hot path: no lock once a device is known good
+        return
     with _checked_lock:
         if device in _checked_devices:
             return

@@ -161,28 +161,32 @@ def _placement(src_device, src_pinned, src_name, dst_device, dst_pinned, dst_nam
     return kernel
 
 
+def _capturing(device):
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _block_ids(block_ids, name, num_blocks, device, *, unique, check):
     """Validated ids as a contiguous int64 tensor on `device` (where the copy runs)."""
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if isinstance(block_ids, torch.Tensor):
         if block_ids.dtype == torch.bool or block_ids.is_floating_point() or block_ids.is_complex():
             raise TypeError(f"{name}: dtype {block_ids.dtype}, expected an integer dtype")
         ids = block_ids
-    else:
-        values = list(block_ids)
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, int) and not (
-                    hasattr(v, "__index__") and not isinstance(v, float)):
-                raise TypeError(f"{name}: {v!r} is not an int")
-        if capturing:
-            raise ValueError(f"{name}: pass a CUDA tensor of ids while capturing a CUDA graph "
-                             "(a Python list needs a host-to-device copy)")
-        ids = torch.tensor([int(v) for v in values], dtype=torch.int64)
-    if ids.device.type == "cpu" or (check and not capturing):
-        _check_id_values(ids, name, num_blocks, unique)
-    if ids.dtype != torch.int64 or ids.device != device:
-        ids = ids.to(device=device, dtype=torch.int64, non_blocking=ids.device.type != "cpu")
-    return ids.contiguous()
+        if ids.device.type == "cpu" or (check and not _capturing(device)):
+            _check_id_values(ids, name, num_blocks, unique)
+        if ids.dtype != torch.int64 or ids.device != device:
+            ids = ids.to(device=device, dtype=torch.int64, non_blocking=ids.device.type != "cpu")
+        return ids.contiguous()
+    values = list(block_ids)
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) and not (
+                hasattr(v, "__index__") and not isinstance(v, float)):
+            raise TypeError(f"{name}: {v!r} is not an int")
+    if _capturing(device):
+        raise ValueError(f"{name}: pass a CUDA tensor of ids while capturing a CUDA graph "
+                         "(a Python list needs a host-to-device copy)")
+    ids = torch.tensor([int(v) for v in values], dtype=torch.int64)
+    _check_id_values(ids, name, num_blocks, unique)
+    return ids if device.type == "cpu" else ids.to(device)
 
 
 def _check_id_values(ids, name, num_blocks, unique):
@@ -214,7 +218,7 @@ def _check_id_values(ids, name, num_blocks, unique):
 
 def _check_disjoint(src_ids, dst_ids, check):
     """Within one cache, reading and writing the same block in one launch is a race."""
-    if src_ids.device.type == "cuda" and (not check or torch.cuda.is_current_stream_capturing()):
+    if src_ids.device.type == "cuda" and (not check or _capturing(src_ids.device)):
         return
     if torch.isin(dst_ids, src_ids).any().item():
         raise ValueError("src_ids and dst_ids: copying within one cache, the id sets overlap; "
@@ -239,6 +243,16 @@ def _buffer_alignment(buf, cache):
     return _pow2_alignment([buf.data_ptr(), cache.chunk_nbytes])
 
 
+try:  # the raw handle without building a torch.cuda.Stream object: a few us less per call
+    _raw_stream = torch._C._cuda_getCurrentRawStream
+
+    def _current_raw_stream(index):
+        return _raw_stream(index)
+except AttributeError:  # pragma: no cover - older or CPU-only torch
+    def _current_raw_stream(index):
+        return torch.cuda.current_stream(index).cuda_stream
+
+
 def _run(src: _lib.Side, dst: _lib.Side, n: int, cache: KVCache, alignment: int,
          device: torch.device) -> None:
     if n == 0:
@@ -247,6 +261,6 @@ def _run(src: _lib.Side, dst: _lib.Side, n: int, cache: KVCache, alignment: int,
         _lib.copy_blocks_cpu(src, dst, n, cache.num_layers, cache.num_components,
                              cache.chunk_nbytes, torch.get_num_threads())
         return
-    stream = torch.cuda.current_stream(device).cuda_stream
+    stream = _current_raw_stream(device.index)
     _lib.copy_blocks_cuda(src, dst, n, cache.num_layers, cache.num_components, cache.chunk_nbytes,
                           alignment, device.index, stream)
