@@ -1,0 +1,391 @@
+"""KV migration on the CPU: the gloo backend between spawned processes on loopback (random
+geometries, layouts and block ids, both directions, byte-for-byte), the timeout and
+dead-peer paths, every rejection, the control channel, and lazy backend loading."""
+
+import dataclasses
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from test_migration_harness import RemoteError, Worker, expected_blocks, make_cache
+
+from vllm_ext.migration import BACKEND_NAMES, MigrationEndpoint, MigrationError, PeerDescriptor, get_backend_class
+from vllm_ext.migration.base import Deadline
+from vllm_ext.migration.control import Connection, ControlServer
+
+LAYOUT_PAIRS = [("flash", "flash"), ("flash", "flashinfer"), ("flashinfer", "flash"),
+                ("mla", "mla")]
+DTYPES = ["bfloat16", "float16", "float32", "uint8"]
+NUM_CASES = 6
+# Small chunks so even small pulls run through the multi-chunk, two-slot pipeline.
+GLOO_OPTIONS = {"stripes": 2, "chunk_bytes": 48 << 10}
+
+
+def random_spec(rng, layout, seed, num_blocks=None):
+    mla = layout == "mla"
+    return {
+        "num_layers": rng.choice([1, 2, 5]),
+        "num_blocks": num_blocks or rng.choice([17, 64, 130]),
+        "block_size": rng.choice([1, 8, 16]),
+        "num_kv_heads": 1 if mla else rng.choice([1, 2, 4]),
+        "head_size": rng.choice([16, 64, 80]),
+        "dtype": rng.choice(DTYPES),
+        "layout": layout,
+        "seed": seed,
+    }
+
+
+def same_geometry(spec, layout, seed, num_blocks):
+    return dict(spec, layout=layout, seed=seed, num_blocks=num_blocks)
+
+
+@pytest.fixture(scope="module")
+def workers():
+    ws = [Worker(), Worker()]
+    yield ws
+    codes = [w.stop() for w in ws]
+    assert codes == [0, 0], f"worker exit codes {codes}"
+
+
+def _ids(rng, spec_src, spec_dst, n):
+    src = [rng.randrange(spec_src["num_blocks"]) for _ in range(n)]  # repeats allowed
+    dst = rng.sample(range(spec_dst["num_blocks"]), n)
+    return src, dst
+
+
+@pytest.mark.parametrize("case", range(NUM_CASES))
+def test_gloo_pull_both_directions(workers, case):
+    rng = random.Random(1000 + case)
+    layout_a, layout_b = LAYOUT_PAIRS[case % len(LAYOUT_PAIRS)]
+    spec_a = random_spec(rng, layout_a, seed=2 * case + 1)
+    spec_b = same_geometry(spec_a, layout_b, 2 * case + 2, rng.choice([23, 64, 100]))
+    a, b = workers
+    name = f"case{case}"
+    desc_a = a.call("endpoint", name, spec_a, "gloo", GLOO_OPTIONS)
+    desc_b = b.call("endpoint", name, spec_b, "gloo", GLOO_OPTIONS)
+    try:
+        for dst_w, dst_spec, src_w, src_desc, src_spec in ((a, spec_a, b, desc_b, spec_b),
+                                                           (b, spec_b, a, desc_a, spec_a)):
+            n = rng.randint(1, min(dst_spec["num_blocks"], 40))
+            src, dst = _ids(rng, src_spec, dst_spec, n)
+            others = [i for i in range(dst_spec["num_blocks"]) if i not in set(dst)]
+            before = dst_w.call("blocks", name, others)
+            all_src = list(range(src_spec["num_blocks"]))
+            src_before = src_w.call("blocks", name, all_src)
+            stats = dst_w.call("pull", name, src_desc, src, dst, 30.0)
+            assert stats.nbytes == n * src_before.shape[1] and stats.num_blocks == n
+            assert stats.seconds > 0
+            assert torch.equal(dst_w.call("blocks", name, dst), src_before[src])
+            assert torch.equal(dst_w.call("blocks", name, others), before), "other blocks changed"
+            assert torch.equal(src_w.call("blocks", name, all_src), src_before), "source changed"
+    finally:
+        a.call("close", name)
+        b.call("close", name)
+
+
+def test_gloo_repeated_pulls_reuse_the_pair(workers):
+    a, b = workers
+    spec = {"num_layers": 2, "num_blocks": 32, "block_size": 16, "num_kv_heads": 2,
+            "head_size": 64, "dtype": "bfloat16", "layout": "flash", "seed": 77}
+    desc_a = a.call("endpoint", "rep", spec, "gloo", GLOO_OPTIONS)
+    b.call("endpoint", "rep", dict(spec, seed=78), "gloo", GLOO_OPTIONS)
+    try:
+        times = []
+        for k in range(5):
+            src = list(range(k, k + 8))
+            dst = list(range(20, 28))
+            stats = b.call("pull", "rep", desc_a, src, dst, 30.0)
+            times.append(stats.seconds)
+            assert torch.equal(b.call("blocks", "rep", dst), expected_blocks(spec, src))
+        # The first pull builds the gloo groups; later ones must not (much cheaper).
+        assert min(times[1:]) < times[0]
+    finally:
+        a.call("close", "rep")
+        b.call("close", "rep")
+
+
+# ---- failures: a stalled source, a killed source ----------------------------------------------
+TIMEOUT_SPEC = {"num_layers": 2, "num_blocks": 32, "block_size": 16, "num_kv_heads": 2,
+                "head_size": 64, "dtype": "bfloat16", "layout": "flash", "seed": 5}
+ONE_BLOCK_CHUNKS = {"stripes": 2, "chunk_bytes": 1}  # one block per chunk
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["stalled", "killed"])
+def test_gloo_dead_or_stalled_source(workers, kill):
+    dst_w, healthy = workers
+    src_w = Worker()
+    try:
+        src_desc = src_w.call("endpoint", "s", TIMEOUT_SPEC, "gloo", ONE_BLOCK_CHUNKS)
+        healthy_desc = healthy.call("endpoint", "h", dict(TIMEOUT_SPEC, seed=6), "gloo",
+                                    ONE_BLOCK_CHUNKS)
+        dst_w.call("endpoint", "d", dict(TIMEOUT_SPEC, seed=7), "gloo", ONE_BLOCK_CHUNKS)
+        before = dst_w.call("blocks", "d", list(range(32)))
+        src_w.call("stall", "s", 2, 120.0)  # serves chunks 0, 1, then hangs
+        timeout = 4.0
+        src, dst = list(range(10)), list(range(10, 20))
+        start = time.monotonic()
+        dst_w.send("pull", "d", src_desc, src, dst, timeout)
+        if kill:
+            time.sleep(1.0)
+            src_before = expected_blocks(TIMEOUT_SPEC, range(32))
+            src_w.kill()
+        with pytest.raises(RemoteError) as info:
+            dst_w.result(timeout=timeout + 30)
+        elapsed = time.monotonic() - start
+        assert info.value.type_name == "MigrationError", info.value
+        assert info.value.fields["dst_block_ids"] == dst
+        assert info.value.fields["written"] is False
+        assert "not written" in info.value.message
+        assert elapsed < timeout + 2.0, f"MigrationError after {elapsed:.1f} s"
+        if not kill:
+            assert elapsed >= timeout - 0.5
+            # The stalled source's blocks are untouched.
+            assert torch.equal(src_w.call("blocks", "s", list(range(32))),
+                               expected_blocks(TIMEOUT_SPEC, range(32)))
+        else:
+            assert elapsed < timeout, "a dead source must be noticed before the deadline"
+            del src_before
+        # Blocks other than the targets are untouched; the endpoint still pulls from others.
+        others = list(range(20, 32)) + list(range(10))
+        assert torch.equal(dst_w.call("blocks", "d", others), before[others])
+        stats = dst_w.call("pull", "d", healthy_desc, [1, 2, 3], [10, 11, 12], 30.0)
+        assert stats.num_blocks == 3
+        assert torch.equal(dst_w.call("blocks", "d", [10, 11, 12]),
+                           expected_blocks(dict(TIMEOUT_SPEC, seed=6), [1, 2, 3]))
+        # ... and still serves: the healthy worker pulls from it.
+        healthy.call("pull", "h", dst_w.call("endpoint", "d2", dict(TIMEOUT_SPEC, seed=8),
+                                             "gloo", ONE_BLOCK_CHUNKS), [0, 1], [30, 31], 30.0)
+        assert torch.equal(healthy.call("blocks", "h", [30, 31]),
+                           expected_blocks(dict(TIMEOUT_SPEC, seed=8), [0, 1]))
+    finally:
+        for w, names in ((dst_w, ("d", "d2")), (healthy, ("h",))):
+            for n in names:
+                try:
+                    w.call("close", n)
+                except RemoteError:
+                    pass
+        code = src_w.stop(timeout=5.0)
+        assert code == (-9 if kill else code)
+
+
+# ---- rejections (in one process: they never reach a transfer) -------------------------------
+SPEC = {"num_layers": 2, "num_blocks": 16, "block_size": 4, "num_kv_heads": 2, "head_size": 16,
+        "dtype": "bfloat16", "layout": "flash", "seed": 1}
+
+
+@pytest.fixture
+def local_pair():
+    a = MigrationEndpoint(make_cache(SPEC), backend="gloo", stripes=1)
+    b = MigrationEndpoint(make_cache(dict(SPEC, seed=2, num_blocks=8)), backend="gloo", stripes=1)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_local_pull_between_two_endpoints(local_pair):
+    a, b = local_pair  # both in this process: gloo's two ranks run on two threads
+    stats = a.pull(b.descriptor(), [7, 0, 7], [1, 2, 3], timeout=30)
+    assert stats.num_blocks == 3
+    assert torch.equal(expected_blocks(dict(SPEC, seed=2, num_blocks=8), [7, 0, 7]),
+                       expected_blocks_of(a, [1, 2, 3]))
+
+
+def expected_blocks_of(ep, ids):
+    from test_migration_harness import block_rows
+
+    return block_rows(ep.cache, ids)
+
+
+BAD_ARGUMENTS = [
+    # (name, src, dst, kwargs, exception, message fragment)
+    ("lengths differ", [0, 1], [0], {}, ValueError, "lengths differ (2 vs 1)"),
+    ("src out of range", [8], [0], {}, ValueError, "src_block_ids: id 8 out of range for a cache of 8"),
+    ("negative src", [-1], [0], {}, ValueError, "src_block_ids: id -1 out of range"),
+    ("dst out of range", [0], [16], {}, ValueError, "dst_block_ids: id 16 out of range for a cache of 16"),
+    ("duplicate dst", [0, 1], [3, 3], {}, ValueError, "dst_block_ids: duplicate id 3"),
+    ("float id", [0.0], [0], {}, TypeError, "src_block_ids: 0.0 is not an int"),
+    ("bool id", [True], [0], {}, TypeError, "src_block_ids: True is not an int"),
+    ("string ids", "01", [0, 1], {}, TypeError, "src_block_ids: expected a list"),
+    ("2-D tensor", torch.zeros(1, 1, dtype=torch.int64), [0], {}, ValueError, "1-D tensor"),
+    ("float tensor", torch.zeros(1), [0], {}, TypeError, "src_block_ids: dtype torch.float32"),
+    ("zero timeout", [0], [0], {"timeout": 0}, ValueError, "timeout: must be a positive number"),
+    ("bad timeout", [0], [0], {"timeout": "5"}, ValueError, "timeout: must be a positive number"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_ARGUMENTS, ids=[c[0] for c in BAD_ARGUMENTS])
+def test_pull_rejects_bad_arguments(local_pair, case):
+    _, src, dst, kwargs, exc, fragment = case
+    a, b = local_pair
+    before = expected_blocks_of(a, range(16))
+    with pytest.raises(exc) as info:
+        a.pull(b.descriptor(), src, dst, **kwargs)
+    assert fragment in str(info.value)
+    assert torch.equal(expected_blocks_of(a, range(16)), before)
+    assert not a._links, "a rejected pull must not contact the peer"
+
+
+GEOMETRY_CHANGES = [("dtype", "float16"), ("num_kv_heads", 4), ("num_layers", 3),
+                    ("head_size", 32), ("block_size", 8)]
+
+
+@pytest.mark.parametrize("key,value", GEOMETRY_CHANGES, ids=[k for k, _ in GEOMETRY_CHANGES])
+def test_pull_rejects_geometry_mismatch(key, value):
+    a = MigrationEndpoint(make_cache(SPEC), backend="gloo", stripes=1)
+    b = MigrationEndpoint(make_cache(dict(SPEC, **{key: value})), backend="gloo", stripes=1)
+    try:
+        with pytest.raises(ValueError, match=f"peer: cache geometry differs.*{key}"):
+            a.pull(b.descriptor(), [0], [0])
+        # A descriptor that lies about the geometry is refused by the source itself.
+        forged = dataclasses.replace(b.descriptor(), geometry=a.cache.geometry())
+        with pytest.raises(MigrationError, match="hello: cache geometry differs") as info:
+            a.pull(forged, [0], [0], timeout=10)
+        assert info.value.remote_type == "ValueError"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_source_refuses_ids_out_of_its_range(local_pair):
+    a, b = local_pair
+    forged = dataclasses.replace(b.descriptor(), num_blocks=1000)  # b has 8 blocks
+    before = expected_blocks_of(a, range(16))
+    start = time.monotonic()
+    with pytest.raises(MigrationError, match="src_block_ids: id 500 out of range") as info:
+        a.pull(forged, [0, 500], [0, 1], timeout=20)
+    assert time.monotonic() - start < 5, "a refusal must not wait for the deadline"
+    assert info.value.remote_type == "ValueError"
+    assert info.value.dst_block_ids == [0, 1]
+    assert torch.equal(expected_blocks_of(a, range(16)), before)
+    # The pair was discarded and is rebuilt: the next pull works.
+    a.pull(b.descriptor(), [5], [9], timeout=20)
+    assert torch.equal(expected_blocks_of(a, [9]), expected_blocks_of(b, [5]))
+
+
+def test_stale_descriptor_is_refused(local_pair):
+    a, b = local_pair
+    stale = dataclasses.replace(b.descriptor(), endpoint_id="0" * 32)
+    with pytest.raises(MigrationError, match="stale descriptor"):
+        a.pull(stale, [0], [0], timeout=10)
+
+
+def test_unreachable_peer_raises_migration_error(local_pair):
+    a, b = local_pair
+    desc = b.descriptor()
+    b.close()
+    start = time.monotonic()
+    with pytest.raises(MigrationError, match="cannot connect"):
+        a.pull(desc, [0], [0], timeout=5)
+    assert time.monotonic() - start < 6
+
+
+def test_other_rejections(local_pair):
+    a, b = local_pair
+    with pytest.raises(TypeError, match="peer: expected PeerDescriptor"):
+        a.pull({"host": "x"}, [0], [0])
+    with pytest.raises(ValueError, match="peer: is this endpoint itself"):
+        a.pull(a.descriptor(), [0], [1])
+    other_backend = dataclasses.replace(b.descriptor(), backend="rayrpc")
+    with pytest.raises(ValueError, match="peer: uses backend 'rayrpc', this endpoint uses 'gloo'"):
+        a.pull(other_backend, [0], [0])
+    assert a.pull(b.descriptor(), [], []).nbytes == 0
+    with pytest.raises(ValueError, match="backend: unknown backend 'tcp'"):
+        MigrationEndpoint(a.cache, backend="tcp")
+    with pytest.raises(ValueError, match="backend: unknown backend"):
+        get_backend_class("NCCL")
+    with pytest.raises(TypeError, match="cache: expected vllm_ext.KVCache"):
+        MigrationEndpoint(torch.zeros(4), backend="gloo")
+    with pytest.raises(TypeError, match="unexpected keyword argument .stripe."):
+        MigrationEndpoint(a.cache, backend="gloo", stripe=2)
+    with pytest.raises(ValueError, match="stripes: must be in 1..64"):
+        MigrationEndpoint(a.cache, backend="gloo", stripes=0)
+    for backend in ("ipc", "nccl"):
+        ok, _ = get_backend_class(backend).is_available()
+        if ok:  # with a GPU: a CPU cache is refused
+            with pytest.raises(ValueError, match="cache: on cpu"):
+                MigrationEndpoint(a.cache, backend=backend)
+        else:
+            with pytest.raises(RuntimeError, match="not available"):
+                MigrationEndpoint(a.cache, backend=backend)
+    a.close()
+    with pytest.raises(ValueError, match="endpoint is closed"):
+        a.pull(b.descriptor(), [0], [0])
+
+
+def test_descriptor_is_small_and_picklable(local_pair):
+    import pickle
+
+    a, _ = local_pair
+    desc = a.descriptor()
+    assert isinstance(desc, PeerDescriptor)
+    data = pickle.dumps(desc)
+    assert pickle.loads(data) == desc
+    assert len(data) < 1024
+
+
+# ---- control channel and packaging ------------------------------------------------------------
+def test_control_channel_round_trip_is_fast():
+    def echo(conn):
+        while True:
+            try:
+                header, payload = conn.recv()
+            except EOFError:
+                return
+            conn.reply_ok(n=len(payload), op=header["op"])
+
+    server = ControlServer("127.0.0.1", 0, echo)
+    try:
+        conn = Connection.open(server.host, server.port, Deadline(5))
+        samples = []
+        for i in range(200):
+            t = time.perf_counter()
+            conn.send({"op": "ping", "i": i}, b"x" * 8 * 64)
+            reply = conn.recv_reply(Deadline(5), "ping")
+            samples.append(time.perf_counter() - t)
+            assert reply["n"] == 512
+        samples.sort()
+        median = samples[len(samples) // 2]
+        print(f"control round trip: median {median * 1e6:.0f} us, "
+              f"p99 {samples[int(len(samples) * 0.99)] * 1e6:.0f} us")
+        assert median < 2e-3  # well under a millisecond on an idle host; CI margin
+        conn.close()
+    finally:
+        server.close()
+
+
+def test_control_channel_deadline_and_eof():
+    release = threading.Event()
+
+    def silent(conn):
+        release.wait(10)
+
+    server = ControlServer("127.0.0.1", 0, silent)
+    try:
+        conn = Connection.open(server.host, server.port, Deadline(5))
+        conn.send({"op": "ping"})
+        start = time.monotonic()
+        with pytest.raises(MigrationError, match="no answer within the deadline"):
+            conn.recv(Deadline(0.3))
+        assert 0.25 < time.monotonic() - start < 2
+        release.set()
+        with pytest.raises(MigrationError, match="connection closed by the peer"):
+            conn.recv(Deadline(5))
+        conn.close()
+    finally:
+        server.close()
+
+
+def test_import_loads_no_backend():
+    code = ("import sys, vllm_ext, vllm_ext.migration as m; "
+            "bad = [k for k in sys.modules if k == 'ray' or k.startswith('ray.') "
+            "or k.startswith('vllm_ext.migration.') and k.rsplit('.', 1)[1] in "
+            "('ipc', 'nccl', 'gloo', 'rayrpc', '_nccl_lib')]; "
+            "assert not bad, bad; print(m.BACKEND_NAMES)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert set(BACKEND_NAMES) == {"ipc", "nccl", "gloo", "rayrpc"}

@@ -1,0 +1,157 @@
+"""Spawned worker processes for the migration tests (no tests here).
+
+A Worker is one process (spawn context) that owns KV caches and MigrationEndpoints and obeys
+commands sent over a pipe: every call has a timeout, every stop checks the exit code, and a
+survivor is killed. Cache contents are random bytes from a seed, so the parent can compute
+the expected bytes of any block without asking (`expected_blocks`).
+"""
+
+import multiprocessing as mp
+import os
+import signal
+import traceback
+
+import torch
+
+SPAWN = mp.get_context("spawn")
+CALL_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 120.0
+
+
+def fill_cache(cache, seed: int) -> None:
+    """Random bytes in every layer tensor (a function of the seed and the layer index)."""
+    for i, layer in enumerate(cache.layers):
+        g = torch.Generator().manual_seed(seed * 1000 + i)
+        data = torch.randint(0, 256, (layer.numel() * layer.element_size(),), generator=g,
+                             dtype=torch.uint8)
+        layer.view(-1).view(torch.uint8).copy_(data.to(layer.device))
+
+
+def block_rows(cache, ids):
+    """Rows [len(ids), block_nbytes] of the cache's blocks, on the CPU (wire format)."""
+    from vllm_ext import ops
+
+    rows = ops.gather_blocks(cache, list(ids))
+    if rows.device.type == "cuda":
+        torch.cuda.synchronize(rows.device)
+    return rows.cpu()
+
+
+def make_cache(spec):
+    from vllm_ext import KVCache
+
+    cache = KVCache.allocate(
+        num_layers=spec["num_layers"], num_blocks=spec["num_blocks"],
+        block_size=spec["block_size"], num_kv_heads=spec["num_kv_heads"],
+        head_size=spec["head_size"], dtype=getattr(torch, spec["dtype"]),
+        device=spec.get("device", "cpu"), layout=spec["layout"])
+    fill_cache(cache, spec["seed"])
+    return cache
+
+
+def expected_blocks(spec, ids):
+    """What a cache made by make_cache(spec) holds at blocks `ids`, computed on the CPU."""
+    cpu_spec = dict(spec, device="cpu")
+    return block_rows(make_cache(cpu_spec), ids)
+
+
+class RemoteError(Exception):
+    """An exception raised in the worker: `type_name`, message, and MigrationError fields."""
+
+    def __init__(self, type_name, message, fields):
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+        self.message = message
+        self.fields = fields
+
+
+def _worker_main(conn, device):
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    caches, endpoints = {}, {}
+    while True:
+        try:
+            cmd, args = conn.recv()
+        except EOFError:
+            return
+        try:
+            if cmd == "exit":
+                for ep in endpoints.values():
+                    ep.close()
+                conn.send(("ok", None))
+                return
+            result = _run(cmd, args, caches, endpoints)
+            conn.send(("ok", result))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            fields = {k: getattr(e, k, None) for k in ("remote_type", "dst_block_ids", "written")}
+            conn.send(("error", (type(e).__name__, str(e), fields, traceback.format_exc())))
+
+
+def _run(cmd, args, caches, endpoints):
+    from vllm_ext.migration import MigrationEndpoint
+
+    if cmd == "endpoint":  # (name, spec, backend, options) -> descriptor
+        name, spec, backend, options = args
+        caches[name] = make_cache(spec)
+        endpoints[name] = MigrationEndpoint(caches[name], backend=backend, **options)
+        return endpoints[name].descriptor()
+    if cmd == "close":
+        endpoints.pop(args[0]).close()
+        caches.pop(args[0], None)
+        return None
+    if cmd == "pull":  # (name, descriptor, src, dst, timeout) -> PullStats
+        name, desc, src, dst, timeout = args
+        return endpoints[name].pull(desc, src, dst, timeout=timeout)
+    if cmd == "blocks":  # (name, ids) -> CPU rows
+        name, ids = args
+        return block_rows(caches[name], ids)
+    if cmd == "stall":  # (name, chunk, seconds): the source pauses while serving that chunk
+        name, chunk, seconds = args
+        endpoints[name].test_stall = (chunk, seconds)
+        return None
+    if cmd == "pid":
+        return os.getpid()
+    raise ValueError(f"unknown command {cmd!r}")
+
+
+class Worker:
+    def __init__(self, device="cpu"):
+        self.conn, child = SPAWN.Pipe()
+        self.proc = SPAWN.Process(target=_worker_main, args=(child, device), daemon=True)
+        self.proc.start()
+        child.close()
+        self.call("pid", timeout=START_TIMEOUT_S)
+
+    def send(self, cmd, *args):
+        """Starts a command; collect its result with result()."""
+        self.conn.send((cmd, args))
+
+    def result(self, timeout=CALL_TIMEOUT_S):
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"worker {self.proc.pid}: no answer within {timeout} s")
+        status, value = self.conn.recv()
+        if status == "error":
+            type_name, message, fields, tb = value
+            raise RemoteError(type_name, message + "\n" + tb, fields)
+        return value
+
+    def call(self, cmd, *args, timeout=CALL_TIMEOUT_S):
+        self.send(cmd, *args)
+        return self.result(timeout)
+
+    def kill(self):
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def stop(self, timeout=30.0):
+        """Asks the worker to exit; returns its exit code (a survivor is killed: -9)."""
+        if self.proc.is_alive():
+            try:
+                self.call("exit", timeout=timeout)
+            except (TimeoutError, EOFError, OSError, RemoteError):
+                pass
+            self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.kill()
+        return self.proc.exitcode

@@ -1,0 +1,148 @@
+"""The only module that knows NCCL's C API: loads libnccl once (the copy torch already loaded
+when there is one) and declares the few functions the nccl backend uses as a table.
+
+Imported by nccl.py only, so `import vllm_ext` / `import vllm_ext.migration` never load NCCL.
+"""
+
+import ctypes
+import glob
+import os
+import threading
+from typing import Optional
+
+NCCL_SO_ENV = "VLLM_EXT_NCCL_SO"
+
+ncclResult_t = ctypes.c_int
+ncclComm_t = ctypes.c_void_p
+cudaStream_t = ctypes.c_void_p
+NCCL_SUCCESS, NCCL_IN_PROGRESS = 0, 7
+NCCL_UINT8 = 1  # ncclDataType_t ncclUint8
+
+
+class NcclUniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_byte * 128)]
+
+
+# name: (restype, argtypes); the C prototype is above each row.
+_FUNCTIONS = {
+    # ncclResult_t ncclGetVersion(int* version)
+    "ncclGetVersion": (ncclResult_t, [ctypes.POINTER(ctypes.c_int)]),
+    # ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId)
+    "ncclGetUniqueId": (ncclResult_t, [ctypes.POINTER(NcclUniqueId)]),
+    # ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank)
+    "ncclCommInitRank": (ncclResult_t, [ctypes.POINTER(ncclComm_t), ctypes.c_int, NcclUniqueId,
+                                        ctypes.c_int]),
+    # ncclResult_t ncclCommAbort(ncclComm_t comm)
+    "ncclCommAbort": (ncclResult_t, [ncclComm_t]),
+    # ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError)
+    "ncclCommGetAsyncError": (ncclResult_t, [ncclComm_t, ctypes.POINTER(ncclResult_t)]),
+    # const char* ncclGetErrorString(ncclResult_t result)
+    "ncclGetErrorString": (ctypes.c_char_p, [ncclResult_t]),
+    # ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype,
+    #                       int peer, ncclComm_t comm, cudaStream_t stream)
+    "ncclSend": (ncclResult_t, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                ncclComm_t, cudaStream_t]),
+    # ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer,
+    #                       ncclComm_t comm, cudaStream_t stream)
+    "ncclRecv": (ncclResult_t, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                ncclComm_t, cudaStream_t]),
+}
+
+
+class NcclError(RuntimeError):
+    pass
+
+
+class NcclLibrary:
+    def __init__(self, path: str):
+        self.path = path
+        self._lib = ctypes.CDLL(path)
+        for name, (restype, argtypes) in _FUNCTIONS.items():
+            fn = getattr(self._lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+            setattr(self, name, fn)
+
+    def check(self, result: int, what: str) -> None:
+        if result != NCCL_SUCCESS:
+            msg = self.ncclGetErrorString(result)
+            raise NcclError(f"{what}: NCCL error {result}: {msg.decode() if msg else '?'}")
+
+    def version(self) -> int:
+        v = ctypes.c_int()
+        self.check(self.ncclGetVersion(ctypes.byref(v)), "ncclGetVersion")
+        return v.value
+
+    def unique_id(self) -> bytes:
+        uid = NcclUniqueId()
+        self.check(self.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
+        return bytes(bytearray(uid.internal))
+
+    def init_rank(self, nranks: int, uid: bytes, rank: int) -> int:
+        """Blocking: returns when every rank joined (run it where it can be abandoned)."""
+        if len(uid) != 128:
+            raise ValueError(f"uid: {len(uid)} bytes, expected 128")
+        u = NcclUniqueId()
+        ctypes.memmove(u.internal, uid, 128)
+        comm = ncclComm_t()
+        self.check(self.ncclCommInitRank(ctypes.byref(comm), nranks, u, rank), "ncclCommInitRank")
+        return comm.value
+
+    def abort(self, comm: int) -> None:
+        self.check(self.ncclCommAbort(comm), "ncclCommAbort")
+
+    def async_error(self, comm: int) -> int:
+        r = ncclResult_t()
+        self.check(self.ncclCommGetAsyncError(comm, ctypes.byref(r)), "ncclCommGetAsyncError")
+        return r.value
+
+    def send(self, ptr: int, nbytes: int, peer: int, comm: int, stream: int) -> None:
+        self.check(self.ncclSend(ptr, nbytes, NCCL_UINT8, peer, comm, stream), "ncclSend")
+
+    def recv(self, ptr: int, nbytes: int, peer: int, comm: int, stream: int) -> None:
+        self.check(self.ncclRecv(ptr, nbytes, NCCL_UINT8, peer, comm, stream), "ncclRecv")
+
+
+_library: Optional[NcclLibrary] = None
+_library_lock = threading.Lock()
+
+
+def _candidates():
+    env = os.environ.get(NCCL_SO_ENV)
+    if env:
+        yield env
+        return
+    # Already loaded by torch (CUDA builds link it): dlopen by soname returns that copy.
+    yield "libnccl.so.2"
+    try:
+        import nvidia  # the nvidia-nccl-cu* wheel torch depends on
+
+        for base in getattr(nvidia, "__path__", []):
+            yield from sorted(glob.glob(os.path.join(base, "nccl", "lib", "libnccl.so*")))
+            yield from sorted(glob.glob(os.path.join(base, "cu*", "lib", "libnccl.so*")))
+    except ImportError:
+        pass
+    try:
+        import torch
+
+        yield from sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib",
+                                                 "libnccl.so*")))
+    except ImportError:
+        pass
+
+
+def library() -> NcclLibrary:
+    """The loaded NCCL (ImportError, naming every path tried, when there is none)."""
+    global _library
+    with _library_lock:
+        if _library is None:
+            tried = []
+            for path in _candidates():
+                try:
+                    _library = NcclLibrary(path)
+                    break
+                except (OSError, AttributeError) as e:
+                    tried.append(f"{path} ({e})")
+            else:
+                raise ImportError("libnccl not found; set " + NCCL_SO_ENV + " to its path. Tried: "
+                                  + "; ".join(tried))
+        return _library

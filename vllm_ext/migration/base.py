@@ -1,0 +1,268 @@
+"""The contract every migration backend implements, and what they share: errors, the peer
+descriptor, pull statistics, block-id validation and deadlines.
+
+Roles. Two endpoints take part in a pull: the *destination* (the one whose `pull` was called;
+it drives) and the *source* (it serves its blocks). Each endpoint runs a small control server
+(see control.py); a backend adds its own data path beside it. Who calls what:
+
+  Destination side, on the thread that called MigrationEndpoint.pull:
+    connect(link, deadline)        once per peer (and again after a failure): build the pair's
+                                   data path (communicator, IPC mapping, ...).
+    pull(link, src_ids, dst_ids, deadline) -> PullStats
+                                   move the blocks; raise MigrationError on any failure.
+    discard(link)                  forget the pair's state after a failure; the next pull
+                                   connects again.
+  Source side, on the control server's thread for that peer's connection:
+    serve(conn, op, header, payload)
+                                   one request from a peer's destination side; answers on
+                                   `conn` and moves the data of its half of the transfer.
+                                   Per-pair state lives in `conn.state` (a destination that
+                                   reconnects gets a new connection and fresh state).
+    connection_closed(conn)        the peer's control connection ended: free conn.state.
+  Either side:
+    close()                        the endpoint is closing.
+    is_available() (classmethod)   (True, "") or (False, why): checked before construction.
+"""
+
+import abc
+import dataclasses
+import math
+import time
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
+
+__all__ = [
+    "MigrationError",
+    "PeerDescriptor",
+    "PullStats",
+    "MigrationBackend",
+    "Deadline",
+    "check_block_ids",
+]
+
+
+class MigrationError(RuntimeError):
+    """A pull failed: the peer died, stalled past the deadline, refused the request, or the
+    data path broke. The destination blocks `dst_block_ids` hold undefined data (some may
+    have been partly written); the source's cache was only read. The endpoint stays usable:
+    the failed pair's data path is discarded and rebuilt on the next pull.
+
+    Bad arguments found before any transfer raise ValueError or TypeError instead; a request
+    the *source* refuses arrives here as MigrationError with `remote_type` set to the name
+    of the exception the source raised ("ValueError", ...).
+    """
+
+    def __init__(self, message: str, *, peer: Optional[str] = None,
+                 dst_block_ids: Optional[Sequence[int]] = None,
+                 remote_type: Optional[str] = None):
+        if dst_block_ids is not None:
+            message = (f"{message} [destination blocks not written: "
+                       f"{_short_list(list(dst_block_ids))}]")
+        super().__init__(message)
+        self.peer = peer
+        self.dst_block_ids = None if dst_block_ids is None else list(dst_block_ids)
+        self.written = False
+        self.remote_type = remote_type
+
+
+def _short_list(values: List[int], limit: int = 16) -> str:
+    if len(values) <= limit:
+        return str(values)
+    return f"[{', '.join(map(str, values[:limit]))}, ... ({len(values)} ids)]"
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerDescriptor:
+    """How peers reach an endpoint: small and picklable; pass it to the other instance by any
+    means (a Ray call, a scheduler message) and hand it to that instance's `pull`."""
+
+    endpoint_id: str  # unique per endpoint (uuid hex)
+    backend: str
+    host: str  # control channel address
+    port: int
+    hostname: str  # socket.gethostname() of the process, for same-host checks
+    pid: int
+    geometry: Dict[str, Any]  # KVCache.geometry() of the endpoint's cache
+    num_blocks: int
+    layout: str
+    device: str  # "cpu" or "cuda:N"
+    extra: Dict[str, Any] = dataclasses.field(default_factory=dict)  # backend-specific
+
+    def short(self) -> str:
+        return f"{self.backend} endpoint {self.endpoint_id[:8]} at {self.host}:{self.port}"
+
+
+@dataclasses.dataclass
+class PullStats:
+    """What one pull moved and how long it took (seconds are wall time on the destination,
+    from the call to the blocks being written and visible to the caller's streams)."""
+
+    backend: str
+    num_blocks: int
+    nbytes: int
+    seconds: float
+    chunks: int = 1
+    stages: Dict[str, float] = dataclasses.field(default_factory=dict)  # per-stage seconds
+
+    @property
+    def gbps(self) -> float:
+        """GB/s (10^9 bytes per second)."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else math.inf
+
+
+class Deadline:
+    """An absolute point in time.monotonic(); every blocking wait takes its remaining time."""
+
+    __slots__ = ("at", "timeout")
+
+    def __init__(self, timeout: float):
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+            raise ValueError(f"timeout: must be a positive number of seconds, got {timeout!r}")
+        self.timeout = float(timeout)
+        self.at = time.monotonic() + self.timeout
+
+    def remaining(self) -> float:
+        return self.at - time.monotonic()
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.at
+
+
+def check_block_ids(ids, name: str, num_blocks: int, *, unique: bool) -> List[int]:
+    """Validated ids as a list of Python ints; raises TypeError/ValueError naming `name`."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency of the cache
+        torch = None
+    if torch is not None and isinstance(ids, torch.Tensor):
+        if ids.dim() != 1:
+            raise ValueError(f"{name}: expected a 1-D tensor of ids, got shape {list(ids.shape)}")
+        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+            raise TypeError(f"{name}: dtype {ids.dtype}, expected an integer dtype")
+        values = ids.tolist()
+    else:
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise TypeError(f"{name}: expected a list or 1-D tensor of ints, got "
+                            f"{type(ids).__name__}")
+        values = []
+        for v in ids:
+            if isinstance(v, bool) or isinstance(v, float) or not hasattr(v, "__index__"):
+                raise TypeError(f"{name}: {v!r} is not an int")
+            values.append(v.__index__())
+    for v in values:
+        if not 0 <= v < num_blocks:
+            raise ValueError(f"{name}: id {v} out of range for a cache of {num_blocks} blocks")
+    if unique and len(set(values)) != len(values):
+        seen = set()
+        for v in values:
+            if v in seen:
+                raise ValueError(f"{name}: duplicate id {v}; destination ids must be distinct")
+            seen.add(v)
+    return values
+
+
+def geometry_mismatch(mine: Dict[str, Any], theirs: Dict[str, Any]) -> Optional[str]:
+    """None when two caches can exchange blocks, else a description of the difference."""
+    if mine == theirs:
+        return None
+    keys = sorted(set(mine) | set(theirs))
+    return ", ".join(f"{k} {mine.get(k)!r} here vs {theirs.get(k)!r} at the peer"
+                     for k in keys if mine.get(k) != theirs.get(k))
+
+
+class MigrationBackend(abc.ABC):
+    """One way of moving blocks between two endpoints. Instances belong to one endpoint;
+    `self.endpoint.cache` is the local KVCache. See the module docstring for who calls each
+    method and on which thread."""
+
+    name: ClassVar[str] = ""
+    # Whether descriptors of two endpoints must come from one host (ipc).
+    same_host_only: ClassVar[bool] = False
+    # Whether pulls use the endpoints' TCP control channel (rayrpc talks through Ray).
+    uses_control_channel: ClassVar[bool] = True
+
+    def __init__(self, endpoint, **options):
+        self.endpoint = endpoint
+        if options:
+            raise TypeError(f"{self.name} backend: unknown options {sorted(options)}")
+
+    @classmethod
+    def is_available(cls) -> Tuple[bool, str]:
+        """(True, "") when this process can use the backend, else (False, why)."""
+        return True, ""
+
+    def check_cache(self, cache) -> None:
+        """Raises ValueError when the backend cannot serve this cache (e.g. ipc on a CPU
+        cache). Called by the endpoint's constructor."""
+        return  # optional hook: nothing to do by default
+
+    def descriptor_extra(self) -> Dict[str, Any]:
+        """Backend-specific fields peers need (go into PeerDescriptor.extra)."""
+        return {}
+
+    # ---- destination side ----------------------------------------------------------------
+    def connect(self, link, deadline: Deadline) -> None:
+        """Build the data path to `link.peer` (called before the first pull to a peer and
+        after a discard)."""
+        return  # optional hook: nothing to do by default
+
+    @abc.abstractmethod
+    def pull(self, link, src_ids: List[int], dst_ids: List[int],
+             deadline: Deadline) -> PullStats:
+        """Move blocks src_ids of the peer into dst_ids of the local cache. Ids are already
+        validated on this side. Raise MigrationError on failure."""
+
+    def discard(self, link) -> None:
+        """Forget the pair's data path after a failure (must not block)."""
+        return  # optional hook: nothing to do by default
+
+    # ---- source side ---------------------------------------------------------------------
+    def serve(self, conn, op: str, header: Dict[str, Any], payload: bytes) -> None:
+        """Handle request `op` from a peer's destination side; reply on `conn`. Raising before
+        replying refuses the request (the endpoint sends the error back)."""
+        raise ValueError(f"{self.name} backend: unknown request {op!r}")
+
+    def connection_closed(self, conn) -> None:
+        """A destination's control connection ended: release `conn.state`."""
+        return  # optional hook: nothing to do by default
+
+    def close(self) -> None:
+        """The endpoint is closing: release communicators, buffers, mappings."""
+        return  # optional hook: nothing to do by default
+
+
+def chunk_ranges(n: int, per_chunk: int) -> List[Tuple[int, int]]:
+    """[(lo, hi)] covering range(n) in pieces of at most per_chunk."""
+    per_chunk = max(1, int(per_chunk))
+    return [(lo, min(lo + per_chunk, n)) for lo in range(0, n, per_chunk)]
+
+
+def blocks_per_chunk(chunk_bytes: int, block_nbytes: int) -> int:
+    """How many blocks a staging chunk of about chunk_bytes holds (at least one)."""
+    return max(1, int(chunk_bytes) // int(block_nbytes))
+
+
+def poll_until(done: Callable[[], bool], deadline: "Deadline", what: str,
+               check: Optional[Callable[[], None]] = None, spin_s: float = 2e-3) -> None:
+    """Polls done() until true; MigrationError at the deadline. `check` runs on every poll
+    and may raise (a peer's error report or exit). Spins briefly, then sleeps in short steps,
+    so a small pull pays no scheduler latency and a long one costs no CPU."""
+    start = time.monotonic()
+    sleep = 0.0
+    while True:
+        if check is not None:
+            check()
+        if done():
+            return
+        now = time.monotonic()
+        if now >= deadline.at:
+            raise MigrationError(f"{what}: not complete at the deadline of {deadline.timeout:g} s")
+        if now - start > spin_s:
+            sleep = min(max(sleep * 2, 20e-6), 1e-3, max(deadline.at - now, 0))
+            time.sleep(sleep)
+
+
+def wait_cuda_event(event, deadline: "Deadline", what: str,
+                    check: Optional[Callable[[], None]] = None) -> None:
+    """Waits for a torch.cuda.Event against the deadline (a host-blocking synchronize could
+    never time out)."""
+    poll_until(event.query, deadline, what, check)

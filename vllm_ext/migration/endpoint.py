@@ -1,0 +1,292 @@
+"""MigrationEndpoint: one per serving instance; owns the instance's KVCache for migration, serves
+its blocks to peers and pulls blocks from them.
+
+    ep = MigrationEndpoint(cache, backend="nccl")
+    desc = ep.descriptor()                 # give this to other instances
+    stats = ep.pull(peer_desc, src_block_ids, dst_block_ids, timeout=10.0)
+
+Threads: `pull` runs on the caller's thread (several threads may pull from different peers at
+once; pulls from one peer are serialised). Serving runs on the control server's threads, one
+per connected peer, so a stalled peer never delays the others.
+"""
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any, Callable, Dict, Optional
+
+from . import registry
+from .base import Deadline, MigrationError, PeerDescriptor, PullStats, check_block_ids, geometry_mismatch, poll_until
+from .control import Connection, ControlServer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MigrationEndpoint", "PeerLink"]
+
+
+class PeerLink:
+    """The destination side's state for one source peer: its control connection and whatever
+    the backend keeps for the pair (`state`). Used under `lock` only."""
+
+    def __init__(self, peer: PeerDescriptor):
+        self.peer = peer
+        self.lock = threading.Lock()
+        self.conn: Optional[Connection] = None
+        self.hello: Dict[str, Any] = {}  # the source's answer to hello
+        self.connected = False  # the backend's data path is built
+        self.state: Dict[str, Any] = {}
+
+    def request(self, header: Dict[str, Any], payload: bytes = b"") -> None:
+        assert self.conn is not None
+        self.conn.send(header, payload)
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        self.connected = False
+
+
+class MigrationEndpoint:
+    """Serves `cache` to peers and pulls peers' blocks into it over one backend.
+
+    Args:
+        cache: the instance's vllm_ext.KVCache (CPU or CUDA; ipc and nccl need CUDA).
+        backend: "ipc", "nccl", "gloo" or "rayrpc".
+        host: address the control server binds and advertises; the default (loopback)
+            serves peers of this host only. Use the host's address for peers elsewhere.
+        port: control server port (0 = any free port).
+        **options: backend options (see each backend's class docstring).
+    """
+
+    def __init__(self, cache, backend: str = "gloo", *, host: str = "127.0.0.1", port: int = 0,
+                 **options):
+        from ..cache import KVCache
+
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache: expected vllm_ext.KVCache, got {type(cache).__name__}")
+        if cache.layers is None:
+            raise ValueError("cache: an imported peer view cannot be served; pass a cache that "
+                             "owns its tensors")
+        backend_class = registry.get_backend_class(backend)
+        ok, why = backend_class.is_available()
+        if not ok:
+            raise RuntimeError(f"backend {backend!r} is not available in this process: {why}")
+        self.cache = cache
+        self.endpoint_id = uuid.uuid4().hex
+        self.backend = backend_class(self, **options)
+        self.backend.check_cache(cache)
+        self._links: Dict[str, PeerLink] = {}
+        self._links_lock = threading.Lock()
+        self._closed = False
+        # Tests only: (chunk index, seconds) makes the source pause while serving.
+        self.test_stall: Optional[tuple] = None
+        self._server = ControlServer(host, port, self._serve_connection,
+                                     name=f"migration-{backend}")
+
+    # ---- description ---------------------------------------------------------------------
+    def descriptor(self) -> PeerDescriptor:
+        cache = self.cache
+        return PeerDescriptor(
+            endpoint_id=self.endpoint_id, backend=self.backend.name, host=self._server.host,
+            port=self._server.port, hostname=socket.gethostname(), pid=os.getpid(),
+            geometry=cache.geometry(), num_blocks=cache.num_blocks, layout=cache.layout,
+            device=str(cache.device), extra=self.backend.descriptor_extra())
+
+    # ---- destination side ----------------------------------------------------------------
+    def pull(self, peer: PeerDescriptor, src_block_ids, dst_block_ids,
+             timeout: float = 10.0) -> PullStats:
+        """Copies blocks `src_block_ids` of `peer`'s cache into blocks `dst_block_ids` of this
+        endpoint's cache; returns when they are written (visible to every stream).
+
+        Raises ValueError/TypeError for bad arguments (nothing moved), MigrationError when
+        the transfer fails, the peer refuses, dies or stalls past `timeout` seconds.
+        """
+        deadline = Deadline(timeout)
+        if self._closed:
+            raise ValueError("pull: this endpoint is closed")
+        self._check_peer(peer)
+        src = check_block_ids(src_block_ids, "src_block_ids", peer.num_blocks, unique=False)
+        dst = check_block_ids(dst_block_ids, "dst_block_ids", self.cache.num_blocks, unique=True)
+        if len(src) != len(dst):
+            raise ValueError(f"src_block_ids and dst_block_ids: lengths differ "
+                             f"({len(src)} vs {len(dst)})")
+        if not src:
+            return PullStats(self.backend.name, 0, 0, 0.0, chunks=0)
+        start = time.perf_counter()
+        link = self._link(peer)
+        if not link.lock.acquire(timeout=max(deadline.remaining(), 0)):
+            raise MigrationError(f"pull from {peer.short()}: another pull from this peer held it "
+                                 f"past the deadline ({timeout:g} s)", peer=peer.endpoint_id,
+                                 dst_block_ids=dst)
+        try:
+            if link.conn is None and self.backend.uses_control_channel:
+                self._open(link, deadline)
+            if not link.connected:
+                self.backend.connect(link, deadline)
+                link.connected = True
+            stats = self.backend.pull(link, src, dst, deadline)
+        except MigrationError as e:
+            self._discard(link)
+            raise MigrationError(f"pull from {peer.short()}: {e}", peer=peer.endpoint_id,
+                                 dst_block_ids=dst, remote_type=e.remote_type) from e
+        except Exception as e:  # noqa: BLE001 - any failure mid-transfer is a MigrationError
+            self._discard(link)
+            raise MigrationError(f"pull from {peer.short()}: {type(e).__name__}: {e}",
+                                 peer=peer.endpoint_id, dst_block_ids=dst) from e
+        finally:
+            link.lock.release()
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def _check_peer(self, peer) -> None:
+        if not isinstance(peer, PeerDescriptor):
+            raise TypeError(f"peer: expected PeerDescriptor (from descriptor()), got "
+                            f"{type(peer).__name__}")
+        if peer.backend != self.backend.name:
+            raise ValueError(f"peer: uses backend {peer.backend!r}, this endpoint uses "
+                             f"{self.backend.name!r}")
+        if peer.endpoint_id == self.endpoint_id:
+            raise ValueError("peer: is this endpoint itself; copy within one cache with "
+                             "vllm_ext.ops.copy_blocks")
+        diff = geometry_mismatch(self.cache.geometry(), peer.geometry)
+        if diff:
+            raise ValueError(f"peer: cache geometry differs ({diff})")
+        if self.backend.same_host_only and peer.hostname != socket.gethostname():
+            raise ValueError(f"peer: on host {peer.hostname!r}, this is {socket.gethostname()!r};"
+                             f" the {self.backend.name} backend works within one host")
+
+    def _link(self, peer: PeerDescriptor) -> PeerLink:
+        with self._links_lock:
+            link = self._links.get(peer.endpoint_id)
+            if link is None:
+                link = self._links[peer.endpoint_id] = PeerLink(peer)
+            return link
+
+    def _open(self, link: PeerLink, deadline: Deadline) -> None:
+        peer = link.peer
+        link.conn = Connection.open(peer.host, peer.port, deadline)
+        link.request({"op": "hello", "peer_id": self.endpoint_id, "backend": self.backend.name,
+                      "geometry": self.cache.geometry(), "hostname": socket.gethostname(),
+                      "pid": os.getpid(), "source_id": peer.endpoint_id})
+        link.hello = link.conn.recv_reply(deadline, "hello")
+
+    def _discard(self, link: PeerLink) -> None:
+        try:
+            self.backend.discard(link)
+        except Exception:  # noqa: BLE001
+            logger.exception("discarding the data path to %s failed", link.peer.short())
+        link.close()
+
+    # ---- source side ---------------------------------------------------------------------
+    def _serve_connection(self, conn: Connection) -> None:
+        try:
+            while True:
+                try:
+                    header, payload = conn.recv()
+                except (EOFError, MigrationError):
+                    return
+                op = header.get("op")
+                sent_before = conn.sent
+                try:
+                    if op == "hello":
+                        self._serve_hello(conn, header)
+                    elif op == "ping":
+                        conn.reply_ok()
+                    elif conn.peer_id is None:
+                        raise ValueError(f"request {op!r} before hello")
+                    else:
+                        self.backend.serve(conn, op, header, payload)
+                except Exception as e:  # noqa: BLE001 - reported to the peer
+                    if conn.sent == sent_before:
+                        try:
+                            conn.reply_error(e)
+                        except MigrationError:
+                            return
+                    else:
+                        # The request was accepted and failed later: one unsolicited error
+                        # message, which the destination sees while waiting for data.
+                        logger.warning("serving %r to %s failed: %s", op, conn.peer, e)
+                        try:
+                            conn.send({"ok": False, "async": True, "type": type(e).__name__,
+                                       "error": str(e)})
+                        except MigrationError:
+                            return
+        finally:
+            try:
+                self.backend.connection_closed(conn)
+            except Exception:  # noqa: BLE001
+                logger.exception("releasing the state of peer %s failed", conn.peer)
+
+    def _serve_hello(self, conn: Connection, header: Dict[str, Any]) -> None:
+        if header.get("source_id") != self.endpoint_id:
+            raise ValueError(f"hello: addressed to endpoint {header.get('source_id')!r}, this is "
+                             f"{self.endpoint_id!r} (a stale descriptor?)")
+        if header.get("backend") != self.backend.name:
+            raise ValueError(f"hello: peer uses backend {header.get('backend')!r}, this endpoint "
+                             f"uses {self.backend.name!r}")
+        diff = geometry_mismatch(self.cache.geometry(), header.get("geometry") or {})
+        if diff:
+            raise ValueError(f"hello: cache geometry differs ({diff})")
+        conn.peer_id = str(header.get("peer_id"))
+        conn.reply_ok(num_blocks=self.cache.num_blocks, endpoint_id=self.endpoint_id)
+
+    def test_pause(self, chunk: int) -> None:
+        """Source side, tests only: pause at chunk `chunk` when test_stall says so."""
+        stall = self.test_stall
+        if stall is not None and chunk == stall[0]:
+            time.sleep(stall[1])
+
+    # ---- lifetime ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stops serving, closes control connections and releases the backend's resources."""
+        if self._closed:
+            return
+        self._closed = True
+        self._server.close()
+        with self._links_lock:
+            links = list(self._links.values())
+            self._links.clear()
+        for link in links:
+            # A pull in flight ends by its own deadline; do not wait for it forever.
+            if link.lock.acquire(timeout=30):
+                try:
+                    self._discard(link)
+                finally:
+                    link.lock.release()
+        self.backend.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return (f"MigrationEndpoint(backend={self.backend.name!r}, "
+                f"at={self._server.host}:{self._server.port}, cache={self.cache!r})")
+
+
+def wait_for_data(link: PeerLink, done: Callable[[], bool], deadline: Deadline, what: str,
+                  expect_reply: bool = True) -> Optional[Dict[str, Any]]:
+    """Destination side: waits until `done()` and (when `expect_reply`) the source's reply to
+    the current request arrived. MigrationError when the source reports an error, the
+    connection closes (the source exited), or the deadline passes."""
+    conn = link.conn
+    got: Dict[str, Any] = {}
+
+    def check() -> None:
+        if conn.readable():
+            header = conn.recv_reply(deadline, what)  # raises on an error report or EOF
+            if "reply" in got or not expect_reply:
+                raise MigrationError(f"{what}: unexpected message from the peer: {header}")
+            got["reply"] = header
+
+    def finished() -> bool:
+        return ("reply" in got or not expect_reply) and done()
+
+    poll_until(finished, deadline, what, check)
+    return got.get("reply")

@@ -1,0 +1,117 @@
+"""ipc: two GPUs of one host. The destination maps the source's cache memory through CUDA IPC
+(once per peer) and pulls with one ops.copy_blocks launch on its own GPU that reads the
+source over NVLink (or PCIe peer access): no staging buffer, no host copy, no send/recv.
+
+A pull exchanges no control message: the only fixed costs are the id upload, one kernel
+launch and the completion poll. The source is therefore not asked per pull, and must offer
+only blocks whose writes are complete (a serving engine migrates blocks of finished steps).
+Before each pull the destination checks that the source's control connection is still open;
+a source that exited is reported as MigrationError instead of being read.
+
+Source-side checks (same host, geometry, dtype) happen when the destination maps the cache;
+ids are checked on the destination against the block count the source reported then.
+"""
+
+import dataclasses
+from typing import Any, Dict
+
+import torch
+
+from .base import Deadline, MigrationBackend, MigrationError, PullStats, wait_cuda_event
+
+_HANDLE_BYTES_FIELDS = ("allocations",)
+
+
+def handle_to_json(handle) -> Dict[str, Any]:
+    """IpcCacheHandle -> JSON-safe dict (bytes as hex)."""
+    d = dataclasses.asdict(handle)
+    d["allocations"] = [[raw.hex(), int(nbytes)] for raw, nbytes in handle.allocations]
+    d["layer_offsets"] = [[int(a), int(o)] for a, o in handle.layer_offsets]
+    return d
+
+
+def handle_from_json(d: Dict[str, Any]):
+    from ..cache import IpcCacheHandle
+
+    fields = {f.name for f in dataclasses.fields(IpcCacheHandle)}
+    if set(d) != fields:
+        raise ValueError(f"ipc handle: fields {sorted(d)} do not match {sorted(fields)}")
+    d = dict(d)
+    d["allocations"] = tuple((bytes.fromhex(raw), int(nbytes)) for raw, nbytes in d["allocations"])
+    d["layer_offsets"] = tuple((int(a), int(o)) for a, o in d["layer_offsets"])
+    return IpcCacheHandle(**d)
+
+
+class IpcBackend(MigrationBackend):
+    name = "ipc"
+    same_host_only = True
+
+    def __init__(self, endpoint):
+        super().__init__(endpoint)
+        self._export = None  # the source's handle, made once
+
+    @classmethod
+    def is_available(cls):
+        if not torch.cuda.is_available():
+            return False, "no CUDA device (torch.cuda.is_available() is False)"
+        return True, ""
+
+    def check_cache(self, cache) -> None:
+        if cache.device.type != "cuda":
+            raise ValueError(f"cache: on {cache.device}; the ipc backend shares CUDA caches")
+
+    # ---- destination side ----------------------------------------------------------------
+    def connect(self, link, deadline: Deadline) -> None:
+        from ..cache import KVCache
+
+        cache = self.endpoint.cache
+        link.request({"op": "ipc.export"})
+        reply = link.conn.recv_reply(deadline, "ipc export")
+        try:
+            handle = handle_from_json(reply["handle"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise MigrationError(f"ipc connect: bad handle from the peer: {e}") from e
+        if handle.num_blocks != link.hello.get("num_blocks"):
+            raise MigrationError(f"ipc connect: handle of {handle.num_blocks} blocks, the peer "
+                                 f"said {link.hello.get('num_blocks')}")
+        view = KVCache.import_ipc(handle, device=cache.device)
+        if view.geometry() != cache.geometry():
+            view.close()
+            raise MigrationError("ipc connect: the mapped cache's geometry differs")
+        link.state["view"] = view
+        link.state["stream"] = torch.cuda.Stream(cache.device)
+
+    def pull(self, link, src_ids, dst_ids, deadline: Deadline) -> PullStats:
+        from .. import ops
+
+        cache = self.endpoint.cache
+        if link.conn.closed_by_peer():
+            raise MigrationError("ipc pull: the source closed its control connection (exited?)")
+        view, stream = link.state["view"], link.state["stream"]
+        n = len(src_ids)
+        with torch.cuda.device(cache.device):
+            ids = torch.tensor(src_ids + dst_ids, dtype=torch.int64, pin_memory=True)
+            stream.wait_stream(torch.cuda.current_stream(cache.device))
+            with torch.cuda.stream(stream):
+                ids = ids.to(cache.device, non_blocking=True)
+                ops.copy_blocks(view, ids[:n], cache, ids[n:], check_ids=False)
+                done = torch.cuda.Event()
+                done.record(stream)
+        wait_cuda_event(done, deadline, "ipc copy")
+        return PullStats(self.name, n, n * cache.block_nbytes, 0.0)
+
+    def discard(self, link) -> None:
+        stream = link.state.pop("stream", None)
+        view = link.state.pop("view", None)
+        if stream is not None:
+            stream.synchronize()  # a copy is bounded: it finishes before the unmap
+        if view is not None:
+            view.close()
+
+    # ---- source side ---------------------------------------------------------------------
+    def serve(self, conn, op: str, header: Dict[str, Any], payload: bytes) -> None:
+        if op != "ipc.export":
+            return super().serve(conn, op, header, payload)
+        if self._export is None:
+            self._export = handle_to_json(self.endpoint.cache.export_ipc())
+        conn.reply_ok(handle=self._export)

@@ -1,0 +1,167 @@
+"""rayrpc: the instance runs as a Ray actor; blocks cross Ray's object store as raw bytes.
+
+The source endpoint must be created inside a Ray actor (its handle goes into the descriptor).
+The destination calls the source actor once per chunk through Ray's `__ray_call__` (no
+method to add to the instance class): the source gathers the chunk's blocks into a uint8
+array, Ray stores it in shared memory, and the destination maps it (zero-copy on one node)
+and scatters it into its cache. The bytes are the cache's own: no dtype conversion (Llumnix
+converts bf16 to fp32 for numpy and doubles the bytes). Up to `max_in_flight` chunk requests
+are outstanding, so the source gathers chunk c+1 while the destination scatters chunk c.
+
+The instance actor needs max_concurrency >= 2 (or the migration calls wait behind the
+engine's long-running methods; two actors pulling from each other would deadlock).
+
+Errors: a source actor that died raises RayActorError, a stalled one misses the deadline of
+`ray.get`; both become MigrationError. Ray is optional: `pip install vllm-ext[ray]`.
+
+Options: chunk_bytes (default 32 MiB), max_in_flight (default 2).
+"""
+
+import threading
+import warnings
+import weakref
+from typing import Any, Dict, List
+
+import torch
+
+from .base import (
+    Deadline,
+    MigrationBackend,
+    MigrationError,
+    PullStats,
+    blocks_per_chunk,
+    check_block_ids,
+    chunk_ranges,
+    geometry_mismatch,
+)
+
+DEFAULT_CHUNK_BYTES = 32 << 20
+
+# Endpoints of this process by id, for the source-side call (runs in the actor's process).
+_ENDPOINTS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
+_ENDPOINTS_LOCK = threading.Lock()
+
+
+def _serve_chunk(actor, endpoint_id: str, geometry: Dict[str, Any], src_ids: List[int],
+                 chunk: int):
+    """Source side (runs in the source actor via __ray_call__): the rows of blocks src_ids
+    as a numpy uint8 array [len(src_ids), block_nbytes]."""
+    del actor
+    from .. import ops
+
+    with _ENDPOINTS_LOCK:
+        endpoint = _ENDPOINTS.get(endpoint_id)
+    if endpoint is None:
+        raise ValueError(f"rayrpc: no endpoint {endpoint_id!r} in this actor (closed?)")
+    cache = endpoint.cache
+    diff = geometry_mismatch(cache.geometry(), geometry)
+    if diff:
+        raise ValueError(f"rayrpc: cache geometry differs ({diff})")
+    ids = check_block_ids(src_ids, "src_block_ids", cache.num_blocks, unique=False)
+    endpoint.test_pause(chunk)
+    if cache.device.type == "cuda":
+        rows = ops.gather_blocks(cache, ids)  # on the GPU, then one copy to host
+        rows = rows.cpu()
+    else:
+        rows = ops.gather_blocks(cache, ids)
+    return rows.numpy()
+
+
+class RayRpcBackend(MigrationBackend):
+    name = "rayrpc"
+    uses_control_channel = False
+
+    def __init__(self, endpoint, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_in_flight: int = 2):
+        super().__init__(endpoint)
+        import ray
+
+        if int(chunk_bytes) <= 0:
+            raise ValueError(f"chunk_bytes: must be positive, got {chunk_bytes!r}")
+        if int(max_in_flight) < 1:
+            raise ValueError(f"max_in_flight: must be at least 1, got {max_in_flight!r}")
+        self.chunk_bytes = int(chunk_bytes)
+        self.max_in_flight = int(max_in_flight)
+        if not ray.is_initialized():
+            raise RuntimeError("rayrpc: Ray is not initialised in this process (create the "
+                               "endpoint inside a Ray actor)")
+        try:
+            self._actor = ray.get_runtime_context().current_actor
+        except Exception as e:  # noqa: BLE001 - Ray raises a plain exception outside actors
+            raise RuntimeError(f"rayrpc: the endpoint must be created inside a Ray actor: {e}") \
+                from e
+        with _ENDPOINTS_LOCK:
+            _ENDPOINTS[endpoint.endpoint_id] = endpoint
+
+    @classmethod
+    def is_available(cls):
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            return False, "ray is not installed (pip install vllm-ext[ray])"
+        return True, ""
+
+    def descriptor_extra(self) -> Dict[str, Any]:
+        return {"actor": self._actor}
+
+    # ---- destination side ----------------------------------------------------------------
+    def pull(self, link, src_ids, dst_ids, deadline: Deadline) -> PullStats:
+        import ray
+        from ray import exceptions as rex
+
+        from .. import ops
+
+        actor = link.peer.extra.get("actor")
+        if actor is None:
+            raise MigrationError("rayrpc: the peer descriptor carries no actor handle")
+        cache = self.endpoint.cache
+        geometry = cache.geometry()
+        n = len(src_ids)
+        chunks = chunk_ranges(n, blocks_per_chunk(self.chunk_bytes, cache.block_nbytes))
+        refs: Dict[int, Any] = {}
+
+        def submit(c: int) -> None:
+            lo, hi = chunks[c]
+            refs[c] = actor.__ray_call__.remote(_serve_chunk, link.peer.endpoint_id, geometry,
+                                                src_ids[lo:hi], c)
+
+        for c in range(min(self.max_in_flight, len(chunks))):
+            submit(c)
+        try:
+            for c, (lo, hi) in enumerate(chunks):
+                try:
+                    rows = ray.get(refs.pop(c), timeout=max(deadline.remaining(), 0))
+                except rex.GetTimeoutError as e:
+                    raise MigrationError(f"rayrpc: chunk {c} not received at the deadline of "
+                                         f"{deadline.timeout:g} s") from e
+                except rex.RayTaskError as e:
+                    cause = e.cause if getattr(e, "cause", None) is not None else e
+                    raise MigrationError(f"rayrpc: the source refused or failed: "
+                                         f"{type(cause).__name__}: {cause}",
+                                         remote_type=type(cause).__name__) from e
+                except rex.RayError as e:  # actor died, object lost, ...
+                    raise MigrationError(f"rayrpc: {type(e).__name__}: {e}") from e
+                if c + self.max_in_flight < len(chunks):
+                    submit(c + self.max_in_flight)
+                if rows.dtype.itemsize != 1 or rows.shape != (hi - lo, cache.block_nbytes):
+                    raise MigrationError(f"rayrpc: chunk {c} has shape {rows.shape} dtype "
+                                         f"{rows.dtype}, expected ({hi - lo}, "
+                                         f"{cache.block_nbytes}) uint8")
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the object store's arrays are read-only
+                    buf = torch.from_numpy(rows)
+                if cache.device.type == "cuda":
+                    buf = buf.to(cache.device)
+                ops.scatter_blocks(buf, cache, dst_ids[lo:hi])
+            if cache.device.type == "cuda":
+                torch.cuda.current_stream(cache.device).synchronize()
+        finally:
+            for ref in refs.values():  # a failure leaves later chunks in flight
+                try:
+                    ray.cancel(ref)
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
+        return PullStats(self.name, n, n * cache.block_nbytes, 0.0, chunks=len(chunks))
+
+    def close(self) -> None:
+        with _ENDPOINTS_LOCK:
+            _ENDPOINTS.pop(self.endpoint.endpoint_id, None)
