@@ -19,6 +19,15 @@ using vllm_ext::fail;
 using vllm_ext::layer_base;
 
 constexpr int kThreads = 256;
+// Vectors each thread keeps in flight per tile on the main path, and the CTAs per SM the
+// register budget must allow (1 = no constraint); build-time knobs for tuning runs.
+#ifndef VLLM_EXT_DEEP_UNROLL
+#define VLLM_EXT_DEEP_UNROLL 4
+#endif
+#ifndef VLLM_EXT_MIN_CTAS_PER_SM
+#define VLLM_EXT_MIN_CTAS_PER_SM 1
+#endif
+constexpr int kDeepUnroll = VLLM_EXT_DEEP_UNROLL;
 constexpr int kMaxDevices = 64;
 
 int cuda_fail(cudaError_t err, const char* what) {
@@ -89,7 +98,7 @@ template <> struct VecOf<1> { using type = uint8_t; };
 // before its first store to keep enough bytes in flight. src/dst chunks:
 //   layer_base(l) + block_ids[i] * block_stride + c * component_stride, chunk_vecs vectors.
 template <int kVecBytes, int kUnroll>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, VLLM_EXT_MIN_CTAS_PER_SM)
     copy_blocks_kernel(const vllm_ext_side src, const vllm_ext_side dst, int32_t num_layers,
                        int32_t num_components, int64_t chunk_vecs, int64_t tiles_per_chunk,
                        int64_t num_tiles) {
@@ -97,7 +106,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int64_t kTileVecs = int64_t{kThreads} * kUnroll;
   for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const int64_t chunk = tile / tiles_per_chunk;
-    const int64_t first = (tile - chunk * tiles_per_chunk) * kTileVecs + threadIdx.x;
+    const int64_t tile_start = (tile - chunk * tiles_per_chunk) * kTileVecs;
     const int32_t c = static_cast<int32_t>(chunk % num_components);
     const int64_t rest = chunk / num_components;
     const int32_t l = static_cast<int32_t>(rest % num_layers);
@@ -106,18 +115,23 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t d = dst.block_ids != nullptr ? dst.block_ids[i] : i;
     // Never touch memory outside the described blocks, whatever the ids say.
     if (s < 0 || s >= src.num_blocks || d < 0 || d >= dst.num_blocks) continue;
-    const Vec* from = reinterpret_cast<const Vec*>(chunk_address(src, layer_base(src, l), s, c));
-    Vec* to = reinterpret_cast<Vec*>(chunk_address(dst, layer_base(dst, l), d, c));
+    const Vec* from = reinterpret_cast<const Vec*>(chunk_address(src, layer_base(src, l), s, c)) +
+                      tile_start + threadIdx.x;
+    Vec* to = reinterpret_cast<Vec*>(chunk_address(dst, layer_base(dst, l), d, c)) + tile_start + threadIdx.x;
     Vec v[kUnroll];
+    if (chunk_vecs - tile_start >= kTileVecs) {  // a full tile: no per-access bounds checks
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t k = first + int64_t{u} * kThreads;
-      if (k < chunk_vecs) v[u] = load_once(from + k);
-    }
+      for (int u = 0; u < kUnroll; ++u) v[u] = load_once(from + u * kThreads);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t k = first + int64_t{u} * kThreads;
-      if (k < chunk_vecs) store_once(to + k, v[u]);
+      for (int u = 0; u < kUnroll; ++u) store_once(to + u * kThreads, v[u]);
+    } else {
+      const int64_t left = chunk_vecs - tile_start - threadIdx.x;  // vectors from this thread on
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (u * kThreads < left) v[u] = load_once(from + u * kThreads);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (u * kThreads < left) store_once(to + u * kThreads, v[u]);
     }
   }
 }
@@ -145,12 +159,12 @@ int launch(const vllm_ext_side& src, const vllm_ext_side& dst, int64_t num_ids, 
   const int64_t num_chunks = num_ids * num_layers * num_components;
   // NOTE: small chunks (a few hundred vectors) would leave most of a 4-deep tile idle; they
   // get one vector per thread and more tiles instead.
-  const bool deep = chunk_vecs >= int64_t{kThreads} * 4;
-  const int64_t tile_vecs = int64_t{kThreads} * (deep ? 4 : 1);
+  const bool deep = chunk_vecs >= int64_t{kThreads} * kDeepUnroll;
+  const int64_t tile_vecs = int64_t{kThreads} * (deep ? kDeepUnroll : 1);
   const int64_t tiles_per_chunk = (chunk_vecs + tile_vecs - 1) / tile_vecs;
   const int64_t num_tiles = num_chunks * tiles_per_chunk;
   if (deep) {
-    constexpr auto kernel = copy_blocks_kernel<kVecBytes, 4>;
+    constexpr auto kernel = copy_blocks_kernel<kVecBytes, kDeepUnroll>;
     const int64_t grid = std::min<int64_t>(num_tiles, resident_ctas<kernel>(device));
     kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(src, dst, num_layers, num_components,
                                                                  chunk_vecs, tiles_per_chunk, num_tiles);
@@ -248,7 +262,7 @@ int vllm_ext_check_device(int32_t device, int32_t* major, int32_t* minor) {
   if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
   cudaFuncAttributes attr;
   // Loading the kernel is what fails on a GPU with neither machine code nor usable PTX.
-  VLLM_EXT_CUDA_TRY(cudaFuncGetAttributes(&attr, copy_blocks_kernel<16, 4>));
+  VLLM_EXT_CUDA_TRY(cudaFuncGetAttributes(&attr, copy_blocks_kernel<16, kDeepUnroll>));
   return VLLM_EXT_OK;
 }
 
