@@ -281,8 +281,14 @@ def host_overhead_us(cache, device, calls=2000):
     out = torch.empty((1, cache.block_nbytes), dtype=torch.uint8, device=device)
     src, dst = torch.empty_like(out), torch.empty_like(out)
     result = {}
-    for name, fn in (("gather_blocks", lambda: ops.gather_blocks(cache, ids, out=out, check_ids=False)),
-                     ("torch copy_", lambda: dst.copy_(src))):
+    calls = [("gather_blocks", lambda: ops.gather_blocks(cache, ids, out=out, check_ids=False)),
+             ("torch copy_", lambda: dst.copy_(src))]
+    if device.type == "cuda":  # the C call alone, sides prepared: what Python adds on top of it
+        sides = (ops._cache_side(cache, ids, device), ops._buffer_side(out, cache))
+        stream = torch.cuda.current_stream(device).cuda_stream
+        calls.append(("C launch only", lambda: _lib.copy_blocks_cuda(
+            *sides, 1, cache.num_layers, cache.num_components, cache.chunk_nbytes, 16, device.index, stream)))
+    for name, fn in calls:
         for _ in range(50):
             fn()
         if device.type == "cuda":
