@@ -602,6 +602,9 @@ def main():
                         help="comma list (default: ipc,nccl,gloo with 2 GPUs; gloo,rayrpc without)")
     parser.add_argument("--cpu", action="store_true", help="host caches even with GPUs")
     args = parser.parse_args()
+    # OpenMP workers that spin after each torch CPU op starve gloo's I/O threads on small hosts
+    # (measured on 2 cores: the per-layer baseline ran 10-40x slower); children inherit this.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
     from vllm_ext import _lib
 
