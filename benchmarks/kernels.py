@@ -275,28 +275,28 @@ def bench_size(n, cache, rng, timer, iters, peer=None):
     return results
 
 
-def host_overhead_us(cache, device, calls=2000):
+def host_overhead_us(cache, device, repeats=2000):
     """Host time of one call, enqueue only (the GPU drains in the background)."""
     ids = torch.tensor([0], device=device)
     out = torch.empty((1, cache.block_nbytes), dtype=torch.uint8, device=device)
     src, dst = torch.empty_like(out), torch.empty_like(out)
     result = {}
-    calls = [("gather_blocks", lambda: ops.gather_blocks(cache, ids, out=out, check_ids=False)),
-             ("torch copy_", lambda: dst.copy_(src))]
+    variants = [("gather_blocks", lambda: ops.gather_blocks(cache, ids, out=out, check_ids=False)),
+                ("torch copy_", lambda: dst.copy_(src))]
     if device.type == "cuda":  # the C call alone, sides prepared: what Python adds on top of it
         sides = (ops._cache_side(cache, ids, device), ops._buffer_side(out, cache))
         stream = torch.cuda.current_stream(device).cuda_stream
-        calls.append(("C launch only", lambda: _lib.copy_blocks_cuda(
+        variants.append(("C launch only", lambda: _lib.copy_blocks_cuda(
             *sides, 1, cache.num_layers, cache.num_components, cache.chunk_nbytes, 16, device.index, stream)))
-    for name, fn in calls:
+    for name, fn in variants:
         for _ in range(50):
             fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        for _ in range(calls):
+        for _ in range(repeats):
             fn()
-        result[name] = round((time.perf_counter() - t0) / calls * 1e6, 2)
+        result[name] = round((time.perf_counter() - t0) / repeats * 1e6, 2)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     return result
