@@ -24,7 +24,11 @@ Every pull is checked: after the samples of a size, the destination's blocks are
 with the source's (row checksums); `wrong` counts mismatching blocks.
 Fixed cost per pull: median and p99 of `--fixed-samples` 1-block pulls.
 
-    python benchmarks/migration.py [--out benchmarks/results] [--quick]
+    python benchmarks/migration.py [--out benchmarks/results] [--quick] [--time-limit S]
+Nothing can hang: every wait has a deadline (pulls, NCCL and gloo set-up and transfers, the
+pipe between the two processes), and the parent stops both processes at --time-limit (default
+170 s with --quick), keeping the results of the stages that finished and naming the one that
+did not.
 With two GPUs: process 0 (destination) on cuda:0, process 1 (source) on cuda:1. Without two
 GPUs: host caches, the CPU backends (gloo, and rayrpc when ray is importable), fewer sizes.
 Outputs: migration.md, migration.json, migration.png (when matplotlib is installed).
@@ -41,6 +45,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from queue import Empty
 
 import torch
 
@@ -50,6 +55,8 @@ BLOCK_NBYTES = 8 << 20
 GIB = 1 << 30
 MIB = 1 << 20
 BIG_BLOCKS = 204  # 1.59 GiB
+PULL_TIMEOUT_S = 30.0  # one pull's deadline
+WAIT_S = 60.0  # any other single wait (set-up, a peer's answer, a raw transfer)
 
 # Llumnix CI report 1 as posted: MiB -> GiB/s ("MB" and "GB/s" there are MiB and GiB/s).
 _LLUMNIX_SIZES = [8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128]
@@ -96,12 +103,34 @@ def make_cache(device, num_blocks, seed):
     g = torch.Generator(device=device).manual_seed(seed)
     for layer in cache.layers:
         layer.view(torch.int16).random_(generator=g)
+    sync(device)  # written before a peer may read it (ipc reads it directly)
     return cache
 
 
-def sync(device):
+def sync(device, what="device work"):
+    """Waits for the current stream of `device`, at most WAIT_S (a host-blocking synchronize
+    behind an NCCL receive whose sender is gone would never return)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        from vllm_ext.migration.base import Deadline, wait_cuda_event
+
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        wait_cuda_event(event, Deadline(WAIT_S), what)
+
+
+def recv_within(conn, what, seconds=WAIT_S):
+    """The next message on the pipe between the two processes, or TimeoutError."""
+    if not conn.poll(seconds):
+        raise TimeoutError(f"{what}: no message from the other process within {seconds:g} s")
+    return conn.recv()
+
+
+def nccl_join(cache, uid, rank):
+    """A two-rank NCCL communicator, set up under a deadline (the backend's own helper)."""
+    from vllm_ext.migration.base import Deadline
+    from vllm_ext.migration.nccl import _join
+
+    return _join(cache, uid, rank, Deadline(WAIT_S))
 
 
 # ---- the Llumnix-style data path, both sides --------------------------------------------------
@@ -157,7 +186,7 @@ def source_main(conn, device, num_blocks, backends, options):
             from vllm_ext.migration import _nccl_lib
 
             lib = _nccl_lib.library()
-            raw["nccl"] = (lib, lib.init_rank(2, args[0], 1))
+            raw["nccl"] = (lib, nccl_join(cache, args[0], 1))
             raw["nccl_buf"] = torch.empty(args[1], dtype=torch.uint8, device=device)
             staging["nccl"] = baseline_staging("nccl", cache, args[2])
             conn.send("done")
@@ -171,7 +200,7 @@ def source_main(conn, device, num_blocks, backends, options):
             stream = torch.cuda.current_stream(device)
             lib.send(raw["nccl_buf"].data_ptr(), args[0], 0, comm, stream.cuda_stream)
             conn.send("posted")
-            stream.synchronize()
+            sync(device, "NCCL send (ceiling)")
         elif cmd == "raw_gloo":
             work = raw["gloo"].send([raw["gloo_buf"][:args[0]]], 0, 0)
             conn.send("posted")
@@ -184,7 +213,7 @@ def source_main(conn, device, num_blocks, backends, options):
                 lib.send(t.data_ptr(), t.numel() * t.element_size(), 0, comm, stream.cuda_stream)
 
             baseline_send("nccl", cache, args[0], staging["nccl"], send)
-            stream.synchronize()
+            sync(device, "baseline NCCL sends")
         elif cmd == "base_gloo":
             pg = raw["gloo"]
             baseline_send("gloo", cache, args[0], staging["gloo"],
@@ -199,11 +228,11 @@ def source_main(conn, device, num_blocks, backends, options):
 def gloo_group(host, port, rank):
     from torch.distributed import ProcessGroupGloo, TCPStore
 
-    store = TCPStore(host, port, 2, rank == 0, timeout=datetime.timedelta(seconds=60),
+    store = TCPStore(host, port, 2, rank == 0, timeout=datetime.timedelta(seconds=WAIT_S),
                      wait_for_workers=False)
     options = ProcessGroupGloo._Options()
     options._devices = [ProcessGroupGloo.create_device(hostname=host)]
-    options._timeout = datetime.timedelta(seconds=120)
+    options._timeout = datetime.timedelta(seconds=WAIT_S)  # every send/recv's deadline
     pg = ProcessGroupGloo(store, rank, 2, options)
     _KEEP_ALIVE.append(store)  # the group needs its store for its lifetime
     return pg
@@ -224,7 +253,7 @@ class Bench:
 
         self.cache = make_cache(self.device, num_blocks, seed=2)
         self.num_blocks = num_blocks
-        self.descs = conn.recv()
+        self.descs = recv_within(conn, "the source's descriptors", 2 * WAIT_S)
         self.src_blocks = next(iter(self.descs.values())).num_blocks if self.descs else num_blocks
         self.endpoints = {b: MigrationEndpoint(self.cache, backend=b, **options.get(b, {}))
                           for b in backends}
@@ -240,7 +269,7 @@ class Bench:
         from vllm_ext import ops
 
         self.conn.send(("checksum", src))
-        theirs = self.conn.recv()
+        theirs = recv_within(self.conn, "checksum")
         mine = row_checksums(ops.gather_blocks(self.cache, dst))
         return int((mine != theirs).any(1).sum())
 
@@ -257,13 +286,13 @@ class Bench:
     # ours
     def pulls(self, backend, sizes, samples):
         ep, desc = self.endpoints[backend], self.descs[backend]
-        ep.pull(desc, [0], [0], timeout=120)  # builds the pair
+        ep.pull(desc, [0], [0], timeout=PULL_TIMEOUT_S)  # builds the pair
         for n in sizes:
             times = []
             for _ in range(samples):
                 src, dst = self.ids(n)
                 t = time.perf_counter()
-                ep.pull(desc, src, dst, timeout=120)
+                ep.pull(desc, src, dst, timeout=PULL_TIMEOUT_S)
                 times.append(time.perf_counter() - t)
             self.record(f"{backend} (ours)", n, times, self.check(src, dst))
 
@@ -273,7 +302,7 @@ class Bench:
         for _ in range(samples):
             src, dst = self.ids(1)
             t = time.perf_counter()
-            ep.pull(desc, src, dst, timeout=60)
+            ep.pull(desc, src, dst, timeout=PULL_TIMEOUT_S)
             times.append(time.perf_counter() - t)
         times.sort()
         self.fixed[backend] = {"median_ms": statistics.median(times) * 1e3,
@@ -290,8 +319,8 @@ class Bench:
             lib = _nccl_lib.library()
             uid = lib.unique_id()
             self.conn.send(("nccl_join", uid, max_blocks * BLOCK_NBYTES, max_blocks))
-            self.nccl = (lib, lib.init_rank(2, uid, 0))
-            assert self.conn.recv() == "done"
+            self.nccl = (lib, nccl_join(self.cache, uid, 0))
+            assert recv_within(self.conn, "nccl_join") == "done"
             self.nccl_buf = torch.empty(max_blocks * BLOCK_NBYTES, dtype=torch.uint8,
                                         device=self.device)
             self.nccl_staging = baseline_staging("nccl", self.cache, max_blocks)
@@ -304,7 +333,7 @@ class Bench:
             self.conn.send(("gloo_join", "127.0.0.1", port, max_blocks * BLOCK_NBYTES,
                             max_blocks))
             self.gloo = gloo_group("127.0.0.1", port, rank=0)
-            assert self.conn.recv() == "done"
+            assert recv_within(self.conn, "gloo_join") == "done"
             self.gloo_buf = torch.empty(max_blocks * BLOCK_NBYTES, dtype=torch.uint8)
             self.gloo_staging = baseline_staging("gloo", self.cache, max_blocks)
 
@@ -314,13 +343,13 @@ class Bench:
             times = []
             for _ in range(samples + 1):  # the first is a warm-up
                 self.conn.send((f"raw_{kind}", nbytes))
-                assert self.conn.recv() == "posted"
+                assert recv_within(self.conn, f"raw_{kind}") == "posted"
                 t = time.perf_counter()
                 if kind == "nccl":
                     lib, comm = self.nccl
                     stream = torch.cuda.current_stream(self.device)
                     lib.recv(self.nccl_buf.data_ptr(), nbytes, 1, comm, stream.cuda_stream)
-                    stream.synchronize()
+                    sync(self.device, "NCCL recv (ceiling)")
                 else:
                     self.gloo.recv([self.gloo_buf[:nbytes]], 1, 0).wait()
                 times.append(time.perf_counter() - t)
@@ -387,44 +416,56 @@ class Bench:
 
 
 def dest_main(conn, out_queue, device, num_blocks, backends, options, plan):
-    bench = Bench(conn, device, num_blocks, backends, options, plan)
+    bench = None
     try:
-        run_plan(bench, plan)
-        out_queue.put({"results": bench.results, "fixed": bench.fixed})
+        bench = Bench(conn, device, num_blocks, backends, options, plan)
+        run_plan(bench, plan, lambda stage: out_queue.put(
+            {"stage": stage, "results": bench.results, "fixed": bench.fixed}))
+        out_queue.put({"done": True, "results": bench.results, "fixed": bench.fixed})
     except BaseException as e:
         import traceback
 
-        out_queue.put({"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}",
-                       "results": bench.results, "fixed": bench.fixed})
+        out_queue.put({"done": True, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}",
+                       "results": bench.results if bench else {},
+                       "fixed": bench.fixed if bench else {}})
     finally:
-        for ep in bench.endpoints.values():
+        for ep in (bench.endpoints.values() if bench else ()):
             ep.close()
         conn.send(("exit",))
         try:
-            conn.recv()
-        except EOFError:
+            recv_within(conn, "exit", 10)
+        except (EOFError, TimeoutError):
             pass
 
 
-def run_plan(bench, plan):
+def run_plan(bench, plan, starting):
+    """Runs the stages in order; `starting(name)` reports each stage (with the results so far)
+    to the parent, which names the stage that overran its time limit."""
     samples = plan["samples"]
     for backend in plan["backends"]:
         sizes = plan["sizes"] if backend in ("ipc", "nccl") else plan["slow_sizes"]
+        starting(f"{backend} (ours)")
         log(f"[{backend}] ours, {len(sizes)} sizes x {samples} pulls")
         bench.pulls(backend, sizes, samples)
+        starting(f"{backend} fixed cost")
         bench.fixed_cost(backend, plan["fixed_samples"])
     raw_kinds = [k for k in ("nccl", "gloo") if k in plan["backends"]]
+    starting("raw " + "/".join(raw_kinds) + " set-up")
     bench.join_raw(raw_kinds, max(plan["sizes"] + plan["slow_sizes"]))
     for kind in raw_kinds:
         sizes = plan["sizes"] if kind == "nccl" else plan["slow_sizes"]
+        starting(f"{kind} ceiling")
         log(f"[{kind}] ceiling: send/recv of one contiguous buffer")
         bench.raw(kind, sizes, samples)
+        starting(f"{kind} Llumnix-style baseline")
         log(f"[{kind}] Llumnix-style baseline")
         bench.baseline(kind, plan["slow_sizes"], samples)
     if bench.cuda:
+        starting("local copies")
         log("[copies] peer copy and pinned host copies of one contiguous buffer")
         bench.local_copies(plan["sizes"], samples)
     else:
+        starting("host memcpy")
         log("[copies] host memcpy of one contiguous buffer")
         bench.host_copy(plan["slow_sizes"], samples)
 
@@ -601,6 +642,10 @@ def main():
     parser.add_argument("--backends", default=None,
                         help="comma list (default: ipc,nccl,gloo with 2 GPUs; gloo,rayrpc without)")
     parser.add_argument("--cpu", action="store_true", help="host caches even with GPUs")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds for the two-process part; then both processes are stopped "
+                             "and the finished stages reported (default 170 with --quick, else "
+                             "1500)")
     args = parser.parse_args()
     # OpenMP workers that spin after each torch CPU op starve gloo's I/O threads on small hosts
     # (measured on 2 cores: the per-layer baseline ran 10-40x slower); children inherit this.
@@ -663,17 +708,39 @@ def main():
                                                   proc_backends, options, plan), daemon=True)
         src.start()
         dst.start()
+        limit = args.time_limit or (170.0 if args.quick else 1500.0)
+        out, stage = {"results": {}, "fixed": {}}, "start-up"
+        end = time.monotonic() + limit
         try:
-            out = queue.get(timeout=1800)
+            while True:
+                remaining = end - time.monotonic()
+                try:
+                    msg = queue.get(timeout=max(min(remaining, 5.0), 0.01))
+                except Empty:  # check the deadline and the processes
+                    if time.monotonic() >= end:
+                        out["error"] = (f"stopped at the time limit ({limit:g} s) during stage "
+                                        f"{stage!r}; the stages before it are reported")
+                        break
+                    if not dst.is_alive():
+                        out["error"] = (f"the destination process exited (code {dst.exitcode}) "
+                                        f"during stage {stage!r}")
+                        break
+                    continue
+                out.update(results=msg["results"], fixed=msg["fixed"])
+                if msg.get("done"):
+                    out["error"] = msg.get("error")
+                    break
+                stage = msg["stage"]
         finally:
             for p in (dst, src):
-                p.join(60)
+                p.join(10 if out.get("error") is None else 0.1)
                 if p.is_alive():
                     p.kill()
+                    p.join(10)
         results, fixed = out["results"], out["fixed"]
         error = out.get("error")
         if error:
-            log(f"ERROR in the destination process:\n{error}")
+            log(f"ERROR in the two-process part:\n{error}")
     if "rayrpc" in backends and have_ray:
         log(f"[rayrpc] ours, {len(slow)} sizes x {samples} pulls (Ray actors, host caches)")
         ray_results, ray_fixed = measure_rayrpc(slow, samples, fixed_samples,

@@ -379,6 +379,78 @@ def test_control_channel_deadline_and_eof():
         server.close()
 
 
+def test_closed_by_peer_never_blocks():
+    """A receive with a deadline leaves a timeout on the socket; the liveness check must still
+    answer at once (it once waited out that timeout and then reported the peer as gone)."""
+    release = threading.Event()
+
+    def holder(conn):
+        conn.recv()  # the hello below
+        conn.reply_ok()
+        release.wait(10)
+
+    server = ControlServer("127.0.0.1", 0, holder)
+    try:
+        conn = Connection.open(server.host, server.port, Deadline(5))
+        conn.send({"op": "hello"})
+        conn.recv_reply(Deadline(30), "hello")  # leaves a ~30 s timeout on the socket
+        start = time.monotonic()
+        assert not conn.closed_by_peer()
+        assert not conn.readable()
+        assert time.monotonic() - start < 0.5
+        release.set()
+        end = time.monotonic() + 5
+        while not conn.closed_by_peer():
+            assert time.monotonic() < end, "the closed connection was never noticed"
+            time.sleep(0.01)
+        conn.close()
+    finally:
+        server.close()
+
+
+def test_server_failure_reaches_the_peer_as_an_error():
+    """An exception on the serving side is reported to the peer, not a silent close."""
+
+    def failing(conn):
+        conn.recv()
+        raise RuntimeError("boom in the server")
+
+    server = ControlServer("127.0.0.1", 0, failing)
+    try:
+        conn = Connection.open(server.host, server.port, Deadline(5))
+        conn.send({"op": "ping"})
+        with pytest.raises(MigrationError, match="RuntimeError: .*boom in the server"):
+            conn.recv_reply(Deadline(5), "ping")
+        conn.close()
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("backend", ["ipc", "nccl"])
+def test_gpu_backends_refuse_a_cpu_cache(monkeypatch, backend):
+    """Even where the backend's libraries load (a GPU host), a CPU cache is refused at
+    construction, naming the device, before any server starts."""
+    cls = get_backend_class(backend)
+    monkeypatch.setattr(cls, "is_available", classmethod(lambda c: (True, "")))
+    threads = threading.active_count()
+    with pytest.raises(ValueError, match="cache: on cpu; the .* backend"):
+        MigrationEndpoint(make_cache(SPEC), backend=backend)
+    assert threading.active_count() == threads
+
+
+def test_harness_drops_late_replies():
+    """A reply that arrives after its caller timed out is never taken as a later answer."""
+    w = Worker()
+    try:
+        with pytest.raises(TimeoutError):
+            w.call("sleep", 1.5, timeout=0.2)
+        assert not w.healthy
+        assert w.call("pid", timeout=10) == w.proc.pid  # not the sleep's late "slept"
+        assert w.healthy
+    finally:
+        assert w.stop() == 0
+
+
 def test_import_loads_no_backend():
     code = ("import sys, vllm_ext, vllm_ext.migration as m; "
             "bad = [k for k in sys.modules if k == 'ray' or k.startswith('ray.') "

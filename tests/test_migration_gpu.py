@@ -2,7 +2,10 @@
 pinned staging on one GPU (marked gpu). Same checks as the CPU tests: random geometries,
 layouts and ids, both directions, byte-for-byte; a stalled and a killed source; rejections.
 
-    python -m pytest -m "gpu or multi_gpu" tests/test_migration_gpu.py
+    python -m pytest -p timeout --timeout 40 -m "gpu or multi_gpu" tests/test_migration_gpu.py
+
+Every wait inside a test is shorter than that per-test limit, so a failure is reported as
+itself; a worker left busy by a failed test is replaced before the next test uses it.
 """
 
 import random
@@ -11,7 +14,7 @@ import time
 import pytest
 import torch
 from test_migration import LAYOUT_PAIRS, random_spec, same_geometry
-from test_migration_harness import RemoteError, Worker
+from test_migration_harness import RemoteError, Worker, close_quietly, start_workers
 
 NUM_CASES = 4
 OPTIONS = {
@@ -20,6 +23,8 @@ OPTIONS = {
     "gloo": {"stripes": 2, "chunk_bytes": 256 << 10},
 }
 FAIL_OPTIONS = {"ipc": {}, "nccl": {"chunk_bytes": 1}, "gloo": {"stripes": 2, "chunk_bytes": 1}}
+PULL_TIMEOUT_S = 15.0  # a pull's own deadline
+CALL_TIMEOUT_S = 25.0  # how long the test waits for any worker's answer
 
 
 def _devices(backend):
@@ -28,17 +33,26 @@ def _devices(backend):
 
 @pytest.fixture(scope="module")
 def gpu_workers(request):
+    """get(devices) -> [worker on devices[0], worker on devices[1], another on devices[1]],
+    shared by the module's tests; a group with a busy or dead worker (left by a failed test)
+    is replaced, so one failure cannot hand stale answers or endpoints to the next test."""
     cache = {}
+    replaced = []
 
     def get(devices):
-        if devices not in cache:
-            cache[devices] = [Worker(d) for d in devices] + [Worker(devices[1])]
-        return cache[devices]
+        group = cache.get(devices)
+        if group is not None and not all(w.healthy for w in group):
+            for w in group:
+                w.kill()
+            replaced.append(devices)
+            group = None
+        if group is None:
+            group = cache[devices] = start_workers(list(devices) + [devices[1]])
+        return group
 
     yield get
-    for ws in cache.values():
-        codes = [w.stop() for w in ws]
-        assert codes == [0] * len(ws), f"worker exit codes {codes}"
+    codes = {devices: [w.stop() for w in ws] for devices, ws in cache.items()}
+    assert all(c == [0] * len(c) for c in codes.values()), f"worker exit codes {codes}"
 
 
 def _marks(backend):
@@ -59,9 +73,9 @@ def test_gpu_pull_both_directions(gpu_workers, backend, case):
     spec_b = dict(same_geometry(spec_a, layout_b, 50 + case, rng.choice([23, 64, 100])),
                   device=devices[1])
     name = f"{backend}{case}"
-    desc_a = a.call("endpoint", name, spec_a, backend, OPTIONS[backend])
-    desc_b = b.call("endpoint", name, spec_b, backend, OPTIONS[backend])
     try:
+        desc_a = a.call("endpoint", name, spec_a, backend, OPTIONS[backend])
+        desc_b = b.call("endpoint", name, spec_b, backend, OPTIONS[backend])
         for dst_w, dst_spec, src_w, src_desc, src_spec in ((a, spec_a, b, desc_b, spec_b),
                                                            (b, spec_b, a, desc_a, spec_a)):
             for _ in range(2):  # the second pull reuses the pair
@@ -72,14 +86,15 @@ def test_gpu_pull_both_directions(gpu_workers, backend, case):
                 before = dst_w.call("blocks", name, others)
                 all_src = list(range(src_spec["num_blocks"]))
                 src_before = src_w.call("blocks", name, all_src)
-                stats = dst_w.call("pull", name, src_desc, src, dst, 60.0)
+                stats = dst_w.call("pull", name, src_desc, src, dst, PULL_TIMEOUT_S,
+                                   timeout=CALL_TIMEOUT_S)
                 assert stats.nbytes == n * src_before.shape[1]
                 assert torch.equal(dst_w.call("blocks", name, dst), src_before[src])
                 assert torch.equal(dst_w.call("blocks", name, others), before)
                 assert torch.equal(src_w.call("blocks", name, all_src), src_before)
     finally:
-        a.call("close", name)
-        b.call("close", name)
+        close_quietly(a, name)
+        close_quietly(b, name)
 
 
 FAIL_SPEC = {"num_layers": 4, "num_blocks": 64, "block_size": 16, "num_kv_heads": 8,
@@ -112,7 +127,7 @@ def test_gpu_dead_or_stalled_source(gpu_workers, backend, kill):
             time.sleep(2.0)
             src_w.kill()
         with pytest.raises(RemoteError) as info:
-            dst_w.result(timeout=timeout + 60)
+            dst_w.result(timeout=timeout + 15)
         elapsed = time.monotonic() - start
         assert info.value.type_name == "MigrationError", info.value
         assert info.value.fields["dst_block_ids"] == dst
@@ -121,23 +136,21 @@ def test_gpu_dead_or_stalled_source(gpu_workers, backend, kill):
             assert torch.equal(src_w.call("blocks", "s", list(range(64))), src_before)
         others = list(range(20, 64)) + list(range(10))
         assert torch.equal(dst_w.call("blocks", "d", others), before[others])
-        stats = dst_w.call("pull", "d", healthy_desc, [1, 2, 3], [10, 11, 12], 60.0)
+        stats = dst_w.call("pull", "d", healthy_desc, [1, 2, 3], [10, 11, 12], PULL_TIMEOUT_S,
+                           timeout=CALL_TIMEOUT_S)
         assert stats.num_blocks == 3
         assert torch.equal(dst_w.call("blocks", "d", [10, 11, 12]),
                            healthy.call("blocks", "h", [1, 2, 3]))
         desc_d = dst_w.call("endpoint", "d2", dict(FAIL_SPEC, seed=8, device=devices[0]),
                             backend, FAIL_OPTIONS[backend])
-        healthy.call("pull", "h", desc_d, [0, 1], [30, 31], 60.0)
+        healthy.call("pull", "h", desc_d, [0, 1], [30, 31], PULL_TIMEOUT_S,
+                     timeout=CALL_TIMEOUT_S)
         assert torch.equal(healthy.call("blocks", "h", [30, 31]),
                            dst_w.call("blocks", "d2", [0, 1]))
     finally:
-        for w, names in ((dst_w, ("d", "d2")), (healthy, ("h",))):
-            for n in names:
-                try:
-                    w.call("close", n)
-                except (RemoteError, KeyError):
-                    pass
-        src_w.stop(timeout=10.0)
+        src_w.kill()  # a stalled source sleeps in its server thread: no orderly exit
+        close_quietly(dst_w, "d", "d2")
+        close_quietly(healthy, "h")
 
 
 @pytest.mark.multi_gpu
@@ -149,37 +162,47 @@ def test_ipc_killed_source_is_reported(gpu_workers):
     try:
         desc = src_w.call("endpoint", "s", dict(FAIL_SPEC, device="cuda:1"), "ipc", {})
         dst_w.call("endpoint", "d", dict(FAIL_SPEC, seed=7, device="cuda:0"), "ipc", {})
-        dst_w.call("pull", "d", desc, [0, 1], [2, 3], 30.0)  # maps the source
+        dst_w.call("pull", "d", desc, [0, 1], [2, 3], PULL_TIMEOUT_S,
+                   timeout=CALL_TIMEOUT_S)  # maps the source
+        assert torch.equal(dst_w.call("blocks", "d", [2, 3]), src_w.call("blocks", "s", [0, 1]))
         src_w.kill()
         time.sleep(0.5)
+        start = time.monotonic()
         with pytest.raises(RemoteError) as info:
-            dst_w.call("pull", "d", desc, [0, 1], [4, 5], 10.0)
+            dst_w.call("pull", "d", desc, [0, 1], [4, 5], 10.0, timeout=CALL_TIMEOUT_S)
         assert info.value.type_name == "MigrationError"
+        assert "closed its control connection" in info.value.message
+        assert time.monotonic() - start < 5.0, "a dead ipc source must be noticed at once"
     finally:
-        dst_w.call("close", "d")
-        src_w.stop(timeout=10.0)
+        src_w.kill()
+        close_quietly(dst_w, "d")
 
 
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("backend", ["ipc", "nccl"])
 def test_gpu_backends_reject_cpu_caches_and_mismatches(gpu_workers, backend):
     dst_w, src_w, _ = gpu_workers(("cuda:0", "cuda:1"))
-    with pytest.raises(RemoteError, match="cache: on cpu"):
-        dst_w.call("endpoint", "cpu", dict(FAIL_SPEC), backend, {})
-    other_dtype = src_w.call("endpoint", "f16", dict(FAIL_SPEC, device="cuda:1",
-                                                     dtype="float16"), backend, {})
-    desc = src_w.call("endpoint", "m", dict(FAIL_SPEC, device="cuda:1"), backend, {})
-    dst_w.call("endpoint", "m", dict(FAIL_SPEC, device="cuda:0"), backend, {})
     try:
+        with pytest.raises(RemoteError, match="cache: on cpu") as info:
+            dst_w.call("endpoint", "cpu", dict(FAIL_SPEC), backend, {})
+        assert info.value.type_name == "ValueError"
+        other_dtype = src_w.call("endpoint", "f16", dict(FAIL_SPEC, device="cuda:1",
+                                                         dtype="float16"), backend, {})
+        desc = src_w.call("endpoint", "m", dict(FAIL_SPEC, device="cuda:1"), backend, {})
+        dst_w.call("endpoint", "m", dict(FAIL_SPEC, device="cuda:0"), backend, {})
         with pytest.raises(RemoteError, match="peer: cache geometry differs.*dtype"):
             dst_w.call("pull", "m", other_dtype, [0], [0], 10.0)
         with pytest.raises(RemoteError, match="src_block_ids: id 64 out of range"):
             dst_w.call("pull", "m", desc, [64], [0], 10.0)
         with pytest.raises(RemoteError, match="dst_block_ids: duplicate id 1"):
             dst_w.call("pull", "m", desc, [0, 1], [1, 1], 10.0)
-        dst_w.call("pull", "m", desc, [3], [4], 30.0)  # and the pair still works
+        if backend == "ipc":  # CUDA cannot map a process's own memory through IPC
+            own = dst_w.call("endpoint", "own", dict(FAIL_SPEC, device="cuda:1"), backend, {})
+            with pytest.raises(RemoteError, match="peer: lives in this process"):
+                dst_w.call("pull", "m", own, [0], [0], 10.0)
+        # and the pair still works
+        dst_w.call("pull", "m", desc, [3], [4], PULL_TIMEOUT_S, timeout=CALL_TIMEOUT_S)
         assert torch.equal(dst_w.call("blocks", "m", [4]), src_w.call("blocks", "m", [3]))
     finally:
-        dst_w.call("close", "m")
-        src_w.call("close", "m")
-        src_w.call("close", "f16")
+        close_quietly(dst_w, "m", "own")
+        close_quietly(src_w, "m", "f16")

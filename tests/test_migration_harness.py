@@ -9,6 +9,7 @@ the expected bytes of any block without asking (`expected_blocks`).
 import multiprocessing as mp
 import os
 import signal
+import time
 import traceback
 
 import torch
@@ -71,20 +72,21 @@ def _worker_main(conn, device):
     caches, endpoints = {}, {}
     while True:
         try:
-            cmd, args = conn.recv()
+            request_id, cmd, args = conn.recv()
         except EOFError:
             return
         try:
             if cmd == "exit":
                 for ep in endpoints.values():
                     ep.close()
-                conn.send(("ok", None))
+                conn.send((request_id, "ok", None))
                 return
             result = _run(cmd, args, caches, endpoints)
-            conn.send(("ok", result))
+            conn.send((request_id, "ok", result))
         except BaseException as e:  # noqa: BLE001 - reported to the parent
             fields = {k: getattr(e, k, None) for k in ("remote_type", "dst_block_ids", "written")}
-            conn.send(("error", (type(e).__name__, str(e), fields, traceback.format_exc())))
+            conn.send((request_id, "error",
+                       (type(e).__name__, str(e), fields, traceback.format_exc())))
 
 
 def _run(cmd, args, caches, endpoints):
@@ -92,13 +94,18 @@ def _run(cmd, args, caches, endpoints):
 
     if cmd == "endpoint":  # (name, spec, backend, options) -> descriptor
         name, spec, backend, options = args
-        caches[name] = make_cache(spec)
-        endpoints[name] = MigrationEndpoint(caches[name], backend=backend, **options)
+        if name in endpoints:  # left over from a failed test: replace it
+            endpoints.pop(name).close()
+        cache = make_cache(spec)
+        endpoints[name] = MigrationEndpoint(cache, backend=backend, **options)
+        caches[name] = cache
         return endpoints[name].descriptor()
-    if cmd == "close":
-        endpoints.pop(args[0]).close()
+    if cmd == "close":  # -> whether the endpoint existed
+        ep = endpoints.pop(args[0], None)
         caches.pop(args[0], None)
-        return None
+        if ep is not None:
+            ep.close()
+        return ep is not None
     if cmd == "pull":  # (name, descriptor, src, dst, timeout) -> PullStats
         name, desc, src, dst, timeout = args
         return endpoints[name].pull(desc, src, dst, timeout=timeout)
@@ -111,29 +118,75 @@ def _run(cmd, args, caches, endpoints):
         return None
     if cmd == "pid":
         return os.getpid()
+    if cmd == "sleep":  # (seconds,): the harness's own tests
+        time.sleep(args[0])
+        return "slept"
     raise ValueError(f"unknown command {cmd!r}")
 
 
 class Worker:
-    def __init__(self, device="cpu"):
+    """One worker process. Every request carries an id and a reply is matched to it: a reply
+    that arrives after its caller gave up (a timeout, a failed test) is dropped, never taken
+    as the answer to a later request. `healthy` is False while an abandoned request may still
+    run; fixtures replace such a worker instead of queueing behind it."""
+
+    def __init__(self, device="cpu", wait=True):
+        self.device = device
         self.conn, child = SPAWN.Pipe()
         self.proc = SPAWN.Process(target=_worker_main, args=(child, device), daemon=True)
         self.proc.start()
         child.close()
-        self.call("pid", timeout=START_TIMEOUT_S)
+        self._next_id = 0
+        self._waiting = None  # id of the request result() waits for
+        self._abandoned = set()  # ids sent whose replies nobody will read
+        if wait:
+            self.ready()
+
+    def ready(self, timeout=START_TIMEOUT_S):
+        """Waits until the process answers (start-up imports torch and the library)."""
+        self.call("pid", timeout=timeout)
+        return self
+
+    @property
+    def healthy(self):
+        return self.proc.is_alive() and not self._abandoned and self._waiting is None
 
     def send(self, cmd, *args):
         """Starts a command; collect its result with result()."""
-        self.conn.send((cmd, args))
+        if self._waiting is not None:  # the previous request's result was never collected
+            self._abandoned.add(self._waiting)
+        self._next_id += 1
+        self._waiting = self._next_id
+        self.conn.send((self._next_id, cmd, args))
+        return self._next_id
 
     def result(self, timeout=CALL_TIMEOUT_S):
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"worker {self.proc.pid}: no answer within {timeout} s")
-        status, value = self.conn.recv()
-        if status == "error":
-            type_name, message, fields, tb = value
-            raise RemoteError(type_name, message + "\n" + tb, fields)
-        return value
+        """The reply to the last send(); TimeoutError after `timeout` seconds."""
+        want = self._waiting
+        if want is None:
+            raise RuntimeError("result(): no request is outstanding")
+        end = time.monotonic() + timeout
+        while True:
+            remaining = end - time.monotonic()
+            if remaining <= 0 or not self.conn.poll(remaining):
+                self._abandoned.add(want)
+                self._waiting = None
+                raise TimeoutError(f"worker {self.proc.pid} ({self.device}): no answer within "
+                                   f"{timeout} s")
+            try:
+                request_id, status, value = self.conn.recv()
+            except EOFError:
+                self._waiting = None
+                raise EOFError(f"worker {self.proc.pid} ({self.device}) exited "
+                               f"(code {self.proc.exitcode})") from None
+            if request_id != want:  # the late answer to an abandoned request
+                self._abandoned.discard(request_id)
+                continue
+            self._waiting = None
+            if status == "error":
+                type_name, message, fields, tb = value
+                raise RemoteError(type_name, message + "\n" + tb, fields)
+            return value
 
     def call(self, cmd, *args, timeout=CALL_TIMEOUT_S):
         self.send(cmd, *args)
@@ -155,3 +208,28 @@ class Worker:
         if self.proc.is_alive():
             self.kill()
         return self.proc.exitcode
+
+
+def start_workers(devices, timeout=START_TIMEOUT_S):
+    """Workers on `devices`, started in parallel (each start-up takes seconds)."""
+    workers = [Worker(d, wait=False) for d in devices]
+    try:
+        for w in workers:
+            w.ready(timeout)
+    except BaseException:
+        for w in workers:
+            w.kill()
+        raise
+    return workers
+
+
+def close_quietly(worker, *names, timeout=20.0):
+    """Test clean-up: closes endpoints `names` without masking the test's own failure; a
+    worker that does not answer is left unhealthy (its fixture replaces it)."""
+    for name in names:
+        if not worker.healthy:
+            return
+        try:
+            worker.call("close", name, timeout=timeout)
+        except (RemoteError, TimeoutError, EOFError, OSError):
+            pass

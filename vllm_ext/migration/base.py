@@ -177,6 +177,8 @@ class MigrationBackend(abc.ABC):
     name: ClassVar[str] = ""
     # Whether descriptors of two endpoints must come from one host (ipc).
     same_host_only: ClassVar[bool] = False
+    # Whether the peer must be another process (ipc: CUDA cannot map a process's own memory).
+    other_process_only: ClassVar[bool] = False
     # Whether pulls use the endpoints' TCP control channel (rayrpc talks through Ray).
     uses_control_channel: ClassVar[bool] = True
 

@@ -112,21 +112,28 @@ class Connection:
 
     def readable(self) -> bool:
         """True when a message (or EOF) is waiting: never blocks."""
-        try:
-            r, _, _ = select.select([self.sock], [], [], 0)
-        except (OSError, ValueError):
-            return True
-        return bool(r)
+        return _poll_readable(self.sock)
 
     def closed_by_peer(self) -> bool:
         """True when the peer closed the connection (EOF or reset); never blocks and leaves
         any waiting message in place."""
+        if not _poll_readable(self.sock):
+            return False
+        # NOTE: MSG_DONTWAIT alone is not enough: on a socket with a timeout (every
+        # _recv_exact leaves one) Python first waits up to that timeout for data.
+        timeout = self.sock.gettimeout()
         try:
-            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            self.sock.setblocking(False)
+            return self.sock.recv(1, socket.MSG_PEEK) == b""
         except (BlockingIOError, InterruptedError):
             return False
         except OSError:
             return True
+        finally:
+            try:
+                self.sock.settimeout(timeout)
+            except OSError:
+                pass
 
     def _recv_exact(self, n: int, deadline: Optional[Deadline], allow_eof: bool = False) -> bytes:
         buf = bytearray(n)
@@ -164,6 +171,20 @@ class Connection:
         except OSError:
             pass
         self.sock.close()
+
+
+def _poll_readable(sock: socket.socket) -> bool:
+    """True when `sock` has data or EOF waiting (or is broken); never blocks. poll(), not
+    select(): select() cannot watch descriptors above 1023, common in a serving process."""
+    try:
+        if hasattr(select, "poll"):
+            poller = select.poll()
+            poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+            return bool(poller.poll(0))
+        r, _, _ = select.select([sock], [], [], 0)
+        return bool(r)
+    except (OSError, ValueError):
+        return True
 
 
 def check_reply(header: Dict[str, Any], peer: str, what: str) -> None:
@@ -208,9 +229,14 @@ class ControlServer:
     def _run(self, conn: Connection) -> None:
         try:
             self._handle(conn)
-        except Exception:  # noqa: BLE001 - a server thread must never die loudly
+        except Exception as e:  # noqa: BLE001 - logged and reported, never a silent close
             if not self._closed:
                 logger.exception("migration control connection from %s failed", conn.peer)
+                try:  # the peer reads why instead of a bare "connection closed"
+                    conn.send({"ok": False, "async": True, "type": type(e).__name__,
+                               "error": f"the source's server failed: {e}"})
+                except Exception:  # noqa: BLE001 - the connection itself is what broke
+                    pass
         finally:
             conn.close()
             with self._lock:

@@ -158,6 +158,12 @@ class MigrationEndpoint:
         if self.backend.same_host_only and peer.hostname != socket.gethostname():
             raise ValueError(f"peer: on host {peer.hostname!r}, this is {socket.gethostname()!r};"
                              f" the {self.backend.name} backend works within one host")
+        if (self.backend.other_process_only and peer.pid == os.getpid()
+                and peer.hostname == socket.gethostname()):
+            raise ValueError(f"peer: lives in this process (pid {peer.pid}); the "
+                             f"{self.backend.name} backend maps another process's memory, which "
+                             "CUDA refuses within one process (use ops.copy_blocks between the "
+                             "two caches)")
 
     def _link(self, peer: PeerDescriptor) -> PeerLink:
         with self._links_lock:
@@ -187,7 +193,15 @@ class MigrationEndpoint:
             while True:
                 try:
                     header, payload = conn.recv()
-                except (EOFError, MigrationError):
+                except EOFError:
+                    return  # the destination closed the connection: the normal end
+                except MigrationError as e:
+                    # A reset or a broken frame: say so here, and to the peer if it listens.
+                    logger.warning("control connection from %s: %s", conn.peer, e)
+                    try:
+                        conn.reply_error(e)
+                    except MigrationError:
+                        pass
                     return
                 op = header.get("op")
                 sent_before = conn.sent
@@ -201,6 +215,11 @@ class MigrationEndpoint:
                     else:
                         self.backend.serve(conn, op, header, payload)
                 except Exception as e:  # noqa: BLE001 - reported to the peer
+                    # Refused input is the peer's mistake (one line); anything else is ours and
+                    # gets its traceback on this side's stderr.
+                    refused = isinstance(e, (ValueError, TypeError)) and conn.sent == sent_before
+                    logger.warning("serving %r to %s failed: %s: %s", op, conn.peer,
+                                   type(e).__name__, e, exc_info=not refused)
                     if conn.sent == sent_before:
                         try:
                             conn.reply_error(e)
@@ -209,7 +228,6 @@ class MigrationEndpoint:
                     else:
                         # The request was accepted and failed later: one unsolicited error
                         # message, which the destination sees while waiting for data.
-                        logger.warning("serving %r to %s failed: %s", op, conn.peer, e)
                         try:
                             conn.send({"ok": False, "async": True, "type": type(e).__name__,
                                        "error": str(e)})

@@ -45,6 +45,7 @@ def handle_from_json(d: Dict[str, Any]):
 class IpcBackend(MigrationBackend):
     name = "ipc"
     same_host_only = True
+    other_process_only = True
 
     def __init__(self, endpoint):
         super().__init__(endpoint)

@@ -72,13 +72,24 @@ class _Pair:
 
     def abort(self) -> None:
         """Ends the communicator's kernels, then waits (bounded) for the streams to drain."""
+        end = time.monotonic() + _DRAIN_GRACE_S
         if not self.aborted:
             self.aborted = True
-            try:
-                _lib().abort(self.comm)
-            except Exception:  # noqa: BLE001
-                logger.exception("ncclCommAbort failed")
-        end = time.monotonic() + _DRAIN_GRACE_S
+
+            def abort():
+                try:
+                    _lib().abort(self.comm)
+                except Exception:  # noqa: BLE001
+                    logger.exception("ncclCommAbort failed")
+
+            # An abort that waits on a dead peer must not hold the caller past its deadline.
+            thread = threading.Thread(target=abort, name="nccl-abort", daemon=True)
+            thread.start()
+            thread.join(_DRAIN_GRACE_S)
+            if thread.is_alive():
+                logger.error("nccl: ncclCommAbort on %s still runs after %g s; abandoned",
+                             self.device, _DRAIN_GRACE_S)
+                return
         for stream in (self.comm_stream, self.copy_stream):
             while not stream.query():
                 if time.monotonic() > end:
