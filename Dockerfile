@@ -2,10 +2,15 @@
 # `make image`, `make test-gpu`): it passes the build arguments, the OCI labels and the CA
 # bundle secret, and builds stand-in base images where nvidia/cuda cannot be pulled.
 #
-#   DEVEL_IMAGE ─> dev ─> build ─> wheels        (FROM scratch: only the wheel, for --output)
-#                           │ wheel (bind mount)
-#   BASE_IMAGE ──> vllm-base ─┬─> test           (tests/ run against the installed wheel)
-#                             └─> vllm-openai    (vLLM's OpenAI server + vllm-ext)
+#   DEVEL_IMAGE ─> dev ─> build ─> wheels            FROM scratch: the wheel alone (make wheel)
+#                           :
+#                           : the wheel, bind-mounted into the stages marked *
+#                           :
+#   BASE_IMAGE ─> torch-base ─┬─> vllm-base* ─> test          tests/ against the installed wheel
+#                             └─> server-deps ─> vllm-openai*  vLLM's OpenAI server + vllm-ext
+#
+# `make image` builds vllm-base, test and vllm-openai. The wheel is the top layer of vllm-base
+# and of vllm-openai, so a code change never reinstalls torch or vLLM.
 #
 # Needs BuildKit (DOCKER_BUILDKIT=1). No `# syntax=` line on purpose: it would pull a frontend
 # image from a registry; the built-in frontend has cache, bind and secret mounts.
@@ -72,10 +77,10 @@ FROM scratch AS wheels
 COPY --from=build /wheels/ /
 
 # ---------------------------------------------------------------------------------------------
-# vllm-base: the slim CUDA base image (no compiler, no toolkit: every kernel ships
-# precompiled), Python, torch, then vllm-ext. torch sits in its own layer before the wheel, so
-# a code change reinstalls only the wheel.
-FROM ${BASE_IMAGE} AS vllm-base
+# torch-base: the slim CUDA base image (no compiler, no toolkit: every kernel ships
+# precompiled), Python and torch. Both runtime images start here, so torch is installed once
+# and stays cached when our code changes.
+FROM ${BASE_IMAGE} AS torch-base
 ARG CUDA_VERSION
 ARG DEBIAN_FRONTEND=noninteractive
 ENV CUDA_VERSION=${CUDA_VERSION}
@@ -90,8 +95,11 @@ RUN --mount=type=secret,id=ca-bundle \
     --mount=type=cache,id=vllm-ext-pip,target=/root/.cache/pip \
     --mount=type=bind,source=requirements-cuda.txt,target=/tmp/requirements-cuda.txt \
     pip-install -r /tmp/requirements-cuda.txt
-# The wheel comes through a bind mount: no wheel file is left in any layer. --no-deps: torch
-# is already here and nothing is downloaded.
+
+# ---------------------------------------------------------------------------------------------
+# vllm-base: torch-base plus vllm-ext. The wheel comes through a bind mount, so no wheel file
+# is left in any layer; --no-deps: torch is already here and nothing is downloaded.
+FROM torch-base AS vllm-base
 RUN --mount=type=bind,from=build,source=/wheels,target=/tmp/wheels \
     pip install --no-cache-dir --no-deps /tmp/wheels/vllm_ext-*.whl \
     && python -m vllm_ext.info
@@ -116,11 +124,11 @@ LABEL org.opencontainers.image.title="vllm-ext test" \
       org.opencontainers.image.description="vllm-ext's test suite against the installed wheel"
 
 # ---------------------------------------------------------------------------------------------
-# vllm-openai: vLLM's OpenAI-compatible server at a pinned release, with vllm-ext.
-# requirements-openai.txt includes requirements-cuda.txt, so torch stays at the version
-# vllm-base installed. Triton (a vLLM dependency) compiles a small C launcher the first time a
-# kernel runs, so this image carries gcc and the Python headers; vllm-base does not need them.
-FROM vllm-base AS vllm-openai
+# server-deps: torch-base plus vLLM at a pinned release. requirements-openai.txt includes
+# requirements-cuda.txt, so torch stays at the version torch-base installed. Triton (a vLLM
+# dependency) compiles a small C launcher the first time a kernel runs, so the server carries
+# gcc and the Python headers; vllm-base does not need them.
+FROM torch-base AS server-deps
 ARG DEBIAN_FRONTEND=noninteractive
 RUN retry sh -c 'apt-get update && apt-get install -y --no-install-recommends \
         gcc libc6-dev python3-dev' \
@@ -130,6 +138,15 @@ RUN --mount=type=secret,id=ca-bundle \
     --mount=type=bind,source=requirements-cuda.txt,target=/tmp/requirements-cuda.txt \
     --mount=type=bind,source=requirements-openai.txt,target=/tmp/requirements-openai.txt \
     pip-install -r /tmp/requirements-openai.txt
+
+# ---------------------------------------------------------------------------------------------
+# vllm-openai: vLLM's OpenAI-compatible server with vllm-ext: vllm-base's layers with vLLM
+# beneath the wheel. The wheel is the top layer here as in vllm-base, so a code change
+# rebuilds one small layer instead of reinstalling vLLM (4 GB) on top of a new wheel.
+FROM server-deps AS vllm-openai
+RUN --mount=type=bind,from=build,source=/wheels,target=/tmp/wheels \
+    pip install --no-cache-dir --no-deps /tmp/wheels/vllm_ext-*.whl \
+    && python -m vllm_ext.info
 EXPOSE 8000
 # /health answers once the model is loaded; loading a large model can take many minutes.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=900s --retries=3 \

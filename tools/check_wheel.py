@@ -18,8 +18,9 @@ Checks:
   ptx        (CUDA builds) `cuobjdump --list-ptx` shows PTX exactly for the archs declared
              with +PTX.
 
-Needs only Python 3.8+, readelf or objdump (binutils), and cuobjdump for CUDA builds (found
-on PATH, in $CUDA_HOME/bin or /usr/local/cuda/bin, or named by $CUOBJDUMP).
+Needs only Python 3.8+, readelf or objdump (binutils), and cuobjdump for CUDA builds (named by
+$CUOBJDUMP, else found on PATH, in $CUDA_HOME/bin, /usr/local/cuda/bin, or this Python's
+nvidia/cu*/bin from PyPI's nvidia-cuda-cuobjdump).
 
 Example:
   tools/check_wheel.py dist/vllm_ext-0.1.0+cu130-py3-none-linux_x86_64.whl \\
@@ -35,6 +36,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import zipfile
 from typing import Dict, List, Optional, Set, Tuple
@@ -111,7 +113,12 @@ def find_tool(name: str, env_var: Optional[str] = None) -> Optional[str]:
     found = shutil.which(name)
     if found:
         return found
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    # PyPI's nvidia-cuda-* wheels put the toolkit in site-packages/nvidia/cu<major>/.
+    nvidia = os.path.join(sysconfig.get_paths()["purelib"], "nvidia")
+    if os.path.isdir(nvidia):
+        roots += sorted(os.path.join(nvidia, d) for d in os.listdir(nvidia) if d.startswith("cu"))
+    for root in roots:
         if root and os.access(os.path.join(root, "bin", name), os.X_OK):
             return os.path.join(root, "bin", name)
     return None
@@ -231,8 +238,8 @@ def check_device_code(report: Report, library: str, declared: List[Arch]) -> Non
         report.check(
             "sass",
             False,
-            "cuobjdump not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin, $CUOBJDUMP); it "
-            "ships with the CUDA toolkit or as PyPI's nvidia-cuda-cuobjdump",
+            "cuobjdump not found ($CUOBJDUMP, PATH, $CUDA_HOME/bin, /usr/local/cuda/bin, site-packages/"
+            "nvidia/cu*/bin); it ships with the CUDA toolkit and as PyPI's nvidia-cuda-cuobjdump",
         )
         return
 
