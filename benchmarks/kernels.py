@@ -385,12 +385,15 @@ def main(argv=None):
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
     parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--sizes", default=None, help="comma-separated block counts, e.g. 1,8,68")
     args = parser.parse_args(argv)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() and _lib.built_with_cuda() else 0
     device = torch.device("cuda", 0) if gpus else torch.device("cpu")
     sizes = SIZES_BLOCKS if gpus else [1, 2, 4, 8]
     if args.quick:
         sizes = [s for s in sizes if s in (1, 8, 68)]
+    if args.sizes:
+        sizes = [int(s) for s in args.sizes.split(",")]
     iters = args.iters or (40 if gpus else 10)
     num_blocks = 256 if gpus else 16
     log(f"vllm-ext {build_info()['version']}: kernel benchmark on {device}"

@@ -18,7 +18,10 @@ using vllm_ext::chunk_address;
 using vllm_ext::fail;
 using vllm_ext::layer_base;
 
-constexpr int kThreads = 256;
+#ifndef VLLM_EXT_THREADS
+#define VLLM_EXT_THREADS 256
+#endif
+constexpr int kThreads = VLLM_EXT_THREADS;
 // Vectors each thread keeps in flight per tile on the main path, and the CTAs per SM the
 // register budget must allow (1 = no constraint); build-time knobs for tuning runs.
 #ifndef VLLM_EXT_DEEP_UNROLL
