@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# CI, part 2 (called by .ci/run after the CPU tests): the Make + Docker pipeline, built for real.
+# Runs as root on a machine with no GPU and no container registry:
+#   1. installs Docker and debootstrap from Debian's packages and starts the daemon;
+#   2. builds the stand-in base images (make base-images);
+#   3. make wheel and make image (cold) for one arch, to save time; make image gates image sizes;
+#   4. runs the test image's CPU selection (make image-test-cpu);
+#   5. smoke-tests vllm-openai: the entrypoint answers --help, vllm and vllm_ext import, pip check;
+#   6. make image again with no change: every image must come out of the cache unchanged;
+#   7. prints the timings, and removes the images and build cache it made.
+# Each step has a time limit, so a hung download fails the step by name, not the whole CI run.
+# Environment: CI_TORCH_CUDA_ARCH_LIST (default 9.0).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 DEBIAN_FRONTEND=noninteractive
+start=$(date +%s)
+stamp() { echo "== [docker-pipeline $(( $(date +%s) - start ))s] $*"; }
+
+archs=${CI_TORCH_CUDA_ARCH_LIST:-9.0}
+# Debian's client has BuildKit built in; a newer client without buildx refuses BuildKit builds.
+DOCKER=/usr/bin/docker
+image_repo=vllm-ext-ci
+make_args=(DOCKER="$DOCKER" "TORCH_CUDA_ARCH_LIST=$archs" IMAGE_REPO="$image_repo" IMAGE_TAG=ci)
+stages=(vllm-base test vllm-openai)
+workdir=$(mktemp -d)
+dockerd_pid=
+declare -A seconds
+
+timed() {  # timed NAME CMD...: runs CMD, records its wall time under NAME
+  local name=$1 t0
+  shift
+  t0=$(date +%s)
+  "$@"
+  seconds[$name]=$(( $(date +%s) - t0 ))
+}
+
+cleanup() {
+  local status=$?
+  stamp "cleanup: images and build cache this run made"
+  if "$DOCKER" version >/dev/null 2>&1; then
+    # shellcheck disable=SC2046
+    "$DOCKER" rmi -f $("$DOCKER" images -q --filter "reference=$image_repo/*" \
+      --filter "reference=vllm-ext-standin/*" | sort -u) >/dev/null 2>&1 || true
+    if [ -n "$dockerd_pid" ]; then
+      "$DOCKER" builder prune -af >/dev/null || true
+    else
+      echo "build cache kept: the Docker engine was running before this script ('docker builder prune -a' frees it)"
+    fi
+    "$DOCKER" system df || true
+  fi
+  rm -f dist/vllm_ext-*.whl
+  if [ -n "$dockerd_pid" ]; then
+    kill "$dockerd_pid" 2>/dev/null && wait "$dockerd_pid" 2>/dev/null || true
+  fi
+  if [ "$status" != 0 ] && [ -s "$workdir/dockerd.log" ]; then
+    echo "--- last lines of dockerd's log"
+    tail -n 30 "$workdir/dockerd.log"
+  fi
+  rm -rf "$workdir"
+  exit "$status"
+}
+trap cleanup EXIT
+
+apt_get() {  # Debian mirrors fail transiently: three tries
+  local attempt
+  for attempt in 1 2 3; do
+    apt-get "$@" && return 0
+    echo "apt-get $* failed (attempt $attempt of 3)" >&2
+    sleep $((attempt * 15))
+  done
+  return 1
+}
+
+stamp "install docker.io and debootstrap"
+t0=$(date +%s)
+if [ ! -x "$DOCKER" ] || ! command -v debootstrap >/dev/null; then
+  apt_get update -q
+  apt_get install -y -q docker.io debootstrap >/dev/null
+fi
+if ! "$DOCKER" version --format '{{.Server.Version}}' >/dev/null 2>&1; then
+  dockerd >"$workdir/dockerd.log" 2>&1 &
+  dockerd_pid=$!
+  for _ in $(seq 60); do
+    "$DOCKER" version --format '{{.Server.Version}}' >/dev/null 2>&1 && break
+    sleep 1
+  done
+fi
+"$DOCKER" version --format 'Docker client {{.Client.Version}}, engine {{.Server.Version}}'
+seconds[install]=$(( $(date +%s) - t0 ))
+
+stamp "make base-images (Debian stand-ins for nvidia/cuda)"
+timed base-images timeout 15m make base-images "${make_args[@]}"
+
+stamp "make wheel TORCH_CUDA_ARCH_LIST=$archs (the build stage runs tools/check_wheel.py)"
+timed wheel timeout 15m make wheel "${make_args[@]}"
+wheel=$(ls dist/vllm_ext-*.whl)
+wheel_bytes=$(stat -c %s "$wheel")
+
+stamp "make image, cold (vllm-base, test, vllm-openai; sizes checked against their budgets)"
+timed image-cold timeout 30m make image "${make_args[@]}"
+
+stamp "make image-test-cpu (the CPU tests inside the test image, against the installed wheel)"
+timed test-image timeout 15m make image-test-cpu "${make_args[@]}"
+
+stamp "smoke test vllm-openai"
+openai=$image_repo/vllm-openai:ci
+smoke_openai() {
+  # No GPU here: vLLM cannot infer a device, so it is told to take its CPU platform; on a GPU
+  # machine the same entrypoint picks CUDA by itself.
+  "$DOCKER" run --rm -e VLLM_TARGET_DEVICE=cpu "$openai" --help | tail -n 5
+  "$DOCKER" run --rm --entrypoint python "$openai" -c 'import torch, vllm, vllm_ext
+print("vllm", vllm.__version__, "| vllm_ext", vllm_ext.__version__, "from", vllm_ext.__file__,
+      "| torch", torch.__version__)'
+  "$DOCKER" run --rm --entrypoint pip "$openai" check
+  "$DOCKER" image inspect --format 'labels: {{json .Config.Labels}}' "$openai"
+  "$DOCKER" image inspect --format 'healthcheck: {{json .Config.Healthcheck.Test}}' "$openai"
+}
+timed smoke smoke_openai
+
+ids_before=$(for s in "${stages[@]}"; do "$DOCKER" image inspect --format '{{.Id}}' "$image_repo/$s:ci"; done)
+stamp "make image again, no change: must come entirely from the cache"
+timed image-warm timeout 10m make image "${make_args[@]}"
+ids_after=$(for s in "${stages[@]}"; do "$DOCKER" image inspect --format '{{.Id}}' "$image_repo/$s:ci"; done)
+if [ "$ids_before" != "$ids_after" ]; then
+  echo "FAIL: the second make image rebuilt an image (ids before/after):"
+  paste <(echo "$ids_before") <(echo "$ids_after")
+  exit 1
+fi
+echo "ok: all ${#stages[@]} images unchanged (every layer came from the cache)"
+
+stamp "summary"
+printf '  %-34s %s\n' \
+  "install docker + start daemon" "${seconds[install]} s" \
+  "make base-images" "${seconds[base-images]} s" \
+  "make wheel ($archs)" "${seconds[wheel]} s" \
+  "make image, cold" "${seconds[image-cold]} s" \
+  "make image-test-cpu" "${seconds[test-image]} s" \
+  "vllm-openai smoke tests" "${seconds[smoke]} s" \
+  "make image, warm (no change)" "${seconds[image-warm]} s" \
+  "wheel $(basename "$wheel")" "$(awk "BEGIN {printf \"%.2f MiB\", $wheel_bytes / 1048576}")"
+for s in "${stages[@]}"; do
+  printf '  %-34s %s\n' "image $s" \
+    "$("$DOCKER" image inspect --format '{{.Size}}' "$image_repo/$s:ci" | awk '{printf "%.2f GB", $1 / 1e9}')"
+done
+stamp "docker pipeline done"
