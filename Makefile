@@ -96,7 +96,7 @@ OCI_LABELS = \
   --label "vllm-ext.arch-list=$(TORCH_CUDA_ARCH_LIST)"
 , := ,
 
-.PHONY: help develop test bench lint clean
+.PHONY: help develop test _test bench _bench lint clean
 .PHONY: wheel image test-gpu image-test-cpu base-images
 .PHONY: _docker-ready _wheel-docker _wheel-export _wheel-host _image _image-target
 .PHONY: _test-gpu-docker _test-gpu-host
@@ -128,13 +128,25 @@ develop: $(VENV_PY) ## Create $(VENV) and build + install vllm-ext into it, edit
 	$(VENV_PY) -m pip install --no-build-isolation --no-deps -e .
 	$(VENV_PY) -m vllm_ext.info
 
-test: ## Run the CPU test suite (builds the package first when needed)
-	@$(PY) -c 'import vllm_ext' 2>/dev/null || $(MAKE) develop
+# True when $(PY) can load torch and a built library (else `develop` runs first). A sub-make
+# then runs the step, so it picks up the .venv that `develop` may just have created.
+BUILT_CHECK = $(PY) -c 'import torch; from vllm_ext import _lib; _lib.lib(); _lib.build_info()' 2>/dev/null
+
+test: ## Run the CPU test suite (sets up $(VENV) and builds first when needed)
+	@$(BUILT_CHECK) || $(MAKE) --no-print-directory develop
+	@$(MAKE) --no-print-directory _test
+
+_test:
 	$(PY) -m pytest $(CPU_TEST_SELECTION) $(PYTEST_ARGS) tests
 
-bench: ## Run the benchmarks on this machine's GPUs (CPU paths when there are none)
-	@$(PY) -c 'import vllm_ext' 2>/dev/null || $(MAKE) develop
-	$(PY) benchmarks/kernels.py
+bench: ## Run the benchmarks: GPU kernels and migration, or their CPU paths without GPUs
+	@$(BUILT_CHECK) || $(MAKE) --no-print-directory develop
+	@$(MAKE) --no-print-directory _bench
+
+_bench:
+	@$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q matplotlib
+	$(PY) benchmarks/kernels.py --out benchmarks/results
+	$(PY) benchmarks/migration.py --out benchmarks/results
 
 lint: ## ruff for Python, hadolint for the Dockerfiles (rules ignored in .hadolint.yaml say why)
 	$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) -m pip install -q ruff
