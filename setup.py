@@ -260,6 +260,6 @@ setup(
     cmdclass={"build_ext": CMakeBuild, "bdist_wheel": PlatformWheel},
     python_requires=">=3.9",
     install_requires=["torch>=2.1"],
-    extras_require={"ray": ["ray>=2.9"], "bench": ["matplotlib"]},
+    extras_require={"ray": ["ray>=2.9", "numpy"], "bench": ["matplotlib"]},
     zip_safe=False,
 )
