@@ -97,9 +97,19 @@ def _run(cmd, args, caches, endpoints):
         if name in endpoints:  # left over from a failed test: replace it
             endpoints.pop(name).close()
         cache = make_cache(spec)
-        endpoints[name] = MigrationEndpoint(cache, backend=backend, **options)
+        ep = endpoints[name] = MigrationEndpoint(cache, backend=backend, **options)
         caches[name] = cache
-        return endpoints[name].descriptor()
+        # Count the data paths the backend builds (the "connects" command reads it).
+        ep.test_connects, connect = 0, ep.backend.connect
+
+        def counted_connect(link, deadline):
+            ep.test_connects += 1
+            return connect(link, deadline)
+
+        ep.backend.connect = counted_connect
+        return ep.descriptor()
+    if cmd == "connects":  # (name,) -> how many times the backend built a data path to a peer
+        return endpoints[args[0]].test_connects
     if cmd == "close":  # -> whether the endpoint existed
         ep = endpoints.pop(args[0], None)
         caches.pop(args[0], None)
