@@ -368,7 +368,7 @@ def test_control_channel_deadline_and_eof():
         start = time.monotonic()
         with pytest.raises(MigrationError, match="no answer within the deadline"):
             conn.recv(Deadline(0.3))
-        assert 0.25 < time.monotonic() - start < 2
+        assert 0.25 < time.monotonic() - start < 5
         release.set()
         with pytest.raises(MigrationError, match="connection closed by the peer"):
             conn.recv(Deadline(5))
@@ -395,7 +395,7 @@ def test_closed_by_peer_never_blocks():
         start = time.monotonic()
         assert not conn.closed_by_peer()
         assert not conn.readable()
-        assert time.monotonic() - start < 0.5
+        assert time.monotonic() - start < 5, "the check waited out the socket timeout (30 s)"
         release.set()
         end = time.monotonic() + 5
         while not conn.closed_by_peer():
