@@ -125,19 +125,30 @@ LABEL org.opencontainers.image.title="vllm-ext test" \
 
 # ---------------------------------------------------------------------------------------------
 # server-deps: torch-base plus vLLM at a pinned release. requirements-openai.txt includes
-# requirements-cuda.txt, so torch stays at the version torch-base installed. Triton (a vLLM
-# dependency) compiles a small C launcher the first time a kernel runs, so the server carries
-# gcc and the Python headers; vllm-base does not need them.
+# requirements-cuda.txt, so torch stays at the version torch-base installed.
+# vLLM's kernels compile at run time in two places: Triton builds a small C launcher (gcc,
+# Python headers), and FlashInfer, which has no precompiled-kernel wheel for this release on
+# PyPI, compiles with nvcc and g++. vLLM's dependencies already bring nvcc and the CUDA headers
+# as PyPI wheels (pinned to torch's CUDA release in requirements-openai.txt); CUDA_HOME points
+# FlashInfer at them, with the lib64 and libcudart.so links its link line (-lcudart) expects.
+# vllm-base needs none of this: our kernels ship precompiled.
 FROM torch-base AS server-deps
 ARG DEBIAN_FRONTEND=noninteractive
 RUN retry sh -c 'apt-get update && apt-get install -y --no-install-recommends \
-        gcc libc6-dev python3-dev' \
+        g++ libc6-dev python3-dev' \
     && rm -rf /var/lib/apt/lists/*
 RUN --mount=type=secret,id=ca-bundle \
     --mount=type=cache,id=vllm-ext-pip,target=/root/.cache/pip \
     --mount=type=bind,source=requirements-cuda.txt,target=/tmp/requirements-cuda.txt \
     --mount=type=bind,source=requirements-openai.txt,target=/tmp/requirements-openai.txt \
-    pip-install -r /tmp/requirements-openai.txt
+    pip-install -r /tmp/requirements-openai.txt \
+    && toolkit="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia/cu${CUDA_VERSION%%.*}" \
+    && test -x "${toolkit}/bin/nvcc" \
+    && { [ -e "${toolkit}/lib64" ] || ln -s lib "${toolkit}/lib64"; } \
+    && { [ -e "${toolkit}/lib/libcudart.so" ] \
+         || ln -s "libcudart.so.${CUDA_VERSION%%.*}" "${toolkit}/lib/libcudart.so"; } \
+    && ln -s "${toolkit}" /opt/cuda-jit
+ENV CUDA_HOME=/opt/cuda-jit
 
 # ---------------------------------------------------------------------------------------------
 # vllm-openai: vLLM's OpenAI-compatible server with vllm-ext: vllm-base's layers with vLLM

@@ -112,6 +112,15 @@ smoke_openai() {
 print("vllm", vllm.__version__, "| vllm_ext", vllm_ext.__version__, "from", vllm_ext.__file__,
       "| torch", torch.__version__)'
   "$DOCKER" run --rm --entrypoint pip "$openai" check
+  # FlashInfer's run-time compiler path: vLLM finds nvcc (CUDA_HOME), and nvcc with g++ builds
+  # and links a shared library the way FlashInfer's JIT does (-lcudart from CUDA_HOME/lib64).
+  # shellcheck disable=SC2016  # expanded inside the container
+  "$DOCKER" run --rm --entrypoint bash "$openai" -c 'set -e
+    printf "__global__ void k(float* x) { x[threadIdx.x] += 1.0f; }\n" > /tmp/k.cu
+    "$CUDA_HOME/bin/nvcc" -arch=sm_90 -shared -Xcompiler -fPIC /tmp/k.cu -o /tmp/k.so \
+      -L"$CUDA_HOME/lib64" -lcudart
+    python -c "from vllm.utils.flashinfer import has_flashinfer; assert has_flashinfer(), \"FlashInfer disabled\""
+    echo "FlashInfer JIT toolchain: $("$CUDA_HOME/bin/nvcc" --version | tail -n 1)"'
   "$DOCKER" image inspect --format 'labels: {{json .Config.Labels}}' "$openai"
   "$DOCKER" image inspect --format 'healthcheck: {{json .Config.Healthcheck.Test}}' "$openai"
 }
