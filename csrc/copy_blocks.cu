@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -47,23 +48,50 @@ int cuda_fail(cudaError_t err, const char* what) {
     if (err_ != cudaSuccess) return cuda_fail(err_, #call); \
   } while (0)
 
+using GetCurrentContext = int (*)(void** context);
+
+// cuCtxGetCurrent from the driver, reached without linking libcuda (null if unavailable).
+GetCurrentContext driver_get_current_context() {
+  static GetCurrentContext fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult query;
+    if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &p, 12000, cudaEnableDefault, &query) ==
+            cudaSuccess &&
+        query == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<GetCurrentContext>(p);
+  });
+  return fn;
+}
+
 // Makes `device` current for the scope and restores the caller's device (torch keeps its own).
+// NOTE: a thread with no context yet reports device 0; "restoring" that would create GPU 0's
+// primary context (hundreds of MiB) in a process that may never use GPU 0, so then nothing
+// is restored.
 class DeviceGuard {
  public:
   // `bind`: call cudaSetDevice even when `device` is already the runtime's current one, so
   // that its context is current on this thread for driver calls.
   explicit DeviceGuard(int device, bool bind = false) {
+    void* context = nullptr;
+    GetCurrentContext current = driver_get_current_context();
+    const bool had_context = current == nullptr || (current(&context) == 0 && context != nullptr);
     ok_ = cudaGetDevice(&previous_) == cudaSuccess;
-    if (ok_ && (bind || previous_ != device)) ok_ = cudaSetDevice(device) == cudaSuccess;
+    if (ok_ && (bind || previous_ != device || !had_context)) {
+      ok_ = cudaSetDevice(device) == cudaSuccess;
+      restore_ = ok_ && had_context && previous_ != device;
+    }
   }
   ~DeviceGuard() {
-    if (ok_) cudaSetDevice(previous_);
+    if (restore_) cudaSetDevice(previous_);
   }
   bool ok() const { return ok_; }
 
  private:
   int previous_ = 0;
   bool ok_ = false;
+  bool restore_ = false;
 };
 
 #ifndef VLLM_EXT_STREAMING_HINTS
@@ -150,15 +178,30 @@ __global__ void __launch_bounds__(kThreads, VLLM_EXT_MIN_CTAS_PER_SM)
 // grid-stride loop leaves most SMs idle at the end (seen as ~20% lost bandwidth).
 template <auto kKernel>
 int64_t resident_ctas(int device) {
-  static int64_t cached[kMaxDevices] = {};
-  if (device >= 0 && device < kMaxDevices && cached[device] > 0) return cached[device];
+  static std::atomic<int64_t> cached[kMaxDevices] = {};
+  if (device >= 0 && device < kMaxDevices) {
+    const int64_t known = cached[device].load(std::memory_order_relaxed);
+    if (known > 0) return known;
+  }
   int sms = 0, per_sm = 0;
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) sms = 1;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, 0) != cudaSuccess || per_sm <= 0)
     per_sm = 1;
   const int64_t n = int64_t{sms} * per_sm;
-  if (device >= 0 && device < kMaxDevices) cached[device] = n;
+  if (device >= 0 && device < kMaxDevices) cached[device].store(n, std::memory_order_relaxed);
   return n;
+}
+
+// cudaLaunchKernel returns this launch's own error (a <<<>>> launch needs cudaGetLastError,
+// which would also report, and clear, an error some earlier call left pending).
+template <auto kKernel>
+int launch_tiles(vllm_ext_side src, vllm_ext_side dst, int32_t num_layers, int32_t num_components,
+                 int64_t chunk_vecs, int64_t tiles_per_chunk, int64_t num_tiles, int device, cudaStream_t stream) {
+  const int64_t grid = std::min<int64_t>(num_tiles, resident_ctas<kKernel>(device));
+  void* args[] = {&src, &dst, &num_layers, &num_components, &chunk_vecs, &tiles_per_chunk, &num_tiles};
+  VLLM_EXT_CUDA_TRY(cudaLaunchKernel(reinterpret_cast<const void*>(kKernel), dim3(static_cast<unsigned>(grid)),
+                                     dim3(kThreads), args, 0, stream));
+  return VLLM_EXT_OK;
 }
 
 template <int kVecBytes>
@@ -172,19 +215,11 @@ int launch(const vllm_ext_side& src, const vllm_ext_side& dst, int64_t num_ids, 
   const int64_t tile_vecs = int64_t{kThreads} * (deep ? kDeepUnroll : 1);
   const int64_t tiles_per_chunk = (chunk_vecs + tile_vecs - 1) / tile_vecs;
   const int64_t num_tiles = num_chunks * tiles_per_chunk;
-  if (deep) {
-    constexpr auto kernel = copy_blocks_kernel<kVecBytes, kDeepUnroll>;
-    const int64_t grid = std::min<int64_t>(num_tiles, resident_ctas<kernel>(device));
-    kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(src, dst, num_layers, num_components,
-                                                                 chunk_vecs, tiles_per_chunk, num_tiles);
-  } else {
-    constexpr auto kernel = copy_blocks_kernel<kVecBytes, 1>;
-    const int64_t grid = std::min<int64_t>(num_tiles, resident_ctas<kernel>(device));
-    kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(src, dst, num_layers, num_components,
-                                                                 chunk_vecs, tiles_per_chunk, num_tiles);
-  }
-  VLLM_EXT_CUDA_TRY(cudaGetLastError());
-  return VLLM_EXT_OK;
+  return deep ? launch_tiles<copy_blocks_kernel<kVecBytes, kDeepUnroll>>(src, dst, num_layers, num_components,
+                                                                        chunk_vecs, tiles_per_chunk, num_tiles,
+                                                                        device, stream)
+              : launch_tiles<copy_blocks_kernel<kVecBytes, 1>>(src, dst, num_layers, num_components, chunk_vecs,
+                                                               tiles_per_chunk, num_tiles, device, stream);
 }
 
 using GetAddressRange = int (*)(unsigned long long* base, size_t* size, unsigned long long ptr);
@@ -272,6 +307,14 @@ int vllm_ext_check_device(int32_t device, int32_t* major, int32_t* minor) {
   cudaFuncAttributes attr;
   // Loading the kernel is what fails on a GPU with neither machine code nor usable PTX.
   VLLM_EXT_CUDA_TRY(cudaFuncGetAttributes(&attr, copy_blocks_kernel<16, kDeepUnroll>));
+  return VLLM_EXT_OK;
+}
+
+int vllm_ext_stream_is_capturing(void* stream, int32_t* capturing) {
+  if (capturing == nullptr) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "capturing is NULL");
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  VLLM_EXT_CUDA_TRY(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status));
+  *capturing = status == cudaStreamCaptureStatusActive ? 1 : 0;
   return VLLM_EXT_OK;
 }
 

@@ -15,6 +15,7 @@ int vllm_ext_copy_blocks_memcpy(const vllm_ext_side*, const vllm_ext_side*, int6
                                 int64_t, int32_t, void*) { return no_cuda(); }
 int vllm_ext_check_device(int32_t, int32_t*, int32_t*) { return no_cuda(); }
 int32_t vllm_ext_device_count(void) { return 0; }
+int vllm_ext_stream_is_capturing(void*, int32_t*) { return no_cuda(); }
 int vllm_ext_enable_peer_access(int32_t, int32_t) { return no_cuda(); }
 int vllm_ext_can_access_peer(int32_t, int32_t, int32_t*) { return no_cuda(); }
 int vllm_ext_device_pci_bus_id(int32_t, char*, int32_t) { return no_cuda(); }

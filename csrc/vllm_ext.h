@@ -90,6 +90,9 @@ VLLM_EXT_API int vllm_ext_copy_blocks_cpu(const vllm_ext_side* src, const vllm_e
  * *major / *minor receive the device's compute capability. */
 VLLM_EXT_API int vllm_ext_check_device(int32_t device, int32_t* major, int32_t* minor);
 
+/* *capturing = 1 when `stream` (a cudaStream_t of any device) is capturing a CUDA graph. */
+VLLM_EXT_API int vllm_ext_stream_is_capturing(void* stream, int32_t* capturing);
+
 /* Number of CUDA devices the driver shows (0 without a driver or a CUDA build). Never fails. */
 VLLM_EXT_API int32_t vllm_ext_device_count(void);
 

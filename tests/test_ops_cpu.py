@@ -171,9 +171,9 @@ def test_padded_block_stride_from_layers():
         assert torch.equal(between(t), before), "bytes between the blocks were written"
 
 
-def test_large_copy_uses_threads_and_stays_exact():
-    """Big enough (32 MiB) to split the CPU copy over threads."""
-    torch.set_num_threads(max(2, torch.get_num_threads()))
+def test_large_copy_uses_threads_and_stays_exact(monkeypatch):
+    """Big enough (32 MiB) for the CPU copy to split over threads (2 or more allowed)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     geometry = {"num_layers": 8, "num_blocks": 64, "block_size": 16, "num_kv_heads": 16,
                 "head_size": 64}
     cache = random_cache(geometry, torch.bfloat16, "flash", seed=12)

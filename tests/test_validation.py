@@ -175,3 +175,41 @@ def test_pageable_host_memory_with_a_gpu_is_refused():
     with pytest.raises(ValueError, match="out: CPU memory used with a CUDA tensor must be pinned"):
         ops._placement(torch.device("cuda", 0), False, "cache", torch.device("cpu"), False,
                               "out")
+
+
+# ---- two views of one memory --------------------------------------------------------------------
+def test_two_cache_objects_over_one_memory_count_as_one_cache(cache):
+    view = KVCache.from_layers(cache.layers, layout="flash")  # the same memory, another object
+    before = cache_bytes(cache)
+    with pytest.raises(ValueError, match="same memory and the id sets overlap"):
+        ops.copy_blocks(cache, [0, 1], view, [1, 2])
+    assert_cache_bytes_equal(cache, before)
+    shifted = KVCache.from_layers([t[:, 1:] for t in cache.layers], layout="flash")
+    with pytest.raises(ValueError, match="two views of the same memory with different layouts"):
+        ops.copy_blocks(cache, [0], shifted, [5])
+    assert_cache_bytes_equal(cache, before)
+    ops.copy_blocks(cache, [0, 1], view, [2, 3])  # disjoint sets in one memory are fine
+    assert torch.equal(ops.gather_blocks(cache, [2, 3]), ops.gather_blocks(cache, [0, 1]))
+
+
+@pytest.mark.parametrize("ids,exc,match", [
+    ([torch.tensor(1.7)], TypeError, r"block_ids: tensor\(1.7000\) is not an int"),
+    ([torch.tensor([1, 2])], TypeError, "block_ids: tensor.* is not an int"),
+    ([2**64], ValueError, "block_ids: id 18446744073709551616 out of range"),
+    (["3"], TypeError, "block_ids: '3' is not an int"),
+    ([None], TypeError, "block_ids: None is not an int"),
+])
+def test_list_elements_must_be_ints(cache, ids, exc, match):
+    with pytest.raises(exc, match=match):
+        ops.gather_blocks(cache, ids)
+
+
+def test_integer_scalars_are_accepted_as_ids(cache):
+    ids = [torch.tensor(3), 5]
+    assert torch.equal(ops.gather_blocks(cache, ids), ops.gather_blocks(cache, [3, 5]))
+
+
+def test_close_of_a_cache_that_owns_its_tensors_changes_nothing(cache):
+    rows = ops.gather_blocks(cache, [1, 4])
+    cache.close()
+    assert torch.equal(ops.gather_blocks(cache, [1, 4]), rows)

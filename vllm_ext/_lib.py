@@ -59,6 +59,8 @@ _FUNCTIONS = {
     "vllm_ext_copy_blocks_cpu": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i32]),
     # int vllm_ext_check_device(int32 device, int32* major, int32* minor)
     "vllm_ext_check_device": (_i32, [_i32, _i32_p, _i32_p]),
+    # int vllm_ext_stream_is_capturing(void* stream, int32* capturing)
+    "vllm_ext_stream_is_capturing": (_i32, [_ptr, _i32_p]),
     # int32 vllm_ext_device_count(void)
     "vllm_ext_device_count": (_i32, []),
     # int vllm_ext_enable_peer_access(int32 device, int32 peer_device)
@@ -128,6 +130,13 @@ def build_info():
 
 def built_with_cuda():
     return bool(lib().vllm_ext_built_with_cuda())
+
+
+def stream_is_capturing(stream):
+    """True while `stream` (a raw cudaStream_t of any device) captures a CUDA graph."""
+    capturing = _i32(0)
+    check(lib().vllm_ext_stream_is_capturing(stream, ctypes.byref(capturing)), "cudaStreamIsCapturing")
+    return bool(capturing.value)
 
 
 def device_count():

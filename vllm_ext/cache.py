@@ -16,6 +16,7 @@ import dataclasses
 import math
 import os
 import socket
+import weakref
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -96,8 +97,11 @@ class KVCache:
             [*self.layer_addresses, block_stride, component_stride, self.chunk_nbytes])
         self._ipc_mappings = ipc_mappings  # [(base, device)] for an imported cache
         self._tables = {}
-        if self.device.type == "cuda" and ipc_mappings is None:
+        if self.device.type == "cuda":
             self.layer_table(self.device)  # upload now, so a later graph capture needs none
+        self._finalizer = None
+        if ipc_mappings:  # an imported cache unmaps when dropped, if close() was not called
+            self._finalizer = weakref.finalize(self, _close_mappings, list(ipc_mappings))
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -138,7 +142,7 @@ class KVCache:
             num_kv_heads=num_kv_heads, head_size=head_size, dtype=first.dtype, device=first.device,
             layer_addresses=[t.data_ptr() for t in layers], block_stride=block_stride,
             component_stride=component_stride, layers=list(layers),
-            pinned=first.device.type == "cpu" and first.is_pinned(),
+            pinned=_all_pinned(layers),
         )
         _check_no_overlap(cache)
         return cache
@@ -185,17 +189,43 @@ class KVCache:
                 f"num_kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
                 f"dtype={self.dtype}, device={self.device}, block_nbytes={self.block_nbytes})")
 
+    def layout_key(self) -> tuple:
+        """Where every chunk lives: equal keys mean the same memory described the same way."""
+        return (self.layer_addresses, self.block_stride, self.component_stride, self.chunk_nbytes)
+
+    def extents(self) -> list:
+        """Sorted [start, end) byte ranges of the layers (address-space footprint)."""
+        span = ((self.num_blocks - 1) * self.block_stride + (self.num_components - 1) * self.component_stride
+                + self.chunk_nbytes)
+        return sorted((a, a + span) for a in self.layer_addresses)
+
     def layer_table(self, device: torch.device) -> Optional[torch.Tensor]:
         """The per-layer base addresses as an int64 tensor on `device` (where the kernel
-        runs), uploaded once per device and cached."""
+        runs), uploaded on first use per device and cached (see prepare)."""
         key = (device.type, device.index)
         table = self._tables.get(key)
         if table is None:
             table = torch.tensor(self.layer_addresses, dtype=torch.int64)
             if device.type == "cuda":
+                if _lib.stream_is_capturing(torch.cuda.current_stream(device).cuda_stream):
+                    raise ValueError(
+                        f"cache: its pointer table for {device} is uploaded on first use, which a CUDA graph "
+                        f"capture cannot do; call cache.prepare('{device}') (or run the op once) before capturing")
                 table = table.to(device)
             self._tables[key] = table
         return table
+
+    def prepare(self, *devices) -> "KVCache":
+        """Uploads the pointer table for each GPU a kernel using this cache will run on (the
+        cache's own GPU is done at construction; a peer copy runs on the destination's GPU,
+        a pinned host cache's copies on the GPU of the other side). Needed before capturing
+        such calls in a CUDA graph."""
+        for device in devices:
+            device = torch.device(device)
+            if device.type != "cuda" or device.index is None:
+                raise ValueError(f"devices: expected CUDA devices with an index, got {device}")
+            self.layer_table(device)
+        return self
 
     # ---- CUDA IPC -----------------------------------------------------------------------
     def export_ipc(self) -> IpcCacheHandle:
@@ -242,6 +272,12 @@ class KVCache:
         if handle.layout not in LAYOUTS:
             raise ValueError(f"handle: layout {handle.layout!r} is not one of {', '.join(LAYOUTS)}")
         dtype = _dtype_from_name(handle.dtype)
+        for field in ("num_blocks", "block_size", "num_kv_heads", "head_size"):
+            if not isinstance(getattr(handle, field), int) or getattr(handle, field) <= 0:
+                raise ValueError(f"handle: {field} {getattr(handle, field)!r} is not a positive int")
+        for field in ("block_stride", "component_stride"):
+            if not isinstance(getattr(handle, field), int) or getattr(handle, field) < 0:
+                raise ValueError(f"handle: {field} {getattr(handle, field)!r} is not a non-negative int")
         if len(handle.layer_offsets) != handle.num_layers or handle.num_layers <= 0:
             raise ValueError(f"handle: {len(handle.layer_offsets)} layer offsets for "
                              f"{handle.num_layers} layers")
@@ -262,33 +298,66 @@ class KVCache:
         try:
             for raw, _ in handle.allocations:
                 mappings.append((_lib.ipc_import(raw, device.index), device.index))
+            addresses = [mappings[alloc][0] + offset for alloc, offset in handle.layer_offsets]
+            cache = cls(
+                layout=handle.layout, num_layers=handle.num_layers, num_blocks=handle.num_blocks,
+                block_size=handle.block_size, num_kv_heads=handle.num_kv_heads,
+                head_size=handle.head_size, dtype=dtype, device=device, layer_addresses=addresses,
+                block_stride=handle.block_stride, component_stride=handle.component_stride,
+                ipc_mappings=mappings,
+            )
+            _check_no_overlap(cache)
         except BaseException:
-            for base, dev in mappings:
-                _lib.ipc_close(base, dev)
+            try:
+                _close_mappings(mappings)
+            except Exception:  # noqa: BLE001 - the original failure is the one to report
+                pass
             raise
-        addresses = [mappings[alloc][0] + offset for alloc, offset in handle.layer_offsets]
-        cache = cls(
-            layout=handle.layout, num_layers=handle.num_layers, num_blocks=handle.num_blocks,
-            block_size=handle.block_size, num_kv_heads=handle.num_kv_heads,
-            head_size=handle.head_size, dtype=dtype, device=device, layer_addresses=addresses,
-            block_stride=handle.block_stride, component_stride=handle.component_stride,
-            ipc_mappings=mappings,
-        )
-        cache.layer_table(device)
         return cache
 
     def close(self):
-        """Unmaps an imported peer cache; a no-op for a cache that owns its tensors."""
+        """Unmaps an imported peer cache once the GPU is done with it; a no-op for a cache that
+        owns its tensors (they, and the pointer tables captured graphs use, stay valid)."""
+        if self._ipc_mappings is None:
+            return
         mappings, self._ipc_mappings = self._ipc_mappings, None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        devices = {device for _, device in mappings}
+        for device in devices:  # kernels still reading the peer's memory must finish first
+            torch.cuda.synchronize(device)
         self._tables.clear()
-        for base, device in mappings or ():
-            _lib.ipc_close(base, device)
+        _close_mappings(mappings)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _all_pinned(layers) -> bool:
+    """Host layers are all pinned or all pageable (a GPU kernel may only touch pinned ones)."""
+    if layers[0].device.type != "cpu":
+        return False
+    pinned = [t.is_pinned() for t in layers]
+    if any(pinned) and not all(pinned):
+        i = pinned.index(not pinned[0])
+        raise ValueError(f"layers[{i}]: {'pinned' if pinned[i] else 'pageable'} host memory, but layers[0] is "
+                         f"{'pinned' if pinned[0] else 'pageable'}; pin all layers or none")
+    return pinned[0]
+
+
+def _close_mappings(mappings):
+    """Unmaps every mapping, even when one fails; raises the first failure afterwards."""
+    first_error = None
+    for base, device in mappings:
+        try:
+            _lib.ipc_close(base, device)
+        except Exception as e:  # noqa: BLE001 - keep closing the rest
+            first_error = first_error or e
+    if first_error is not None:
+        raise first_error
 
 
 def layer_shape(layout, num_blocks, block_size, num_kv_heads, head_size) -> Tuple[int, ...]:

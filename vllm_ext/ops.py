@@ -20,6 +20,7 @@ Every argument is checked before any work starts; a bad one raises ValueError or
 naming it, and nothing is written.
 """
 
+import operator
 from typing import Optional, Sequence, Union
 
 import torch
@@ -101,7 +102,10 @@ def copy_blocks(src_cache: KVCache, src_ids: BlockIds, dst_cache: KVCache, dst_i
                       check=check_ids)
     dids = _block_ids(dst_ids, "dst_ids", dst_cache.num_blocks, kernel_device, unique=True,
                       check=check_ids)
-    if src_cache is dst_cache and n:
+    if n and _share_memory(src_cache, dst_cache):
+        if src_cache.layout_key() != dst_cache.layout_key():
+            raise ValueError("src_cache and dst_cache: two views of the same memory with different layouts; "
+                             "copy through a buffer (gather_blocks, then scatter_blocks)")
         _check_disjoint(sids, dids, check_ids)
     _run(_cache_side(src_cache, sids, kernel_device), _cache_side(dst_cache, dids, kernel_device),
          n, src_cache, min(src_cache.alignment, dst_cache.alignment), kernel_device)
@@ -162,7 +166,8 @@ def _placement(src_device, src_pinned, src_name, dst_device, dst_pinned, dst_nam
 
 
 def _capturing(device):
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    """Is the stream the kernel will run on (the current stream of `device`) capturing?"""
+    return device.type == "cuda" and _lib.stream_is_capturing(_current_raw_stream(device.index))
 
 
 def _block_ids(block_ids, name, num_blocks, device, *, unique, check):
@@ -171,22 +176,54 @@ def _block_ids(block_ids, name, num_blocks, device, *, unique, check):
         if block_ids.dtype == torch.bool or block_ids.is_floating_point() or block_ids.is_complex():
             raise TypeError(f"{name}: dtype {block_ids.dtype}, expected an integer dtype")
         ids = block_ids
-        if ids.device.type == "cpu" or (check and not _capturing(device)):
+        capturing = _capturing(device)
+        if ids.device.type == "cpu" and capturing:
+            raise ValueError(f"{name}: pass a CUDA tensor of ids while capturing a CUDA graph "
+                             "(a CPU tensor needs a host-to-device copy)")
+        if ids.device.type == "cpu" or (check and not capturing):
             _check_id_values(ids, name, num_blocks, unique)
         if ids.dtype != torch.int64 or ids.device != device:
-            ids = ids.to(device=device, dtype=torch.int64, non_blocking=ids.device.type != "cpu")
+            ids = _move_ids(ids, device)
         return ids.contiguous()
-    values = list(block_ids)
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) and not (
-                hasattr(v, "__index__") and not isinstance(v, float)):
-            raise TypeError(f"{name}: {v!r} is not an int")
+    values = [_index(v, name) for v in block_ids]
     if _capturing(device):
         raise ValueError(f"{name}: pass a CUDA tensor of ids while capturing a CUDA graph "
                          "(a Python list needs a host-to-device copy)")
-    ids = torch.tensor([int(v) for v in values], dtype=torch.int64)
-    _check_id_values(ids, name, num_blocks, unique)
-    return ids if device.type == "cpu" else ids.to(device)
+    _check_python_ids(values, name, num_blocks, unique)
+    ids = torch.tensor(values, dtype=torch.int64)
+    return ids if device.type == "cpu" else _move_ids(ids, device)
+
+
+def _index(v, name):
+    """An id as a Python int: ints and integer scalars (numpy, 0-d integer tensors) only."""
+    if isinstance(v, bool) or isinstance(v, torch.Tensor) and (v.dim() != 0 or v.is_floating_point()
+                                                               or v.dtype == torch.bool):
+        raise TypeError(f"{name}: {v!r} is not an int")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise TypeError(f"{name}: {v!r} is not an int") from None
+
+
+def _check_python_ids(values, name, num_blocks, unique):
+    """Range (and, for destinations, distinctness) of ids given as Python ints."""
+    for v in values:
+        if not 0 <= v < num_blocks:
+            raise ValueError(f"{name}: id {v} out of range for a cache of {num_blocks} blocks")
+    if unique and len(set(values)) != len(values):
+        seen = set()
+        dup = next(v for v in values if v in seen or seen.add(v))
+        raise ValueError(f"{name}: duplicate id {dup}; destination ids must be distinct")
+
+
+def _move_ids(ids, device):
+    """int64 ids on `device`. Host ids go through pinned memory without blocking the stream;
+    device ids bound for the CPU copy wait for their transfer (the CPU reads them at once)."""
+    if device.type == "cpu":
+        return ids.to(device=device, dtype=torch.int64)
+    if ids.device.type == "cpu":
+        ids = ids.to(torch.int64).pin_memory()
+    return ids.to(device=device, dtype=torch.int64, non_blocking=True)
 
 
 def _check_id_values(ids, name, num_blocks, unique):
@@ -216,12 +253,29 @@ def _check_id_values(ids, name, num_blocks, unique):
         raise ValueError(f"{name}: {ndup} duplicate ids; destination ids must be distinct")
 
 
+def _share_memory(a: KVCache, b: KVCache) -> bool:
+    """Do any layer extents of the two caches overlap (one cache, or two views of it)?"""
+    if a is b:
+        return True
+    spans_a, spans_b = a.extents(), b.extents()
+    i = j = 0
+    while i < len(spans_a) and j < len(spans_b):
+        (start_a, end_a), (start_b, end_b) = spans_a[i], spans_b[j]
+        if start_a < end_b and start_b < end_a:
+            return True
+        if end_a <= end_b:
+            i += 1
+        else:
+            j += 1
+    return False
+
+
 def _check_disjoint(src_ids, dst_ids, check):
     """Within one cache, reading and writing the same block in one launch is a race."""
     if src_ids.device.type == "cuda" and (not check or _capturing(src_ids.device)):
         return
     if torch.isin(dst_ids, src_ids).any().item():
-        raise ValueError("src_ids and dst_ids: copying within one cache, the id sets overlap; "
+        raise ValueError("src_ids and dst_ids: both caches are the same memory and the id sets overlap; "
                          "a block cannot be read and written by one call")
 
 
