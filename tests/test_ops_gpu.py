@@ -340,7 +340,7 @@ def test_mixed_pinned_and_pageable_layers_are_refused():
 @pytest.mark.gpu
 def test_capturing_a_pinned_host_cache_needs_prepare():
     rng = random.Random(25)
-    geometry = random_geometry(rng, "flash")
+    geometry = dict(random_geometry(rng, "flash"), num_blocks=12)  # room for 3 distinct ids
     host_cpu = random_cache(geometry, torch.bfloat16, "flash", seed=25)
     host = to_device(host_cpu, "cpu", pin_memory=True)
     ids = torch.tensor(distinct_ids(rng, geometry["num_blocks"], 3), device="cuda:0")
