@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <mutex>
 #include <string>
 
 #include "common.h"
@@ -48,20 +47,20 @@ int cuda_fail(cudaError_t err, const char* what) {
     if (err_ != cudaSuccess) return cuda_fail(err_, #call); \
   } while (0)
 
+// A driver function reached without linking libcuda; null where the driver lacks it.
+void* driver_entry_point(const char* symbol) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult query;
+  if (cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &query) != cudaSuccess ||
+      query != cudaDriverEntryPointSuccess)
+    return nullptr;
+  return fn;
+}
+
 using GetCurrentContext = int (*)(void** context);
 
-// cuCtxGetCurrent from the driver, reached without linking libcuda (null if unavailable).
-GetCurrentContext driver_get_current_context() {
-  static GetCurrentContext fn = nullptr;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult query;
-    if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &p, 12000, cudaEnableDefault, &query) ==
-            cudaSuccess &&
-        query == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<GetCurrentContext>(p);
-  });
+GetCurrentContext driver_get_current_context() {  // cuCtxGetCurrent, looked up once
+  static const auto fn = reinterpret_cast<GetCurrentContext>(driver_entry_point("cuCtxGetCurrent"));
   return fn;
 }
 
@@ -224,18 +223,8 @@ int launch(const vllm_ext_side& src, const vllm_ext_side& dst, int64_t num_ids, 
 
 using GetAddressRange = int (*)(unsigned long long* base, size_t* size, unsigned long long ptr);
 
-// cuMemGetAddressRange from the driver, reached without linking libcuda.
-GetAddressRange driver_get_address_range() {
-  static GetAddressRange fn = nullptr;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult query;
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000, cudaEnableDefault,
-                                         &query) == cudaSuccess &&
-        query == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<GetAddressRange>(p);
-  });
+GetAddressRange driver_get_address_range() {  // cuMemGetAddressRange, looked up once
+  static const auto fn = reinterpret_cast<GetAddressRange>(driver_entry_point("cuMemGetAddressRange"));
   return fn;
 }
 
