@@ -229,18 +229,8 @@ def _move_ids(ids, device):
 def _check_id_values(ids, name, num_blocks, unique):
     if ids.numel() == 0:
         return
-    if ids.device.type == "cpu":
-        ids = ids.to(torch.int64)
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= num_blocks:
-            bad = low if low < 0 else high
-            raise ValueError(f"{name}: id {bad} out of range for a cache of {num_blocks} blocks")
-        if unique:
-            sorted_ids = ids.sort().values
-            dup = (sorted_ids[1:] == sorted_ids[:-1]).nonzero()
-            if dup.numel():
-                raise ValueError(f"{name}: duplicate id {int(sorted_ids[dup[0, 0]])}; destination "
-                                 "ids must be distinct")
+    if ids.device.type == "cpu":  # host ids: the same checks as for a Python list
+        _check_python_ids(ids.tolist(), name, num_blocks, unique)
         return
     # Device ids: one synchronisation for all checks.
     sorted_ids = ids.to(torch.int64).sort().values
