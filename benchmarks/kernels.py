@@ -287,7 +287,7 @@ def host_overhead_us(cache, device, repeats=2000):
         sides = (ops._cache_side(cache, ids, device), ops._buffer_side(out, cache))
         stream = torch.cuda.current_stream(device).cuda_stream
         variants.append(("C launch only", lambda: _lib.copy_blocks_cuda(
-            *sides, 1, cache.num_layers, cache.num_components, cache.chunk_nbytes, 16, device.index, stream)))
+            *sides, 1, cache.num_layers, cache.num_components, cache.chunk_nbytes, 16, device.index, stream, 0)))
     for name, fn in variants:
         for _ in range(50):
             fn()

@@ -195,8 +195,10 @@ int64_t resident_ctas(int device) {
 // which would also report, and clear, an error some earlier call left pending).
 template <auto kKernel>
 int launch_tiles(vllm_ext_side src, vllm_ext_side dst, int32_t num_layers, int32_t num_components,
-                 int64_t chunk_vecs, int64_t tiles_per_chunk, int64_t num_tiles, int device, cudaStream_t stream) {
-  const int64_t grid = std::min<int64_t>(num_tiles, resident_ctas<kKernel>(device));
+                 int64_t chunk_vecs, int64_t tiles_per_chunk, int64_t num_tiles, int device, cudaStream_t stream,
+                 int32_t max_ctas) {
+  int64_t grid = std::min<int64_t>(num_tiles, resident_ctas<kKernel>(device));
+  if (max_ctas > 0) grid = std::min<int64_t>(grid, max_ctas);
   void* args[] = {&src, &dst, &num_layers, &num_components, &chunk_vecs, &tiles_per_chunk, &num_tiles};
   VLLM_EXT_CUDA_TRY(cudaLaunchKernel(reinterpret_cast<const void*>(kKernel), dim3(static_cast<unsigned>(grid)),
                                      dim3(kThreads), args, 0, stream));
@@ -205,7 +207,7 @@ int launch_tiles(vllm_ext_side src, vllm_ext_side dst, int32_t num_layers, int32
 
 template <int kVecBytes>
 int launch(const vllm_ext_side& src, const vllm_ext_side& dst, int64_t num_ids, int32_t num_layers,
-           int32_t num_components, int64_t chunk_nbytes, int device, cudaStream_t stream) {
+           int32_t num_components, int64_t chunk_nbytes, int device, cudaStream_t stream, int32_t max_ctas) {
   const int64_t chunk_vecs = chunk_nbytes / kVecBytes;
   const int64_t num_chunks = num_ids * num_layers * num_components;
   // NOTE: small chunks (a few hundred vectors) would leave most of a deep tile idle; they
@@ -216,9 +218,9 @@ int launch(const vllm_ext_side& src, const vllm_ext_side& dst, int64_t num_ids, 
   const int64_t num_tiles = num_chunks * tiles_per_chunk;
   return deep ? launch_tiles<copy_blocks_kernel<kVecBytes, kDeepUnroll>>(src, dst, num_layers, num_components,
                                                                         chunk_vecs, tiles_per_chunk, num_tiles,
-                                                                        device, stream)
+                                                                        device, stream, max_ctas)
               : launch_tiles<copy_blocks_kernel<kVecBytes, 1>>(src, dst, num_layers, num_components, chunk_vecs,
-                                                               tiles_per_chunk, num_tiles, device, stream);
+                                                               tiles_per_chunk, num_tiles, device, stream, max_ctas);
 }
 
 using GetAddressRange = int (*)(unsigned long long* base, size_t* size, unsigned long long ptr);
@@ -234,7 +236,7 @@ extern "C" {
 
 int vllm_ext_copy_blocks_cuda(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
                               int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
-                              int32_t alignment, int32_t device, void* stream) {
+                              int32_t alignment, int32_t device, void* stream, int32_t max_ctas) {
   int status = vllm_ext::check_copy_args(src, dst, num_ids, num_layers, num_components, chunk_nbytes);
   if (status != VLLM_EXT_OK) return status;
   if (alignment <= 0 || (alignment & (alignment - 1)) != 0 || chunk_nbytes % alignment != 0)
@@ -247,11 +249,11 @@ int vllm_ext_copy_blocks_cuda(const vllm_ext_side* src, const vllm_ext_side* dst
   auto s = static_cast<cudaStream_t>(stream);
   const int width = std::min(alignment, 16);
   switch (width) {
-    case 16: return launch<16>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s);
-    case 8: return launch<8>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s);
-    case 4: return launch<4>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s);
-    case 2: return launch<2>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s);
-    default: return launch<1>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s);
+    case 16: return launch<16>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s, max_ctas);
+    case 8: return launch<8>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s, max_ctas);
+    case 4: return launch<4>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s, max_ctas);
+    case 2: return launch<2>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s, max_ctas);
+    default: return launch<1>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s, max_ctas);
   }
 }
 

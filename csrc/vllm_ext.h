@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define VLLM_EXT_ABI_VERSION 1
+#define VLLM_EXT_ABI_VERSION 2
 
 /* The library is built with hidden visibility; only these functions are exported. */
 #if defined(__GNUC__)
@@ -68,10 +68,12 @@ typedef struct {
  */
 
 /* CUDA: one kernel launch on `device`, enqueued on `stream`; no allocation, no synchronisation,
- * so the call can be captured in a CUDA graph. */
+ * so the call can be captured in a CUDA graph. `max_ctas` caps the grid (0 = every CTA that
+ * fits on the GPU at once): a copy that runs beside a communication kernel (NCCL) leaves it
+ * room on every SM. */
 VLLM_EXT_API int vllm_ext_copy_blocks_cuda(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
                               int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
-                              int32_t alignment, int32_t device, void* stream);
+                              int32_t alignment, int32_t device, void* stream, int32_t max_ctas);
 
 /* Baseline (what vLLM's swap_blocks and Llumnix do): one cudaMemcpyAsync per (block, layer,
  * component) on the copy engines. Here layer_ptrs and block_ids of both sides are [host]; host

@@ -102,6 +102,28 @@ def test_copy_blocks_cuda_equals_cpu(src_layout, dst_layout, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("max_ctas", [1, 3, 264])
+def test_a_capped_grid_copies_the_same_bytes(max_ctas):
+    """The migration pipelines cap the kernel's grid (so NCCL keeps room on every SM): each
+    CTA then walks more tiles, and the bytes must not change."""
+    rng, cpu, gpu = cuda_and_cpu_pair("flash", torch.bfloat16, 11 + max_ctas)
+    src_ids = [rng.randrange(cpu.num_blocks) for _ in range(rng.randint(1, 12))]
+    out = poison((len(src_ids) + 2, gpu.block_nbytes), "cuda:0", max_ctas)
+    tail = out[len(src_ids):].clone()
+    ids = torch.tensor(src_ids, device="cuda:0")
+    ops._gather_prechecked(gpu, ids, out[:len(src_ids)], max_ctas)
+    torch.cuda.synchronize()
+    assert torch.equal(out[:len(src_ids)].cpu(), ops.gather_blocks(cpu, src_ids))
+    assert torch.equal(out[len(src_ids):], tail)
+    dst_ids = distinct_ids(rng, cpu.num_blocks, len(src_ids))
+    buf = poison((len(dst_ids), cpu.block_nbytes), "cpu", max_ctas + 1)
+    ops._scatter_prechecked(buf.cuda(), gpu, torch.tensor(dst_ids, device="cuda:0"), max_ctas)
+    ops.scatter_blocks(buf, cpu, dst_ids)
+    torch.cuda.synchronize()
+    assert_cache_bytes_equal(gpu, cache_bytes(cpu))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype,head_size,alignment", UNALIGNED, ids=str)
 def test_unaligned_geometries_take_the_fallback_and_stay_exact(dtype, head_size, alignment):
     geometry = {"num_layers": 3, "num_blocks": 9, "block_size": 1, "num_kv_heads": 1,

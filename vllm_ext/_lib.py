@@ -12,7 +12,7 @@ _DIR = Path(__file__).resolve().parent
 # VLLM_EXT_LIBRARY loads another build of the library (tests use it for arch checks).
 LIBRARY_PATH = Path(os.environ.get("VLLM_EXT_LIBRARY") or _DIR / "libvllm_ext.so")
 BUILD_INFO_PATH = _DIR / "_build_info.json"
-ABI_VERSION = 1
+ABI_VERSION = 2
 IPC_HANDLE_BYTES = 64
 
 # vllm_ext_status
@@ -49,8 +49,8 @@ _handle = ctypes.c_uint8 * IPC_HANDLE_BYTES
 _FUNCTIONS = {
     # int vllm_ext_copy_blocks_cuda(const side* src, const side* dst, int64 num_ids,
     #     int32 num_layers, int32 num_components, int64 chunk_nbytes, int32 alignment,
-    #     int32 device, void* stream)
-    "vllm_ext_copy_blocks_cuda": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i32, _i32, _ptr]),
+    #     int32 device, void* stream, int32 max_ctas)
+    "vllm_ext_copy_blocks_cuda": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i32, _i32, _ptr, _i32]),
     # int vllm_ext_copy_blocks_memcpy(const side* src, const side* dst, int64 num_ids,
     #     int32 num_layers, int32 num_components, int64 chunk_nbytes, int32 device, void* stream)
     "vllm_ext_copy_blocks_memcpy": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i32, _ptr]),
@@ -223,9 +223,10 @@ def ipc_close(base, device):
 
 
 def copy_blocks_cuda(src, dst, num_ids, num_layers, num_components, chunk_nbytes, alignment, device,
-                     stream):
+                     stream, max_ctas=0):
     check(lib().vllm_ext_copy_blocks_cuda(ctypes.byref(src), ctypes.byref(dst), num_ids, num_layers,
-                                          num_components, chunk_nbytes, alignment, device, stream),
+                                          num_components, chunk_nbytes, alignment, device, stream,
+                                          max_ctas),
           "vllm_ext_copy_blocks_cuda")
 
 

@@ -111,6 +111,30 @@ def copy_blocks(src_cache: KVCache, src_ids: BlockIds, dst_cache: KVCache, dst_i
          n, src_cache, min(src_cache.alignment, dst_cache.alignment), kernel_device)
 
 
+
+# ---- for the migration backends: pair checks done once, then launches only ------------------------
+# A backend checks the two caches of a pair once (geometry, placement, disjoint memory) and the
+# ids of every pull on the host; these then launch on the current stream with no further checks
+# and no allocation. Ids are contiguous int64 tensors on the device the copy runs on. As with
+# every launch, the kernel skips ids outside a cache and never touches other memory.
+def _copy_prechecked(src_cache: KVCache, src_ids: torch.Tensor, dst_cache: KVCache,
+                     dst_ids: torch.Tensor) -> None:
+    device = dst_cache.device
+    _run(_cache_side(src_cache, src_ids, device), _cache_side(dst_cache, dst_ids, device),
+         src_ids.shape[0], src_cache, min(src_cache.alignment, dst_cache.alignment), device)
+
+
+def _gather_prechecked(cache: KVCache, ids: torch.Tensor, out: torch.Tensor, max_ctas: int = 0) -> None:
+    device = cache.device if cache.device.type == "cuda" else out.device
+    _run(_cache_side(cache, ids, device), _buffer_side(out, cache), ids.shape[0], cache,
+         min(cache.alignment, _buffer_alignment(out, cache)), device, max_ctas)
+
+
+def _scatter_prechecked(buf: torch.Tensor, cache: KVCache, ids: torch.Tensor, max_ctas: int = 0) -> None:
+    device = cache.device if cache.device.type == "cuda" else buf.device
+    _run(_buffer_side(buf, cache), _cache_side(cache, ids, device), ids.shape[0], cache,
+         min(cache.alignment, _buffer_alignment(buf, cache)), device, max_ctas)
+
 # ---- validation ------------------------------------------------------------------------------
 def _check_cache(cache, name):
     if not isinstance(cache, KVCache):
@@ -298,7 +322,7 @@ except AttributeError:  # pragma: no cover - older or CPU-only torch
 
 
 def _run(src: _lib.Side, dst: _lib.Side, n: int, cache: KVCache, alignment: int,
-         device: torch.device) -> None:
+         device: torch.device, max_ctas: int = 0) -> None:
     if n == 0:
         return
     if device.type == "cpu":
@@ -307,4 +331,4 @@ def _run(src: _lib.Side, dst: _lib.Side, n: int, cache: KVCache, alignment: int,
         return
     stream = _current_raw_stream(device.index)
     _lib.copy_blocks_cuda(src, dst, n, cache.num_layers, cache.num_components, cache.chunk_nbytes,
-                          alignment, device.index, stream)
+                          alignment, device.index, stream, max_ctas)
