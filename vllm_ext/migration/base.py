@@ -25,8 +25,11 @@ it drives) and the *source* (it serves its blocks). Each endpoint runs a small c
 """
 
 import abc
+import array
+import ctypes
 import dataclasses
 import math
+import threading
 import time
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
 
@@ -35,8 +38,10 @@ __all__ = [
     "PeerDescriptor",
     "PullStats",
     "MigrationBackend",
+    "PairedBackend",
     "Deadline",
     "check_block_ids",
+    "IdStaging",
 ]
 
 
@@ -232,10 +237,71 @@ class MigrationBackend(abc.ABC):
         return  # optional hook: nothing to do by default
 
 
-def chunk_ranges(n: int, per_chunk: int) -> List[Tuple[int, int]]:
-    """[(lo, hi)] covering range(n) in pieces of at most per_chunk."""
+class PairedBackend(MigrationBackend):
+    """A backend whose source side keeps one data-path "pair" per destination (a communicator,
+    gloo groups, staging slots) in that connection's state: the bookkeeping nccl and gloo
+    share. Subclasses implement `retire(pair)`, which ends a pair that is replaced, whose
+    connection closed, or whose endpoint closes (it must not block for long)."""
+
+    def __init__(self, endpoint, **options):
+        super().__init__(endpoint, **options)
+        self._serving: Dict[int, Any] = {}  # source side: live pairs (each in a conn.state)
+        self._lock = threading.Lock()
+
+    @abc.abstractmethod
+    def retire(self, pair) -> None:
+        """Ends a source-side pair (see the class docstring)."""
+
+    def adopt(self, conn, pair) -> None:
+        """Makes `pair` the data path of `conn` (a reconnect replaces the old one)."""
+        self.release(conn)
+        with self._lock:
+            self._serving[id(pair)] = pair
+        conn.state["pair"] = pair
+
+    def release(self, conn) -> None:
+        pair = conn.state.pop("pair", None)
+        if pair is not None:
+            with self._lock:
+                self._serving.pop(id(pair), None)
+            self.retire(pair)
+
+    def pull_request(self, conn, header: Dict[str, Any], payload: bytes):
+        """A destination's pull request, checked: (deadline, src_ids, pair). Raises
+        ValueError (sent back as a refusal) before anything moves."""
+        deadline = Deadline(float(header["timeout"]))
+        n = int(header["n"])
+        from .control import decode_ids
+
+        src_ids = check_block_ids(decode_ids(payload, n, "src_block_ids"), "src_block_ids",
+                                  self.endpoint.cache.num_blocks, unique=False)
+        pair = conn.state.get("pair")
+        if pair is None:
+            raise ValueError(f"{self.name} pull: no data path with this peer (connect first)")
+        return deadline, src_ids, pair
+
+    def connection_closed(self, conn) -> None:
+        self.release(conn)
+
+    def close(self) -> None:
+        with self._lock:
+            pairs = list(self._serving.values())
+            self._serving.clear()
+        for pair in pairs:
+            self.retire(pair)
+
+
+def chunk_ranges(n: int, per_chunk: int, ramp: bool = False) -> List[Tuple[int, int]]:
+    """[(lo, hi)] covering range(n) in order, in pieces of at most per_chunk. With `ramp`, the
+    pieces grow 1, 2, 4, ... up to per_chunk: a pipeline's first stage starts after one block
+    instead of a full chunk, and long pulls still use few, large pieces."""
     per_chunk = max(1, int(per_chunk))
-    return [(lo, min(lo + per_chunk, n)) for lo in range(0, n, per_chunk)]
+    ranges, lo, size = [], 0, 1 if ramp else per_chunk
+    while lo < n:
+        hi = min(lo + size, n)
+        ranges.append((lo, hi))
+        lo, size = hi, min(size * 2, per_chunk)
+    return ranges
 
 
 def blocks_per_chunk(chunk_bytes: int, block_nbytes: int) -> int:
@@ -268,3 +334,38 @@ def wait_cuda_event(event, deadline: "Deadline", what: str,
     """Waits for a torch.cuda.Event against the deadline (a host-blocking synchronize could
     never time out)."""
     poll_until(event.query, deadline, what, check)
+
+
+class IdStaging:
+    """Block ids on their way to a GPU without an allocation per pull: one pinned host buffer
+    and one device buffer per pair, reused and grown on demand. `upload` writes the ids into
+    the pinned buffer and enqueues one host-to-device copy on the current stream of `device`.
+
+    Reuse is safe because every pull waits for its GPU work before it returns, so the previous
+    upload has finished; after a failed pull the pair is discarded with its IdStaging."""
+
+    def __init__(self, device):
+        self.device = device
+        self._host = None  # pinned int64
+        self._dev = None
+
+    def upload(self, *id_lists: List[int]) -> List[Any]:
+        """Device int64 tensors holding each list, in order (views of one buffer)."""
+        import torch
+
+        total = sum(len(ids) for ids in id_lists)
+        if self._host is None or self._host.numel() < total:
+            capacity = max(256, 1 << max(total - 1, 0).bit_length())
+            self._host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+            self._dev = torch.empty(capacity, dtype=torch.int64, device=self.device)
+        values = array.array("q")
+        for ids in id_lists:
+            values.extend(ids)
+        address, count = values.buffer_info()
+        ctypes.memmove(self._host.data_ptr(), address, count * values.itemsize)
+        self._dev[:total].copy_(self._host[:total], non_blocking=True)
+        out, pos = [], 0
+        for ids in id_lists:
+            out.append(self._dev[pos:pos + len(ids)])
+            pos += len(ids)
+        return out

@@ -2,9 +2,11 @@
 (once per peer) and pulls with one ops.copy_blocks launch on its own GPU that reads the
 source over NVLink (or PCIe peer access): no staging buffer, no host copy, no send/recv.
 
-A pull exchanges no control message: the only fixed costs are the id upload, one kernel
-launch and the completion poll. The source is therefore not asked per pull, and must offer
-only blocks whose writes are complete (a serving engine migrates blocks of finished steps).
+A pull exchanges no control message: the only fixed costs are the id upload (into reused
+pinned and device buffers), one kernel launch and the completion poll, all on the current
+stream of the destination's GPU (so the copy follows the work already queued there). The
+source is therefore not asked per pull, and must offer only blocks whose writes are complete
+(a serving engine migrates blocks of finished steps).
 Before each pull the destination checks that the source's control connection is still open;
 a source that exited is reported as MigrationError instead of being read.
 
@@ -17,7 +19,7 @@ from typing import Any, Dict
 
 import torch
 
-from .base import Deadline, MigrationBackend, MigrationError, PullStats, wait_cuda_event
+from .base import Deadline, IdStaging, MigrationBackend, MigrationError, PullStats, wait_cuda_event
 
 _HANDLE_BYTES_FIELDS = ("allocations",)
 
@@ -63,6 +65,7 @@ class IpcBackend(MigrationBackend):
 
     # ---- destination side ----------------------------------------------------------------
     def connect(self, link, deadline: Deadline) -> None:
+        from .. import ops
         from ..cache import KVCache
 
         cache = self.endpoint.cache
@@ -79,8 +82,17 @@ class IpcBackend(MigrationBackend):
         if view.geometry() != cache.geometry():
             view.close()
             raise MigrationError("ipc connect: the mapped cache's geometry differs")
+        # The per-pull launches skip the checks of ops.copy_blocks: make them here, once.
+        try:
+            ops._placement(view.device, view.pinned, "the peer's cache", cache.device,
+                           cache.pinned, "cache")
+            view.prepare(cache.device)
+        except Exception:
+            view.close()
+            raise
         link.state["view"] = view
-        link.state["stream"] = torch.cuda.Stream(cache.device)
+        link.state["ids"] = IdStaging(cache.device)
+        link.state["done"] = torch.cuda.Event()
 
     def pull(self, link, src_ids, dst_ids, deadline: Deadline) -> PullStats:
         from .. import ops
@@ -88,24 +100,20 @@ class IpcBackend(MigrationBackend):
         cache = self.endpoint.cache
         if link.conn.closed_by_peer():
             raise MigrationError("ipc pull: the source closed its control connection (exited?)")
-        view, stream = link.state["view"], link.state["stream"]
-        n = len(src_ids)
-        with torch.cuda.device(cache.device):
-            ids = torch.tensor(src_ids + dst_ids, dtype=torch.int64, pin_memory=True)
-            stream.wait_stream(torch.cuda.current_stream(cache.device))
-            with torch.cuda.stream(stream):
-                ids = ids.to(cache.device, non_blocking=True)
-                ops.copy_blocks(view, ids[:n], cache, ids[n:], check_ids=False)
-                done = torch.cuda.Event()
-                done.record(stream)
+        # Checked once at connect: same geometry, peer access; ids checked by the endpoint.
+        src, dst = link.state["ids"].upload(src_ids, dst_ids)
+        ops._copy_prechecked(link.state["view"], src, cache, dst)
+        done = link.state["done"]
+        done.record(torch.cuda.current_stream(cache.device))
         wait_cuda_event(done, deadline, "ipc copy")
-        return PullStats(self.name, n, n * cache.block_nbytes, 0.0)
+        return PullStats(self.name, len(src_ids), len(src_ids) * cache.block_nbytes, 0.0)
 
     def discard(self, link) -> None:
-        stream = link.state.pop("stream", None)
+        done = link.state.pop("done", None)
         view = link.state.pop("view", None)
-        if stream is not None:
-            stream.synchronize()  # a copy is bounded: it finishes before the unmap
+        link.state.pop("ids", None)
+        if done is not None:
+            done.synchronize()  # a copy is bounded: it finishes before the unmap
         if view is not None:
             view.close()
 
