@@ -17,6 +17,7 @@ Errors: a source actor that died raises RayActorError, a stalled one misses the 
 Options: chunk_bytes (default 32 MiB), max_in_flight (default 2).
 """
 
+import ctypes
 import threading
 import warnings
 import weakref
@@ -61,10 +62,51 @@ def _serve_chunk(actor, endpoint_id: str, geometry: Dict[str, Any], src_ids: Lis
     endpoint.test_pause(chunk)
     if cache.device.type == "cuda":
         rows = ops.gather_blocks(cache, ids)  # on the GPU, then one copy to host
-        rows = rows.cpu()
-    else:
-        rows = ops.gather_blocks(cache, ids)
-    return rows.numpy()
+        return rows.cpu().numpy()
+    return _chunk_views(cache, ids)
+
+
+def _chunk_views(cache, ids: List[int]) -> list:
+    """Zero-copy numpy views of a host cache's (block, layer, component) chunks, in the wire
+    order of gather_blocks. Ray copies each straight into its object store as it stores the
+    result (one copy; a gather into a buffer first would be a second)."""
+    import numpy as np
+
+    chunk = cache.chunk_nbytes
+    span = cache.extents()[0][1] - cache.extents()[0][0]
+    layers = [np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(address))
+              for address in cache.layer_addresses]
+    views = []
+    for b in ids:
+        for layer in layers:
+            for c in range(cache.num_components):
+                offset = b * cache.block_stride + c * cache.component_stride
+                views.append(layer[offset:offset + chunk])
+    return views
+
+
+def _as_rows(parts, nblocks: int, cache) -> torch.Tensor:
+    """The chunks of _chunk_views, as Ray returned them, as uint8 rows [nblocks, block_nbytes]:
+    a view of the object store's memory when Ray laid them out back to back (it does, for
+    chunk sizes that are multiples of its alignment), else one copy into a new buffer."""
+    chunk = cache.chunk_nbytes
+    expected = nblocks * cache.num_layers * cache.num_components
+    if len(parts) != expected or any(p.dtype.itemsize != 1 or p.nbytes != chunk for p in parts):
+        raise MigrationError(f"rayrpc: got {len(parts)} chunks, expected {expected} of {chunk} "
+                             "bytes")
+    base = parts[0].ctypes.data
+    if all(p.ctypes.data == base + i * chunk for i, p in enumerate(parts)):
+        flat = (ctypes.c_uint8 * (expected * chunk)).from_address(base)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the object store's memory is read-only
+            return torch.frombuffer(flat, dtype=torch.uint8).view(nblocks, cache.block_nbytes)
+    rows = torch.empty((nblocks, cache.block_nbytes), dtype=torch.uint8)
+    flat = rows.view(-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i, p in enumerate(parts):
+            flat[i * chunk:(i + 1) * chunk].copy_(torch.from_numpy(p))
+    return rows
 
 
 class RayRpcBackend(MigrationBackend):
@@ -142,13 +184,16 @@ class RayRpcBackend(MigrationBackend):
                     raise MigrationError(f"rayrpc: {type(e).__name__}: {e}") from e
                 if c + self.max_in_flight < len(chunks):
                     submit(c + self.max_in_flight)
-                if rows.dtype.itemsize != 1 or rows.shape != (hi - lo, cache.block_nbytes):
+                if isinstance(rows, list):  # a host source's chunk views
+                    buf = _as_rows(rows, hi - lo, cache)
+                elif rows.dtype.itemsize != 1 or rows.shape != (hi - lo, cache.block_nbytes):
                     raise MigrationError(f"rayrpc: chunk {c} has shape {rows.shape} dtype "
                                          f"{rows.dtype}, expected ({hi - lo}, "
                                          f"{cache.block_nbytes}) uint8")
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # the object store's arrays are read-only
-                    buf = torch.from_numpy(rows)
+                else:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")  # the object store's arrays are read-only
+                        buf = torch.from_numpy(rows)
                 if cache.device.type == "cuda":
                     buf = buf.to(cache.device)
                 ops.scatter_blocks(buf, cache, dst_ids[lo:hi])
