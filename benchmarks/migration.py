@@ -642,6 +642,9 @@ def main():
     parser.add_argument("--backends", default=None,
                         help="comma list (default: ipc,nccl,gloo with 2 GPUs; gloo,rayrpc without)")
     parser.add_argument("--cpu", action="store_true", help="host caches even with GPUs")
+    parser.add_argument("--set", action="append", default=[], metavar="BACKEND.OPTION=INT",
+                        help="a backend option for both processes, e.g. nccl.chunk_bytes=16777216 "
+                             "or gloo.stripes=8 (repeatable)")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds for the two-process part; then both processes are stopped "
                              "and the finished stages reported (default 170 with --quick, else "
@@ -688,6 +691,13 @@ def main():
     samples = args.samples or (3 if args.quick else 5)
     fixed_samples = args.fixed_samples or (20 if args.quick else 100)
     options = {"gloo": {}, "nccl": {}, "ipc": {}}
+    for item in args.set:
+        try:
+            key, value = item.split("=", 1)
+            backend, option = key.split(".", 1)
+            options.setdefault(backend, {})[option] = int(value)
+        except ValueError:
+            parser.error(f"--set {item!r}: expected BACKEND.OPTION=INT")
     mode = (f"2 GPUs ({torch.cuda.get_device_name(0)})" if gpu_mode
             else f"CPU, {os.cpu_count()} cores")
     log(f"migration benchmark: {mode}; backends {backends}; {samples} samples per size; "
@@ -751,7 +761,7 @@ def main():
             notes.append("rayrpc ran on host caches here (the GPU machine has Ray).")
 
     report = {
-        "meta": {"mode": mode, "geometry": GEOMETRY, "dtype": "bfloat16",
+        "meta": {"mode": mode, "geometry": GEOMETRY, "dtype": "bfloat16", "options": options,
                  "block_nbytes": BLOCK_NBYTES, "samples": samples, "backends": backends,
                  "torch": torch.__version__, "python": platform.python_version(),
                  "host": platform.node(), "date": datetime.datetime.now().isoformat(),
