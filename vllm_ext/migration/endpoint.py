@@ -108,7 +108,9 @@ class MigrationEndpoint:
         deadline = Deadline(timeout)
         if self._closed:
             raise ValueError("pull: this endpoint is closed")
-        self._check_peer(peer)
+        link = self._links.get(getattr(peer, "endpoint_id", None))
+        if link is None or link.peer is not peer:  # a descriptor object is checked once
+            self._check_peer(peer)
         src = check_block_ids(src_block_ids, "src_block_ids", peer.num_blocks, unique=False)
         dst = check_block_ids(dst_block_ids, "dst_block_ids", self.cache.num_blocks, unique=True)
         if len(src) != len(dst):
@@ -117,7 +119,8 @@ class MigrationEndpoint:
         if not src:
             return PullStats(self.backend.name, 0, 0, 0.0, chunks=0)
         start = time.perf_counter()
-        link = self._link(peer)
+        if link is None:
+            link = self._link(peer)
         if not link.lock.acquire(timeout=max(deadline.remaining(), 0)):
             raise MigrationError(f"pull from {peer.short()}: another pull from this peer held it "
                                  f"past the deadline ({timeout:g} s)", peer=peer.endpoint_id,
