@@ -341,18 +341,23 @@ class IdStaging:
     and one device buffer per pair, reused and grown on demand. `upload` writes the ids into
     the pinned buffer and enqueues one host-to-device copy on the current stream of `device`.
 
-    Reuse is safe because every pull waits for its GPU work before it returns, so the previous
-    upload has finished; after a failed pull the pair is discarded with its IdStaging."""
+    Every pull waits for its GPU work before it returns, and a failed pull discards its pair
+    with its IdStaging, so the previous upload has normally finished; an event recorded after
+    each upload guards the pinned buffer anyway (a pull interrupted between its upload and its
+    wait must not have its ids rewritten under the copy)."""
 
     def __init__(self, device):
         self.device = device
         self._host = None  # pinned int64
         self._dev = None
+        self._uploaded = None  # event after the last host-to-device copy
 
-    def upload(self, *id_lists: List[int]) -> List[Any]:
+    def upload(self, *id_lists: List[int], deadline: Optional["Deadline"] = None) -> List[Any]:
         """Device int64 tensors holding each list, in order (views of one buffer)."""
         import torch
 
+        if self._uploaded is not None and not self._uploaded.query():
+            wait_cuda_event(self._uploaded, deadline or Deadline(60.0), "the previous id upload")
         total = sum(len(ids) for ids in id_lists)
         if self._host is None or self._host.numel() < total:
             capacity = max(256, 1 << max(total - 1, 0).bit_length())
@@ -364,6 +369,9 @@ class IdStaging:
         address, count = values.buffer_info()
         ctypes.memmove(self._host.data_ptr(), address, count * values.itemsize)
         self._dev[:total].copy_(self._host[:total], non_blocking=True)
+        if self._uploaded is None:
+            self._uploaded = torch.cuda.Event()
+        self._uploaded.record(torch.cuda.current_stream(self.device))
         out, pos = [], 0
         for ids in id_lists:
             out.append(self._dev[pos:pos + len(ids)])

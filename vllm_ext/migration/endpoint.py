@@ -24,7 +24,12 @@ from .control import Connection, ControlServer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MigrationEndpoint", "PeerLink"]
+__all__ = ["MigrationEndpoint", "PeerLink", "PROTOCOL"]
+
+# The version of what the two sides of a pair must agree on (request formats, chunking). A
+# destination and a source of different versions are refused at hello, never half-understood.
+# 2: nccl chunks ramp 1, 2, 4, ... blocks; the nccl connect carries copy_ctas.
+PROTOCOL = 2
 
 
 class PeerLink:
@@ -140,6 +145,9 @@ class MigrationEndpoint:
             self._discard(link)
             raise MigrationError(f"pull from {peer.short()}: {type(e).__name__}: {e}",
                                  peer=peer.endpoint_id, dst_block_ids=dst) from e
+        except BaseException:  # KeyboardInterrupt, SystemExit: the pair's buffers may be in use
+            self._discard(link)
+            raise
         finally:
             link.lock.release()
         stats.seconds = time.perf_counter() - start
@@ -178,7 +186,8 @@ class MigrationEndpoint:
     def _open(self, link: PeerLink, deadline: Deadline) -> None:
         peer = link.peer
         link.conn = Connection.open(peer.host, peer.port, deadline)
-        link.request({"op": "hello", "peer_id": self.endpoint_id, "backend": self.backend.name,
+        link.request({"op": "hello", "protocol": PROTOCOL, "peer_id": self.endpoint_id,
+                      "backend": self.backend.name,
                       "geometry": self.cache.geometry(), "hostname": socket.gethostname(),
                       "pid": os.getpid(), "source_id": peer.endpoint_id})
         link.hello = link.conn.recv_reply(deadline, "hello")
@@ -243,6 +252,9 @@ class MigrationEndpoint:
                 logger.exception("releasing the state of peer %s failed", conn.peer)
 
     def _serve_hello(self, conn: Connection, header: Dict[str, Any]) -> None:
+        if header.get("protocol") != PROTOCOL:
+            raise ValueError(f"hello: peer speaks migration protocol {header.get('protocol')!r}, "
+                             f"this endpoint {PROTOCOL} (mixed vllm-ext versions: upgrade both)")
         if header.get("source_id") != self.endpoint_id:
             raise ValueError(f"hello: addressed to endpoint {header.get('source_id')!r}, this is "
                              f"{self.endpoint_id!r} (a stale descriptor?)")

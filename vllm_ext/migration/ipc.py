@@ -15,13 +15,17 @@ ids are checked on the destination against the block count the source reported t
 """
 
 import dataclasses
+import logging
 from typing import Any, Dict
 
 import torch
 
 from .base import Deadline, IdStaging, MigrationBackend, MigrationError, PullStats, wait_cuda_event
 
+logger = logging.getLogger(__name__)
+
 _HANDLE_BYTES_FIELDS = ("allocations",)
+_DRAIN_S = 5.0
 
 
 def handle_to_json(handle) -> Dict[str, Any]:
@@ -52,6 +56,7 @@ class IpcBackend(MigrationBackend):
     def __init__(self, endpoint):
         super().__init__(endpoint)
         self._export = None  # the source's handle, made once
+        self._unfinished = []  # (event, view, ids) of copies that outlived a discard
 
     @classmethod
     def is_available(cls):
@@ -101,7 +106,7 @@ class IpcBackend(MigrationBackend):
         if link.conn.closed_by_peer():
             raise MigrationError("ipc pull: the source closed its control connection (exited?)")
         # Checked once at connect: same geometry, peer access; ids checked by the endpoint.
-        src, dst = link.state["ids"].upload(src_ids, dst_ids)
+        src, dst = link.state["ids"].upload(src_ids, dst_ids, deadline=deadline)
         ops._copy_prechecked(link.state["view"], src, cache, dst)
         done = link.state["done"]
         done.record(torch.cuda.current_stream(cache.device))
@@ -111,9 +116,17 @@ class IpcBackend(MigrationBackend):
     def discard(self, link) -> None:
         done = link.state.pop("done", None)
         view = link.state.pop("view", None)
+        if done is not None and not done.query():
+            # The copy is bounded, but it follows whatever else the caller's stream holds:
+            # wait a while, and keep the mapping and ids alive rather than unmap under it.
+            try:
+                wait_cuda_event(done, Deadline(_DRAIN_S), "ipc copy before the unmap")
+            except MigrationError:
+                logger.error("ipc: a copy from %s still runs %g s after a failed pull; its "
+                             "mapping is kept", link.peer.short(), _DRAIN_S)
+                self._unfinished.append((done, view, link.state.pop("ids", None)))
+                return
         link.state.pop("ids", None)
-        if done is not None:
-            done.synchronize()  # a copy is bounded: it finishes before the unmap
         if view is not None:
             view.close()
 
@@ -124,3 +137,12 @@ class IpcBackend(MigrationBackend):
         if self._export is None:
             self._export = handle_to_json(self.endpoint.cache.export_ipc())
         conn.reply_ok(handle=self._export)
+
+    def close(self) -> None:
+        still = []
+        for done, view, ids in self._unfinished:
+            if not done.query():
+                still.append((done, view, ids))  # unmapping under a running copy: never
+            elif view is not None:
+                view.close()
+        self._unfinished = still

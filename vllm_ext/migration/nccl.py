@@ -55,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 _COPY_CTAS_PER_SM = 2
+_MAX_CTAS = (1 << 31) - 1  # the C ABI's int32
 _DST_RANK, _SRC_RANK = 0, 1
 _DRAIN_GRACE_S = 5.0
 _WARMUP_BYTES = 4096
@@ -180,8 +181,8 @@ class NcclBackend(PairedBackend):
         super().__init__(endpoint)
         if int(chunk_bytes) <= 0:
             raise ValueError(f"chunk_bytes: must be positive, got {chunk_bytes!r}")
-        if copy_ctas is not None and int(copy_ctas) < 0:
-            raise ValueError(f"copy_ctas: must be 0 (the whole GPU) or positive, got {copy_ctas!r}")
+        if copy_ctas is not None and not 0 <= int(copy_ctas) <= _MAX_CTAS:
+            raise ValueError(f"copy_ctas: must be 0 (the whole GPU) to {_MAX_CTAS}, got {copy_ctas!r}")
         self.chunk_bytes = int(chunk_bytes)
         self.copy_ctas = None if copy_ctas is None else int(copy_ctas)
 
@@ -232,7 +233,7 @@ class NcclBackend(PairedBackend):
             with torch.cuda.device(pair.device):
                 pair.enter()
                 with torch.cuda.stream(pair.copy_stream):
-                    (ids,) = pair.ids.upload(dst_ids)
+                    (ids,) = pair.ids.upload(dst_ids, deadline=deadline)
                     for c, (lo, hi) in enumerate(chunks):
                         slot = c % 2
                         rows = pair.slots[slot][:hi - lo]
@@ -269,8 +270,8 @@ class NcclBackend(PairedBackend):
     def _serve_connect(self, conn, header) -> None:
         deadline = Deadline(float(header["timeout"]))
         uid = bytes.fromhex(str(header["uid"]))
-        chunk_blocks, copy_ctas = int(header["chunk_blocks"]), int(header.get("copy_ctas", 0))
-        if len(uid) != 128 or chunk_blocks < 1 or copy_ctas < 0:
+        chunk_blocks, copy_ctas = int(header["chunk_blocks"]), int(header["copy_ctas"])
+        if len(uid) != 128 or chunk_blocks < 1 or not 0 <= copy_ctas <= _MAX_CTAS:
             raise ValueError(f"nccl connect: uid of {len(uid)} bytes, chunk_blocks {chunk_blocks}, "
                              f"copy_ctas {copy_ctas}")
         cache = self.endpoint.cache
@@ -290,7 +291,7 @@ class NcclBackend(PairedBackend):
             # complete (the engine's stream belongs to another thread anyway).
             with torch.cuda.device(pair.device):
                 with torch.cuda.stream(pair.copy_stream):
-                    (ids,) = pair.ids.upload(src_ids)
+                    (ids,) = pair.ids.upload(src_ids, deadline=deadline)
                     for c, (lo, hi) in enumerate(chunk_ranges(n, pair.chunk_blocks, ramp=True)):
                         slot = c % 2
                         rows = pair.slots[slot][:hi - lo]
