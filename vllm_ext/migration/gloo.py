@@ -26,6 +26,8 @@ import concurrent.futures
 import datetime
 import logging
 import os
+import threading
+import time
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -47,6 +49,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 16 << 20
 _DST_RANK, _SRC_RANK = 0, 1
 _STRIPE_ALIGN = 4096
+_DRAIN_S = 1.0
+_MAX_PARKED = 16  # failed pairs kept; the oldest is let go beyond this (its operations have timed out)
 
 
 def default_stripes() -> int:
@@ -71,9 +75,12 @@ class _Pair:
         self.slots = [torch.empty(shape, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
         self.stream = torch.cuda.Stream(cache.device) if cuda else None
         self.pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # source: send threads
+        self.closed = False
+        self._lock = threading.Lock()
         if cuda:
-            self.dev_slots = [torch.empty(shape, dtype=torch.uint8, device=cache.device)
-                              for _ in range(2)]
+            with torch.cuda.stream(self.stream):  # freed in the order of the stream that uses them
+                self.dev_slots = [torch.empty(shape, dtype=torch.uint8, device=cache.device)
+                                  for _ in range(2)]
             self.staged = [torch.cuda.Event() for _ in range(2)]  # host slot copied
             self.done = torch.cuda.Event()
             self.ids = IdStaging(cache.device)
@@ -82,20 +89,35 @@ class _Pair:
         """Sends the stripes of a slot's first nblocks rows, each from its own thread: gloo
         writes a send inline when the receive is already posted, so sends posted from one
         thread would run one after the other. Returns futures (see _wait)."""
-        if self.pool is None:
-            self.pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=self.stripes, thread_name_prefix="gloo-stripe")
-
         def send(group, piece):
             group.send([piece], _DST_RANK, tag).wait(_seconds(deadline))
 
-        return [self.pool.submit(send, g, piece)
-                for g, piece in zip(self.groups, self.pieces(slot, nblocks))]
+        with self._lock:
+            if self.closed:
+                raise MigrationError("gloo send: the pair was closed (the peer left?)")
+            if self.pool is None:
+                self.pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self.stripes, thread_name_prefix="gloo-stripe")
+            return [self.pool.submit(send, g, piece)
+                    for g, piece in zip(self.groups, self.pieces(slot, nblocks))]
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=False)
-            self.pool = None
+        """Stops the send threads (queued sends are dropped) and, once the GPU is done with
+        them, frees the device slots. The host slots stay: gloo may still write them until
+        its pending operations time out, which is why failed pairs are parked."""
+        with self._lock:
+            self.closed = True
+            pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        if self.stream is not None and getattr(self, "dev_slots", None) is not None:
+            end = time.monotonic() + _DRAIN_S
+            while not self.stream.query():
+                if time.monotonic() > end:
+                    return  # still running: keep the slots
+                time.sleep(1e-4)
+            self.dev_slots = None
+            self.ids = None
 
     def pieces(self, slot: int, nblocks: int) -> List[torch.Tensor]:
         """The stripe views of the first nblocks rows of a slot."""
@@ -193,7 +215,7 @@ class GlooBackend(PairedBackend):
         if cuda:
             pair.stream.wait_stream(torch.cuda.current_stream(cache.device))
             with torch.cuda.stream(pair.stream):
-                (dst_dev,) = pair.ids.upload(dst_ids)
+                (dst_dev,) = pair.ids.upload(dst_ids, deadline=deadline)
         pending: Dict[int, list] = {}
         staged = [False, False]  # a host slot's copy to the GPU is enqueued and not waited for
 
@@ -233,7 +255,7 @@ class GlooBackend(PairedBackend):
     def discard(self, link) -> None:
         pair = link.state.pop("pair", None)
         if pair is not None:
-            self._parked.append(pair)
+            self.retire(pair)
 
     # ---- source side ---------------------------------------------------------------------
     def serve(self, conn, op: str, header: Dict[str, Any], payload: bytes) -> None:
@@ -275,7 +297,7 @@ class GlooBackend(PairedBackend):
         cuda = pair.stream is not None
         if cuda:  # read at once: a source offers blocks whose writes are complete
             with torch.cuda.stream(pair.stream):
-                (src_dev,) = pair.ids.upload(src_ids)
+                (src_dev,) = pair.ids.upload(src_ids, deadline=deadline)
         in_flight: Dict[int, list] = {}
         for c, (lo, hi) in enumerate(chunks):
             slot = c % 2
@@ -298,11 +320,12 @@ class GlooBackend(PairedBackend):
 
     def retire(self, pair) -> None:
         pair.close()  # parked, not destroyed (see the module docstring)
-        self._parked.append(pair)
+        with self._lock:
+            self._parked.append(pair)
+            del self._parked[:-_MAX_PARKED]
 
     def close(self) -> None:
         super().close()
-        parked, self._parked = self._parked, []
-        for pair in parked:
-            pair.close()
+        with self._lock:
+            parked, self._parked = self._parked, []
         parked.clear()
