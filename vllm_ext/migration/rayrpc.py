@@ -96,10 +96,14 @@ def _as_rows(parts, nblocks: int, cache) -> torch.Tensor:
                              "bytes")
     base = parts[0].ctypes.data
     if all(p.ctypes.data == base + i * chunk for i, p in enumerate(parts)):
-        flat = (ctypes.c_uint8 * (expected * chunk)).from_address(base)
+        import numpy as np
+
+        # A view that spans all chunks, derived from the first: it keeps Ray's buffer alive.
+        flat = np.lib.stride_tricks.as_strided(parts[0], shape=(expected * chunk,), strides=(1,),
+                                               writeable=False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the object store's memory is read-only
-            return torch.frombuffer(flat, dtype=torch.uint8).view(nblocks, cache.block_nbytes)
+            return torch.from_numpy(flat).view(nblocks, cache.block_nbytes)
     rows = torch.empty((nblocks, cache.block_nbytes), dtype=torch.uint8)
     flat = rows.view(-1)
     with warnings.catch_warnings():
