@@ -271,6 +271,41 @@ def test_stale_descriptor_is_refused(local_pair):
         a.pull(stale, [0], [0], timeout=10)
 
 
+def test_mixed_protocol_versions_are_refused_at_hello(local_pair):
+    """Two vllm-ext versions whose pairs would disagree (chunking, request formats) are refused
+    before any transfer, and the source keeps serving."""
+    from vllm_ext.migration.endpoint import PROTOCOL
+
+    a, b = local_pair
+    desc = b.descriptor()
+    conn = Connection.open(desc.host, desc.port, Deadline(5))
+    try:
+        conn.send({"op": "hello", "protocol": PROTOCOL - 1, "peer_id": "old", "backend": "gloo",
+                   "geometry": a.cache.geometry(), "source_id": desc.endpoint_id})
+        with pytest.raises(MigrationError, match="protocol"):
+            conn.recv_reply(Deadline(5), "hello")
+    finally:
+        conn.close()
+    a.pull(desc, [5], [6], timeout=30)
+    assert torch.equal(expected_blocks_of(a, [6]), expected_blocks(dict(SPEC, seed=2, num_blocks=8), [5]))
+
+
+def test_a_changed_descriptor_is_checked_again(local_pair):
+    """The endpoint skips the checks for a descriptor object it already checked, never for
+    another one naming the same peer."""
+    a, b = local_pair
+    desc = b.descriptor()
+    a.pull(desc, [1], [2], timeout=30)
+    bad = dataclasses.replace(desc, geometry=dict(desc.geometry, num_layers=3))
+    before = expected_blocks_of(a, range(16))
+    with pytest.raises(ValueError, match="geometry differs"):
+        a.pull(bad, [1], [3], timeout=30)
+    assert torch.equal(expected_blocks_of(a, range(16)), before)
+    a.pull(desc, [3], [4], timeout=30)
+    assert torch.equal(expected_blocks_of(a, [2, 4]),
+                       expected_blocks(dict(SPEC, seed=2, num_blocks=8), [1, 3]))
+
+
 def test_unreachable_peer_raises_migration_error(local_pair):
     a, b = local_pair
     desc = b.descriptor()

@@ -206,3 +206,19 @@ def test_gpu_backends_reject_cpu_caches_and_mismatches(gpu_workers, backend):
     finally:
         close_quietly(dst_w, "m", "own")
         close_quietly(src_w, "m", "f16")
+
+
+@pytest.mark.gpu
+def test_id_staging_reuses_and_grows_its_buffers():
+    """Every pull's ids go through one pinned and one device buffer per pair: reused while they
+    fit, regrown when not; each upload must deliver exactly its own ids."""
+    from vllm_ext.migration.base import IdStaging
+
+    staging = IdStaging(torch.device("cuda:0"))
+    rng = random.Random(4)
+    for n in (1, 3, 300, 2, 1000, 5, 0):
+        first = [rng.randrange(1 << 40) for _ in range(n)]
+        second = [rng.randrange(1 << 40) for _ in range(n + 1)]
+        dev_first, dev_second = staging.upload(first, second)
+        assert dev_first.device.type == "cuda" and dev_first.dtype == torch.int64
+        assert dev_first.tolist() == first and dev_second.tolist() == second
