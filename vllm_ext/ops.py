@@ -57,8 +57,7 @@ def gather_blocks(cache: KVCache, block_ids: BlockIds, out: Optional[torch.Tenso
     kernel_device = _placement(cache.device, cache.pinned, "cache", out.device, _pinned(out), "out")
     ids = _block_ids(block_ids, "block_ids", cache.num_blocks, kernel_device, unique=False,
                      check=check_ids)
-    _run(_cache_side(cache, ids, kernel_device), _buffer_side(out, cache), n, cache,
-         min(cache.alignment, _buffer_alignment(out, cache)), kernel_device)
+    _gather_prechecked(cache, ids, out, kernel_device)
     return out
 
 
@@ -73,8 +72,7 @@ def scatter_blocks(buf: torch.Tensor, cache: KVCache, block_ids: BlockIds, *,
     kernel_device = _placement(buf.device, _pinned(buf), "buf", cache.device, cache.pinned, "cache")
     ids = _block_ids(block_ids, "block_ids", cache.num_blocks, kernel_device, unique=True,
                      check=check_ids)
-    _run(_buffer_side(buf, cache), _cache_side(cache, ids, kernel_device), n, cache,
-         min(cache.alignment, _buffer_alignment(buf, cache)), kernel_device)
+    _scatter_prechecked(buf, cache, ids, kernel_device)
 
 
 def copy_blocks(src_cache: KVCache, src_ids: BlockIds, dst_cache: KVCache, dst_ids: BlockIds, *,
@@ -107,33 +105,32 @@ def copy_blocks(src_cache: KVCache, src_ids: BlockIds, dst_cache: KVCache, dst_i
             raise ValueError("src_cache and dst_cache: two views of the same memory with different layouts; "
                              "copy through a buffer (gather_blocks, then scatter_blocks)")
         _check_disjoint(sids, dids, check_ids)
-    _run(_cache_side(src_cache, sids, kernel_device), _cache_side(dst_cache, dids, kernel_device),
-         n, src_cache, min(src_cache.alignment, dst_cache.alignment), kernel_device)
+    _copy_prechecked(src_cache, sids, dst_cache, dids, kernel_device)
 
 
-
-# ---- for the migration backends: pair checks done once, then launches only ------------------------
-# A backend checks the two caches of a pair once (geometry, placement, disjoint memory) and the
-# ids of every pull on the host; these then launch on the current stream with no further checks
-# and no allocation. Ids are contiguous int64 tensors on the device the copy runs on. As with
-# every launch, the kernel skips ids outside a cache and never touches other memory.
+# ---- the launches, after the checks --------------------------------------------------------------
+# The public ops above check everything, then call these. The migration backends call them
+# directly: they check a pair's caches once (geometry, placement, disjoint memory) and each
+# pull's ids on the host. Ids are contiguous int64 tensors on `device`, where the copy runs; the
+# launch goes to its current stream with no allocation. As for every launch, the kernel skips
+# ids outside a cache and never touches other memory. `max_ctas` caps the grid (0 = no cap).
 def _copy_prechecked(src_cache: KVCache, src_ids: torch.Tensor, dst_cache: KVCache,
-                     dst_ids: torch.Tensor) -> None:
-    device = dst_cache.device
+                     dst_ids: torch.Tensor, device: torch.device) -> None:
     _run(_cache_side(src_cache, src_ids, device), _cache_side(dst_cache, dst_ids, device),
          src_ids.shape[0], src_cache, min(src_cache.alignment, dst_cache.alignment), device)
 
 
-def _gather_prechecked(cache: KVCache, ids: torch.Tensor, out: torch.Tensor, max_ctas: int = 0) -> None:
-    device = cache.device if cache.device.type == "cuda" else out.device
+def _gather_prechecked(cache: KVCache, ids: torch.Tensor, out: torch.Tensor, device: torch.device,
+                       max_ctas: int = 0) -> None:
     _run(_cache_side(cache, ids, device), _buffer_side(out, cache), ids.shape[0], cache,
          min(cache.alignment, _buffer_alignment(out, cache)), device, max_ctas)
 
 
-def _scatter_prechecked(buf: torch.Tensor, cache: KVCache, ids: torch.Tensor, max_ctas: int = 0) -> None:
-    device = cache.device if cache.device.type == "cuda" else buf.device
+def _scatter_prechecked(buf: torch.Tensor, cache: KVCache, ids: torch.Tensor, device: torch.device,
+                        max_ctas: int = 0) -> None:
     _run(_buffer_side(buf, cache), _cache_side(cache, ids, device), ids.shape[0], cache,
          min(cache.alignment, _buffer_alignment(buf, cache)), device, max_ctas)
+
 
 # ---- validation ------------------------------------------------------------------------------
 def _check_cache(cache, name):

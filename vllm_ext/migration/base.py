@@ -269,10 +269,10 @@ class PairedBackend(MigrationBackend):
     def pull_request(self, conn, header: Dict[str, Any], payload: bytes):
         """A destination's pull request, checked: (deadline, src_ids, pair). Raises
         ValueError (sent back as a refusal) before anything moves."""
+        from .control import decode_ids  # control imports this module
+
         deadline = Deadline(float(header["timeout"]))
         n = int(header["n"])
-        from .control import decode_ids
-
         src_ids = check_block_ids(decode_ids(payload, n, "src_block_ids"), "src_block_ids",
                                   self.endpoint.cache.num_blocks, unique=False)
         pair = conn.state.get("pair")
@@ -329,6 +329,15 @@ def poll_until(done: Callable[[], bool], deadline: "Deadline", what: str,
             time.sleep(sleep)
 
 
+def follow_current_stream(stream, event, device) -> None:
+    """`stream` waits for the work already queued on the current stream of `device` (blocks
+    written there before a pull are not overwritten out of order); `event` is reused."""
+    import torch
+
+    event.record(torch.cuda.current_stream(device))
+    stream.wait_event(event)
+
+
 def wait_cuda_event(event, deadline: "Deadline", what: str,
                     check: Optional[Callable[[], None]] = None) -> None:
     """Waits for a torch.cuda.Event against the deadline (a host-blocking synchronize could
@@ -356,7 +365,7 @@ class IdStaging:
         """Device int64 tensors holding each list, in order (views of one buffer)."""
         import torch
 
-        if self._uploaded is not None and not self._uploaded.query():
+        if self._uploaded is not None:  # done at once, unless a pull was interrupted
             wait_cuda_event(self._uploaded, deadline or Deadline(60.0), "the previous id upload")
         total = sum(len(ids) for ids in id_lists)
         if self._host is None or self._host.numel() < total:

@@ -40,6 +40,7 @@ from .base import (
     PullStats,
     blocks_per_chunk,
     chunk_ranges,
+    follow_current_stream,
     wait_cuda_event,
 )
 from .control import encode_ids
@@ -82,6 +83,7 @@ class _Pair:
                 self.dev_slots = [torch.empty(shape, dtype=torch.uint8, device=cache.device)
                                   for _ in range(2)]
             self.staged = [torch.cuda.Event() for _ in range(2)]  # host slot copied
+            self.entry = torch.cuda.Event()  # the caller's stream, when a pull starts
             self.done = torch.cuda.Event()
             self.ids = IdStaging(cache.device)
 
@@ -118,6 +120,10 @@ class _Pair:
                 time.sleep(1e-4)
             self.dev_slots = None
             self.ids = None
+
+    def chunks(self, n: int):
+        """The pull's chunks; both sides derive them from n alone."""
+        return chunk_ranges(n, self.chunk_blocks)
 
     def pieces(self, slot: int, nblocks: int) -> List[torch.Tensor]:
         """The stripe views of the first nblocks rows of a slot."""
@@ -208,23 +214,21 @@ class GlooBackend(PairedBackend):
         pair: _Pair = link.state["pair"]
         cache = self.endpoint.cache
         n = len(src_ids)
-        chunks = chunk_ranges(n, pair.chunk_blocks)
+        chunks = pair.chunks(n)
         link.request({"op": "gloo.pull", "n": n, "timeout": deadline.remaining()},
                      encode_ids(src_ids))
         cuda = pair.stream is not None
         if cuda:
-            pair.stream.wait_stream(torch.cuda.current_stream(cache.device))
+            follow_current_stream(pair.stream, pair.entry, cache.device)
             with torch.cuda.stream(pair.stream):
                 (dst_dev,) = pair.ids.upload(dst_ids, deadline=deadline)
         pending: Dict[int, list] = {}
-        staged = [False, False]  # a host slot's copy to the GPU is enqueued and not waited for
 
         def post(c: int) -> None:
             lo, hi = chunks[c]
             slot = c % 2
-            if staged[slot]:  # the slot's previous chunk must have left for the GPU
+            if cuda:  # the slot's previous chunk must have left for the GPU (done at once if none)
                 wait_cuda_event(pair.staged[slot], deadline, "gloo copy to the GPU")
-                staged[slot] = False
             pending[c] = [g.recv([piece], _SRC_RANK, c) for g, piece in
                           zip(pair.groups, pair.pieces(slot, hi - lo))]
 
@@ -241,8 +245,7 @@ class GlooBackend(PairedBackend):
                     dev = pair.dev_slots[slot][:hi - lo]
                     dev.copy_(rows, non_blocking=True)
                     pair.staged[slot].record(pair.stream)
-                    staged[slot] = True
-                    ops._scatter_prechecked(dev, cache, dst_dev[lo:hi])
+                    ops._scatter_prechecked(dev, cache, dst_dev[lo:hi], cache.device)
             else:
                 ops.scatter_blocks(rows, cache, dst_ids[lo:hi])
             if c + 2 < len(chunks):
@@ -293,7 +296,7 @@ class GlooBackend(PairedBackend):
         from .. import ops
 
         cache = self.endpoint.cache
-        chunks = chunk_ranges(len(src_ids), pair.chunk_blocks)
+        chunks = pair.chunks(len(src_ids))
         cuda = pair.stream is not None
         if cuda:  # read at once: a source offers blocks whose writes are complete
             with torch.cuda.stream(pair.stream):
@@ -307,7 +310,7 @@ class GlooBackend(PairedBackend):
             if cuda:
                 with torch.cuda.stream(pair.stream):
                     dev = pair.dev_slots[slot][:hi - lo]
-                    ops._gather_prechecked(cache, src_dev[lo:hi], dev)
+                    ops._gather_prechecked(cache, src_dev[lo:hi], dev, cache.device)
                     rows.copy_(dev, non_blocking=True)
                     pair.staged[slot].record(pair.stream)
                 wait_cuda_event(pair.staged[slot], deadline, "gloo copy to the host")

@@ -107,7 +107,7 @@ class IpcBackend(MigrationBackend):
             raise MigrationError("ipc pull: the source closed its control connection (exited?)")
         # Checked once at connect: same geometry, peer access; ids checked by the endpoint.
         src, dst = link.state["ids"].upload(src_ids, dst_ids, deadline=deadline)
-        ops._copy_prechecked(link.state["view"], src, cache, dst)
+        ops._copy_prechecked(link.state["view"], src, cache, dst, cache.device)
         done = link.state["done"]
         done.record(torch.cuda.current_stream(cache.device))
         wait_cuda_event(done, deadline, "ipc copy")

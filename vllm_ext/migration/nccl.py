@@ -47,6 +47,7 @@ from .base import (
     PullStats,
     blocks_per_chunk,
     chunk_ranges,
+    follow_current_stream,
     wait_cuda_event,
 )
 from .control import encode_ids
@@ -89,11 +90,9 @@ class _Pair:
         self.ids = IdStaging(cache.device)
         self.aborted = False
 
-    def enter(self) -> None:
-        """The copy stream waits for the work already queued on the current stream (so blocks
-        written there before the pull are read, or not overwritten, in order)."""
-        self.entry.record(torch.cuda.current_stream(self.device))
-        self.copy_stream.wait_event(self.entry)
+    def chunks(self, n: int):
+        """The pull's chunks; both sides derive them from n alone (protocol 2: ramped)."""
+        return chunk_ranges(n, self.chunk_blocks, ramp=True)
 
     def abort(self) -> None:
         """Ends the communicator's kernels, then waits (bounded) for the streams to drain."""
@@ -225,13 +224,13 @@ class NcclBackend(PairedBackend):
         cache = self.endpoint.cache
         lib = _lib()
         n = len(src_ids)
-        chunks = chunk_ranges(n, pair.chunk_blocks, ramp=True)
+        chunks = pair.chunks(n)
         # The request goes first: the source gathers while this side queues its receives.
         link.request({"op": "nccl.pull", "n": n, "timeout": deadline.remaining()},
                      encode_ids(src_ids))
         try:
             with torch.cuda.device(pair.device):
-                pair.enter()
+                follow_current_stream(pair.copy_stream, pair.entry, pair.device)
                 with torch.cuda.stream(pair.copy_stream):
                     (ids,) = pair.ids.upload(dst_ids, deadline=deadline)
                     for c, (lo, hi) in enumerate(chunks):
@@ -243,7 +242,7 @@ class NcclBackend(PairedBackend):
                                  pair.comm_stream.cuda_stream)
                         pair.moved[slot].record(pair.comm_stream)
                         pair.copy_stream.wait_event(pair.moved[slot])
-                        ops._scatter_prechecked(rows, cache, ids[lo:hi], pair.copy_ctas)
+                        ops._scatter_prechecked(rows, cache, ids[lo:hi], pair.device, pair.copy_ctas)
                         pair.copied[slot].record(pair.copy_stream)
                     pair.done.record(pair.copy_stream)
             wait_for_data(link, pair.done.query, deadline, "nccl pull")
@@ -292,12 +291,12 @@ class NcclBackend(PairedBackend):
             with torch.cuda.device(pair.device):
                 with torch.cuda.stream(pair.copy_stream):
                     (ids,) = pair.ids.upload(src_ids, deadline=deadline)
-                    for c, (lo, hi) in enumerate(chunk_ranges(n, pair.chunk_blocks, ramp=True)):
+                    for c, (lo, hi) in enumerate(pair.chunks(n)):
                         slot = c % 2
                         rows = pair.slots[slot][:hi - lo]
                         if c >= 2:  # the slot's previous chunk is sent
                             pair.copy_stream.wait_event(pair.moved[slot])
-                        ops._gather_prechecked(cache, ids[lo:hi], rows, pair.copy_ctas)
+                        ops._gather_prechecked(cache, ids[lo:hi], rows, pair.device, pair.copy_ctas)
                         pair.copied[slot].record(pair.copy_stream)
                         pair.comm_stream.wait_event(pair.copied[slot])
                         self.endpoint.test_pause(c)

@@ -73,7 +73,8 @@ def _chunk_views(cache, ids: List[int]) -> list:
     import numpy as np
 
     chunk = cache.chunk_nbytes
-    span = cache.extents()[0][1] - cache.extents()[0][0]
+    start, end = cache.extents()[0]  # every layer spans the same bytes
+    span = end - start
     layers = [np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(address))
               for address in cache.layer_addresses]
     views = []
