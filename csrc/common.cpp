@@ -41,6 +41,7 @@ const char* vllm_ext_status_string(int status) {
     case VLLM_EXT_ERR_NO_CUDA: return "library built without CUDA";
     case VLLM_EXT_ERR_CUDA: return "CUDA error";
     case VLLM_EXT_ERR_NO_KERNEL_IMAGE: return "no kernel image for this GPU";
+    case VLLM_EXT_ERR_TRANSFER: return "transfer function failed";
     default: return "unknown status";
   }
 }

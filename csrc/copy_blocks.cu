@@ -133,11 +133,37 @@ template <> struct VecOf<1> { using type = uint8_t; };
 // slower at 64 MiB on an H200 (DRAM locality), despite a better balanced last wave.
 // src/dst chunks:
 //   layer_base(l) + block_ids[i] * block_stride + c * component_stride, chunk_vecs vectors.
-template <int kVecBytes, int kUnroll>
+// Where a launch finds block id i of each side.
+struct SideIds {  // the sides' own block_ids: [device] arrays, or NULL for 0..n-1
+  __device__ __forceinline__ int64_t src(const vllm_ext_side& side, int64_t i) const {
+    return side.block_ids != nullptr ? side.block_ids[i] : i;
+  }
+  __device__ __forceinline__ int64_t dst(const vllm_ext_side& side, int64_t i) const {
+    return side.block_ids != nullptr ? side.block_ids[i] : i;
+  }
+};
+
+constexpr int kMaxInlineIds = VLLM_EXT_MAX_INLINE_IDS;
+// Ids carried by the launch (a __grid_constant__ kernel parameter, read in place from the
+// constant bank): no upload and no device buffer. 3.6 KB, under the 4 KB every driver takes.
+struct InlineIds {
+  int64_t first;  // a side without a list uses ids first, first + 1, ... (a buffer's rows)
+  int32_t has_src, has_dst;
+  int32_t src_ids[kMaxInlineIds];  // -1: skipped (out of range)
+  int32_t dst_ids[kMaxInlineIds];
+  __device__ __forceinline__ int64_t src(const vllm_ext_side&, int64_t i) const {
+    return has_src ? src_ids[i] : first + i;
+  }
+  __device__ __forceinline__ int64_t dst(const vllm_ext_side&, int64_t i) const {
+    return has_dst ? dst_ids[i] : first + i;
+  }
+};
+
+template <int kVecBytes, int kUnroll, typename Ids>
 __global__ void __launch_bounds__(kThreads, VLLM_EXT_MIN_CTAS_PER_SM)
     copy_blocks_kernel(const vllm_ext_side src, const vllm_ext_side dst, int32_t num_layers,
                        int32_t num_components, int64_t chunk_vecs, int64_t tiles_per_chunk,
-                       int64_t num_tiles) {
+                       int64_t num_tiles, const __grid_constant__ Ids ids) {
   using Vec = typename VecOf<kVecBytes>::type;
   constexpr int64_t kTileVecs = int64_t{kThreads} * kUnroll;
   for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
@@ -147,8 +173,8 @@ __global__ void __launch_bounds__(kThreads, VLLM_EXT_MIN_CTAS_PER_SM)
     const int64_t rest = chunk / num_components;
     const int32_t l = static_cast<int32_t>(rest % num_layers);
     const int64_t i = rest / num_layers;
-    const int64_t s = src.block_ids != nullptr ? src.block_ids[i] : i;
-    const int64_t d = dst.block_ids != nullptr ? dst.block_ids[i] : i;
+    const int64_t s = ids.src(src, i);
+    const int64_t d = ids.dst(dst, i);
     // Never touch memory outside the described blocks, whatever the ids say.
     if (s < 0 || s >= src.num_blocks || d < 0 || d >= dst.num_blocks) continue;
     const Vec* from = reinterpret_cast<const Vec*>(chunk_address(src, layer_base(src, l), s, c)) +
@@ -193,21 +219,23 @@ int64_t resident_ctas(int device) {
 
 // cudaLaunchKernel returns this launch's own error (a <<<>>> launch needs cudaGetLastError,
 // which would also report, and clear, an error some earlier call left pending).
-template <auto kKernel>
+template <auto kKernel, typename Ids>
 int launch_tiles(vllm_ext_side src, vllm_ext_side dst, int32_t num_layers, int32_t num_components,
                  int64_t chunk_vecs, int64_t tiles_per_chunk, int64_t num_tiles, int device, cudaStream_t stream,
-                 int32_t max_ctas) {
+                 int32_t max_ctas, const Ids& ids) {
   int64_t grid = std::min<int64_t>(num_tiles, resident_ctas<kKernel>(device));
   if (max_ctas > 0) grid = std::min<int64_t>(grid, max_ctas);
-  void* args[] = {&src, &dst, &num_layers, &num_components, &chunk_vecs, &tiles_per_chunk, &num_tiles};
+  void* args[] = {&src,       &dst,        &num_layers, &num_components, &chunk_vecs, &tiles_per_chunk,
+                  &num_tiles, const_cast<Ids*>(&ids)};
   VLLM_EXT_CUDA_TRY(cudaLaunchKernel(reinterpret_cast<const void*>(kKernel), dim3(static_cast<unsigned>(grid)),
                                      dim3(kThreads), args, 0, stream));
   return VLLM_EXT_OK;
 }
 
-template <int kVecBytes>
+template <int kVecBytes, typename Ids>
 int launch(const vllm_ext_side& src, const vllm_ext_side& dst, int64_t num_ids, int32_t num_layers,
-           int32_t num_components, int64_t chunk_nbytes, int device, cudaStream_t stream, int32_t max_ctas) {
+           int32_t num_components, int64_t chunk_nbytes, int device, cudaStream_t stream, int32_t max_ctas,
+           const Ids& ids) {
   const int64_t chunk_vecs = chunk_nbytes / kVecBytes;
   const int64_t num_chunks = num_ids * num_layers * num_components;
   // NOTE: small chunks (a few hundred vectors) would leave most of a deep tile idle; they
@@ -216,11 +244,69 @@ int launch(const vllm_ext_side& src, const vllm_ext_side& dst, int64_t num_ids, 
   const int64_t tile_vecs = int64_t{kThreads} * (deep ? kDeepUnroll : 1);
   const int64_t tiles_per_chunk = (chunk_vecs + tile_vecs - 1) / tile_vecs;
   const int64_t num_tiles = num_chunks * tiles_per_chunk;
-  return deep ? launch_tiles<copy_blocks_kernel<kVecBytes, kDeepUnroll>>(src, dst, num_layers, num_components,
-                                                                        chunk_vecs, tiles_per_chunk, num_tiles,
-                                                                        device, stream, max_ctas)
-              : launch_tiles<copy_blocks_kernel<kVecBytes, 1>>(src, dst, num_layers, num_components, chunk_vecs,
-                                                               tiles_per_chunk, num_tiles, device, stream, max_ctas);
+  return deep ? launch_tiles<copy_blocks_kernel<kVecBytes, kDeepUnroll, Ids>>(
+                    src, dst, num_layers, num_components, chunk_vecs, tiles_per_chunk, num_tiles, device, stream,
+                    max_ctas, ids)
+              : launch_tiles<copy_blocks_kernel<kVecBytes, 1, Ids>>(src, dst, num_layers, num_components, chunk_vecs,
+                                                                    tiles_per_chunk, num_tiles, device, stream,
+                                                                    max_ctas, ids);
+}
+
+// One launch of the widest access `alignment` allows (the caller checked it).
+template <typename Ids>
+int launch_aligned(const vllm_ext_side& src, const vllm_ext_side& dst, int64_t num_ids, int32_t num_layers,
+                   int32_t num_components, int64_t chunk_nbytes, int32_t alignment, int device, cudaStream_t s,
+                   int32_t max_ctas, const Ids& ids) {
+  switch (std::min(alignment, 16)) {
+    case 16: return launch<16>(src, dst, num_ids, num_layers, num_components, chunk_nbytes, device, s, max_ctas, ids);
+    case 8: return launch<8>(src, dst, num_ids, num_layers, num_components, chunk_nbytes, device, s, max_ctas, ids);
+    case 4: return launch<4>(src, dst, num_ids, num_layers, num_components, chunk_nbytes, device, s, max_ctas, ids);
+    case 2: return launch<2>(src, dst, num_ids, num_layers, num_components, chunk_nbytes, device, s, max_ctas, ids);
+    default: return launch<1>(src, dst, num_ids, num_layers, num_components, chunk_nbytes, device, s, max_ctas, ids);
+  }
+}
+
+int check_alignment(int32_t alignment, int64_t chunk_nbytes) {
+  if (alignment <= 0 || (alignment & (alignment - 1)) != 0 || chunk_nbytes % alignment != 0)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT,
+                "alignment " + std::to_string(alignment) + " is not a power of two dividing chunk_nbytes " +
+                    std::to_string(chunk_nbytes));
+  return VLLM_EXT_OK;
+}
+
+// One id of a host list for an InlineIds: -1 when outside the side (the kernel skips it).
+bool inline_id(int64_t id, int64_t num_blocks, int32_t* out) {
+  if (id < 0 || id >= num_blocks) {
+    *out = -1;
+    return true;
+  }
+  if (id > INT32_MAX) return false;
+  *out = static_cast<int32_t>(id);
+  return true;
+}
+
+// Launches the copy of ids [0, num_ids) with host lists (NULL = rows first..), in launches of at
+// most kMaxInlineIds ids.
+int launch_inline(const vllm_ext_side& src, const vllm_ext_side& dst, const int64_t* src_ids,
+                  const int64_t* dst_ids, int64_t num_ids, int32_t num_layers, int32_t num_components,
+                  int64_t chunk_nbytes, int32_t alignment, int device, cudaStream_t stream, int32_t max_ctas) {
+  InlineIds ids;
+  ids.has_src = src_ids != nullptr;
+  ids.has_dst = dst_ids != nullptr;
+  for (int64_t first = 0; first < num_ids; first += kMaxInlineIds) {
+    const int64_t n = std::min<int64_t>(kMaxInlineIds, num_ids - first);
+    ids.first = first;
+    for (int64_t i = 0; i < n; ++i) {
+      if ((src_ids && !inline_id(src_ids[first + i], src.num_blocks, &ids.src_ids[i])) ||
+          (dst_ids && !inline_id(dst_ids[first + i], dst.num_blocks, &ids.dst_ids[i])))
+        return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "a block id above 2^31 cannot be passed inline");
+    }
+    // A side without a list: the kernel's bound (num_blocks) still applies to first + i.
+    const int status =
+        launch_aligned(src, dst, n, num_layers, num_components, chunk_nbytes, alignment, device, stream, max_ctas, ids);
+    if (status != VLLM_EXT_OK) return status;
+  }
+  return VLLM_EXT_OK;
 }
 
 using GetAddressRange = int (*)(unsigned long long* base, size_t* size, unsigned long long ptr);
@@ -238,23 +324,98 @@ int vllm_ext_copy_blocks_cuda(const vllm_ext_side* src, const vllm_ext_side* dst
                               int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
                               int32_t alignment, int32_t device, void* stream, int32_t max_ctas) {
   int status = vllm_ext::check_copy_args(src, dst, num_ids, num_layers, num_components, chunk_nbytes);
+  if (status == VLLM_EXT_OK) status = check_alignment(alignment, chunk_nbytes);
   if (status != VLLM_EXT_OK) return status;
-  if (alignment <= 0 || (alignment & (alignment - 1)) != 0 || chunk_nbytes % alignment != 0)
-    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT,
-                "alignment " + std::to_string(alignment) + " is not a power of two dividing chunk_nbytes " +
-                    std::to_string(chunk_nbytes));
   if (num_ids == 0 || num_layers == 0 || chunk_nbytes == 0) return VLLM_EXT_OK;
   DeviceGuard guard(device);
   if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
-  auto s = static_cast<cudaStream_t>(stream);
-  const int width = std::min(alignment, 16);
-  switch (width) {
-    case 16: return launch<16>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s, max_ctas);
-    case 8: return launch<8>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s, max_ctas);
-    case 4: return launch<4>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s, max_ctas);
-    case 2: return launch<2>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s, max_ctas);
-    default: return launch<1>(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, device, s, max_ctas);
+  return launch_aligned(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, alignment, device,
+                        static_cast<cudaStream_t>(stream), max_ctas, SideIds{});
+}
+
+int vllm_ext_copy_blocks_cuda_inline(const vllm_ext_side* src, const vllm_ext_side* dst, const int64_t* src_ids,
+                                     const int64_t* dst_ids, int64_t num_ids, int32_t num_layers,
+                                     int32_t num_components, int64_t chunk_nbytes, int32_t alignment, int32_t device,
+                                     void* stream, int32_t max_ctas) {
+  int status = vllm_ext::check_copy_args(src, dst, num_ids, num_layers, num_components, chunk_nbytes);
+  if (status == VLLM_EXT_OK) status = check_alignment(alignment, chunk_nbytes);
+  if (status != VLLM_EXT_OK) return status;
+  if (src->block_ids != nullptr || dst->block_ids != nullptr)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "the sides' block_ids must be NULL (ids go in src_ids/dst_ids)");
+  if (num_ids == 0 || num_layers == 0 || chunk_nbytes == 0) return VLLM_EXT_OK;
+  DeviceGuard guard(device);
+  if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
+  return launch_inline(*src, *dst, src_ids, dst_ids, num_ids, num_layers, num_components, chunk_nbytes, alignment,
+                       device, static_cast<cudaStream_t>(stream), max_ctas);
+}
+
+int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging* staging, const int64_t* ids,
+                             const int64_t* bounds, int32_t first_chunk, int32_t num_chunks, int32_t num_layers,
+                             int32_t num_components, int64_t chunk_nbytes, int32_t alignment, int32_t device) {
+  if (cache == nullptr || staging == nullptr || bounds == nullptr || staging->transfer == nullptr)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "null argument to vllm_ext_staged_transfer");
+  if (cache->block_ids != nullptr)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "cache->block_ids must be NULL (ids go in `ids`)");
+  const vllm_ext_staging& st = *staging;
+  if ((st.direction != VLLM_EXT_STAGE_SEND && st.direction != VLLM_EXT_STAGE_RECV) || first_chunk < 0 ||
+      num_chunks < 0 || st.slot_blocks <= 0 || st.slots[0] == 0 || st.slots[1] == 0)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "staged transfer: bad direction, chunk range or slots");
+  for (int32_t c = 0; c < num_chunks; ++c) {
+    const int64_t n = bounds[c + 1] - bounds[c];
+    if (bounds[c] < 0 || n < 0 || n > st.slot_blocks)
+      return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "staged transfer: chunk " + std::to_string(c) + " holds " +
+                                                     std::to_string(n) + " blocks, a slot " +
+                                                     std::to_string(st.slot_blocks));
   }
+  const int64_t rows_total = bounds[num_chunks] - bounds[0];
+  if (rows_total > 0 && ids == nullptr) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "ids is NULL");
+  int status = check_alignment(alignment, chunk_nbytes);
+  if (status == VLLM_EXT_OK) {
+    vllm_ext_side probe = {nullptr, st.slots[0], 0, 0, 0, st.slot_blocks, nullptr};
+    status = vllm_ext::check_copy_args(cache, &probe, 0, num_layers, num_components, chunk_nbytes);
+  }
+  if (status != VLLM_EXT_OK) return status;
+  DeviceGuard guard(device, /*bind=*/true);  // the transfer function may need the context current
+  if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
+  auto copy = static_cast<cudaStream_t>(st.copy_stream);
+  auto comm = static_cast<cudaStream_t>(st.comm_stream);
+  const int64_t row_nbytes = int64_t{num_layers} * num_components * chunk_nbytes;
+  const bool send = st.direction == VLLM_EXT_STAGE_SEND;
+  for (int32_t c = 0; c < num_chunks; ++c) {
+    const int64_t k = int64_t{first_chunk} + c;
+    const int slot = static_cast<int>(k % 2);
+    const int64_t lo = bounds[c], n = bounds[c + 1] - bounds[c];
+    auto copied = static_cast<cudaEvent_t>(st.copied[slot]);
+    auto moved = static_cast<cudaEvent_t>(st.moved[slot]);
+    // The slot as a buffer side of n rows (the wire format of gather/scatter).
+    const vllm_ext_side rows = {nullptr, st.slots[slot], num_components * chunk_nbytes, row_nbytes, chunk_nbytes,
+                                n, nullptr};
+    void* buf = reinterpret_cast<void*>(st.slots[slot]);
+    const size_t nbytes = static_cast<size_t>(n * row_nbytes);
+    if (send) {
+      if (k >= 2) VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(copy, moved, 0));  // the slot's last send is done
+      status = launch_inline(*cache, rows, ids + lo, nullptr, n, num_layers, num_components, chunk_nbytes,
+                             alignment, device, copy, st.max_ctas);
+      if (status != VLLM_EXT_OK) return status;
+      VLLM_EXT_CUDA_TRY(cudaEventRecord(copied, copy));
+      VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(comm, copied, 0));
+    } else if (k >= 2) {
+      VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(comm, copied, 0));  // the slot's last scatter is done
+    }
+    const int rc = st.transfer(buf, nbytes, st.datatype, st.peer, st.comm, st.comm_stream);
+    if (rc != 0)
+      return fail(VLLM_EXT_ERR_TRANSFER, std::string(send ? "send" : "receive") + " of chunk " + std::to_string(k) +
+                                             " returned " + std::to_string(rc));
+    VLLM_EXT_CUDA_TRY(cudaEventRecord(moved, comm));
+    if (!send) {
+      VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(copy, moved, 0));
+      status = launch_inline(rows, *cache, nullptr, ids + lo, n, num_layers, num_components, chunk_nbytes,
+                             alignment, device, copy, st.max_ctas);
+      if (status != VLLM_EXT_OK) return status;
+      VLLM_EXT_CUDA_TRY(cudaEventRecord(copied, copy));
+    }
+  }
+  return VLLM_EXT_OK;
 }
 
 int vllm_ext_copy_blocks_memcpy(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
@@ -297,7 +458,7 @@ int vllm_ext_check_device(int32_t device, int32_t* major, int32_t* minor) {
   if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
   cudaFuncAttributes attr;
   // Loading the kernel is what fails on a GPU with neither machine code nor usable PTX.
-  VLLM_EXT_CUDA_TRY(cudaFuncGetAttributes(&attr, copy_blocks_kernel<16, kDeepUnroll>));
+  VLLM_EXT_CUDA_TRY(cudaFuncGetAttributes(&attr, copy_blocks_kernel<16, kDeepUnroll, SideIds>));
   return VLLM_EXT_OK;
 }
 

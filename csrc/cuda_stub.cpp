@@ -11,6 +11,12 @@ int no_cuda() {
 extern "C" {
 int vllm_ext_copy_blocks_cuda(const vllm_ext_side*, const vllm_ext_side*, int64_t, int32_t,
                               int32_t, int64_t, int32_t, int32_t, void*, int32_t) { return no_cuda(); }
+int vllm_ext_copy_blocks_cuda_inline(const vllm_ext_side*, const vllm_ext_side*, const int64_t*, const int64_t*,
+                                     int64_t, int32_t, int32_t, int64_t, int32_t, int32_t, void*, int32_t) {
+  return no_cuda();
+}
+int vllm_ext_staged_transfer(const vllm_ext_side*, const vllm_ext_staging*, const int64_t*, const int64_t*, int32_t,
+                             int32_t, int32_t, int32_t, int64_t, int32_t, int32_t) { return no_cuda(); }
 int vllm_ext_copy_blocks_memcpy(const vllm_ext_side*, const vllm_ext_side*, int64_t, int32_t, int32_t,
                                 int64_t, int32_t, void*) { return no_cuda(); }
 int vllm_ext_check_device(int32_t, int32_t*, int32_t*) { return no_cuda(); }

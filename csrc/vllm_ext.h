@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define VLLM_EXT_ABI_VERSION 2
+#define VLLM_EXT_ABI_VERSION 3
 
 /* The library is built with hidden visibility; only these functions are exported. */
 #if defined(__GNUC__)
@@ -37,6 +37,7 @@ typedef enum {
   VLLM_EXT_ERR_NO_CUDA = 2,          /* the library was built without CUDA */
   VLLM_EXT_ERR_CUDA = 3,             /* a CUDA runtime call failed; see vllm_ext_last_error() */
   VLLM_EXT_ERR_NO_KERNEL_IMAGE = 4,  /* the GPU's arch is not among the built archs */
+  VLLM_EXT_ERR_TRANSFER = 5,         /* the caller's transfer function (ncclSend/ncclRecv) failed */
 } vllm_ext_status;
 
 /*
@@ -74,6 +75,57 @@ typedef struct {
 VLLM_EXT_API int vllm_ext_copy_blocks_cuda(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
                               int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
                               int32_t alignment, int32_t device, void* stream, int32_t max_ctas);
+
+/* The same copy with the block ids given as [host] arrays, read during the call and carried
+ * by the launch itself (kernel parameters): no upload, no device buffer, no event, so a small
+ * migration costs one launch. src_ids / dst_ids hold num_ids ids each, or are NULL for
+ * 0..num_ids-1 (a buffer side); the sides' own block_ids must be NULL. Any num_ids: one launch
+ * per VLLM_EXT_MAX_INLINE_IDS ids. Ids outside a side are skipped, as above. */
+#define VLLM_EXT_MAX_INLINE_IDS 448
+VLLM_EXT_API int vllm_ext_copy_blocks_cuda_inline(const vllm_ext_side* src, const vllm_ext_side* dst,
+                                     const int64_t* src_ids, const int64_t* dst_ids, int64_t num_ids,
+                                     int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
+                                     int32_t alignment, int32_t device, void* stream, int32_t max_ctas);
+
+/*
+ * Staged transfer: the enqueue sequence of one side of a pipelined pull, in one call.
+ * `transfer` has the signature of ncclSend / ncclRecv; the caller passes their address, so the
+ * library never links NCCL. Chunk c (0 <= c < num_chunks) moves the blocks ids[bounds[c] ..
+ * bounds[c+1]) of `cache` through staging slot k % 2, k = first_chunk + c:
+ *   SEND: copy_stream waits moved[k%2] (k >= 2), gathers the blocks into the slot, records
+ *         copied[k%2]; comm_stream waits for it, transfers the slot out, records moved[k%2].
+ *   RECV: comm_stream waits copied[k%2] (k >= 2), transfers into the slot, records moved[k%2];
+ *         copy_stream waits for it, scatters the slot into the blocks, records copied[k%2].
+ * Everything is enqueued, nothing waited for. The caller orders the streams against its own
+ * work before the call and waits for the last stage after it. On a failure the streams hold
+ * a prefix of the sequence (a transfer that failed is not enqueued), so the caller must end
+ * its communicator (ncclCommAbort) before reusing the slots.
+ */
+typedef int (*vllm_ext_transfer_fn)(void* buf, size_t count, int32_t datatype, int32_t peer,
+                                    void* comm, void* stream);
+typedef enum { VLLM_EXT_STAGE_SEND = 0, VLLM_EXT_STAGE_RECV = 1 } vllm_ext_stage_direction;
+typedef struct {
+  int32_t direction;          /* vllm_ext_stage_direction */
+  int32_t max_ctas;           /* grid cap of the gathers / scatters (0 = the whole GPU) */
+  uint64_t slots[2];          /* [device] two staging buffers of slot_blocks rows */
+  int64_t slot_blocks;        /* rows of one slot (a chunk holds at most this many blocks) */
+  void* copy_stream;          /* cudaStream_t of the gathers / scatters */
+  void* comm_stream;          /* cudaStream_t of the transfers */
+  void* copied[2];            /* cudaEvent_t per slot: its copy is done */
+  void* moved[2];             /* cudaEvent_t per slot: its transfer is done */
+  vllm_ext_transfer_fn transfer;
+  void* comm;                 /* passed to transfer */
+  int32_t peer;               /* passed to transfer */
+  int32_t datatype;           /* passed to transfer: a 1-byte type (ncclUint8); count = bytes */
+} vllm_ext_staging;
+
+/* `cache` describes the paged cache (its block_ids must be NULL); ids and bounds are [host];
+ * rows of a slot are num_layers * num_components * chunk_nbytes bytes (the buffer wire
+ * format); alignment divides the cache's and the slots' addresses and strides. */
+VLLM_EXT_API int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging* staging,
+                             const int64_t* ids, const int64_t* bounds, int32_t first_chunk,
+                             int32_t num_chunks, int32_t num_layers, int32_t num_components,
+                             int64_t chunk_nbytes, int32_t alignment, int32_t device);
 
 /* Baseline (what vLLM's swap_blocks and Llumnix do): one cudaMemcpyAsync per (block, layer,
  * component) on the copy engines. Here layer_ptrs and block_ids of both sides are [host]; host

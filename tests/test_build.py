@@ -95,3 +95,44 @@ def test_cpu_only_build_refuses_cuda_clearly(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "refused: vllm-ext was built without CUDA" in result.stdout
     assert "cpu ops ok" in result.stdout
+
+
+def test_pipeline_entry_points_refuse_bad_arguments_before_any_gpu_work():
+    """The staged transfer and the inline launch check their arguments before touching a GPU
+    (so this runs anywhere): a CUDA build says which argument, a CPU-only build says no CUDA."""
+    import array
+    import ctypes
+
+    expected = _lib.ERR_INVALID_ARGUMENT if _lib.built_with_cuda() else _lib.ERR_NO_CUDA
+    cache = _lib.Side(layer_ptrs=None, base=1 << 20, layer_stride=4096, block_stride=1024,
+                      component_stride=512, num_blocks=8, block_ids=None)
+    ids = array.array("q", [0, 1, 2, 3])
+    some_function = ctypes.cast(ctypes.CDLL(None).abs, ctypes.c_void_p).value  # never called
+
+    def staged(direction=_lib.STAGE_SEND, transfer=some_function, bounds=(0, 2), slot_blocks=2,
+               alignment=16):
+        staging = _lib.Staging(direction=direction, slots=(ctypes.c_uint64 * 2)(1 << 21, 1 << 22),
+                               slot_blocks=slot_blocks, transfer=transfer)
+        b = array.array("q", bounds)
+        with pytest.raises(_lib.VllmExtError) as info:
+            _lib.staged_transfer(cache, staging, ids.buffer_info()[0], b.buffer_info()[0], 0,
+                                 len(bounds) - 1, 2, 2, 512, alignment, 0)
+        assert info.value.status == expected, info.value
+        return str(info.value)
+
+    if expected == _lib.ERR_NO_CUDA:
+        assert "without CUDA" in staged()
+        return
+    assert "null argument" in staged(transfer=None)
+    assert "bad direction" in staged(direction=7)
+    assert "bad direction" in staged(slot_blocks=0)
+    assert "holds 3 blocks, a slot 2" in staged(bounds=(0, 1, 4))
+    assert "holds -1 blocks" in staged(bounds=(2, 1))
+    assert "alignment 3 is not a power of two" in staged(alignment=3)
+    with_ids = _lib.Side(layer_ptrs=None, base=1 << 20, layer_stride=4096, block_stride=1024,
+                         component_stride=512, num_blocks=8, block_ids=ids.buffer_info()[0])
+    with pytest.raises(_lib.VllmExtError, match="block_ids must be NULL") as info:
+        _lib.copy_blocks_cuda_inline(with_ids, cache, None, None, 2, 2, 2, 512, 16, 0, None)
+    assert info.value.status == expected
+    with pytest.raises(_lib.VllmExtError, match="alignment 3 is not a power of two"):
+        _lib.copy_blocks_cuda_inline(cache, cache, None, None, 2, 2, 2, 512, 3, 0, None)

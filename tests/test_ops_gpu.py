@@ -124,6 +124,68 @@ def test_a_capped_grid_copies_the_same_bytes(max_ctas):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 447, 448, 449, 1000])
+@pytest.mark.parametrize("layout", ["flash", "flashinfer"])
+def test_inline_id_launches_equal_cpu_across_launch_splits(n, layout):
+    """Ids carried in the kernel parameters (the migration hot path): up to 448 per launch, so
+    n = 449 and 1000 take several launches; gather, scatter and cache-to-cache copy equal the
+    CPU twin byte for byte, ids outside a cache are skipped, and nothing else is written."""
+    import array
+
+    from vllm_ext import _lib
+
+    geometry = {"num_layers": 2, "num_blocks": 1100, "block_size": 2, "num_kv_heads": 2, "head_size": 8}
+    rng, cpu, gpu = cuda_and_cpu_pair(layout, torch.bfloat16, 900 + n, geometry=geometry)
+    device = gpu.device
+
+    def addr(values):
+        a = array.array("q", values)
+        return a, a.buffer_info()[0]
+
+    def launch(src_side, dst_side, src_ids, dst_ids, count, alignment):
+        keep_src, src_addr = addr(src_ids) if src_ids is not None else (None, None)
+        keep_dst, dst_addr = addr(dst_ids) if dst_ids is not None else (None, None)
+        ops._copy_inline(src_side, dst_side, src_addr, dst_addr, count, gpu, alignment, device)
+        torch.cuda.synchronize()
+
+    # gather: cache -> buffer rows 0..n-1; two ids out of range leave their rows as they were
+    src_ids = [rng.randrange(geometry["num_blocks"]) for _ in range(n)]
+    if n > 2:
+        src_ids[1], src_ids[-1] = -1, geometry["num_blocks"]
+    out = poison((n + 1, gpu.block_nbytes), "cuda:0", n)
+    expect = out.cpu().clone()
+    valid = [i for i, b in enumerate(src_ids) if 0 <= b < geometry["num_blocks"]]
+    expect[valid] = ops.gather_blocks(cpu, [src_ids[i] for i in valid])
+    launch(ops._cache_side(gpu, None, device), ops._buffer_side(out, gpu), src_ids, None, n,
+           min(gpu.alignment, ops._buffer_alignment(out, gpu)))
+    assert torch.equal(out.cpu(), expect)
+
+    # scatter: buffer rows -> distinct blocks
+    dst_ids = distinct_ids(rng, geometry["num_blocks"], n)
+    buf = poison((n, gpu.block_nbytes), "cpu", n + 1)
+    buf_gpu = buf.cuda()
+    launch(ops._buffer_side(buf_gpu, gpu), ops._cache_side(gpu, None, device), None, dst_ids, n,
+           min(gpu.alignment, ops._buffer_alignment(buf_gpu, gpu)))
+    ops.scatter_blocks(buf, cpu, dst_ids)
+    assert_cache_bytes_equal(gpu, cache_bytes(cpu))
+
+    # cache -> cache on one GPU (disjoint caches), both lists inline
+    other_cpu = random_cache(geometry, torch.bfloat16, layout, seed=n + 7)
+    other = to_device(other_cpu, "cuda:0")
+    src_ids = [rng.randrange(geometry["num_blocks"]) for _ in range(n)]
+    dst_ids = distinct_ids(rng, geometry["num_blocks"], n)
+    launch(ops._cache_side(gpu, None, device), ops._cache_side(other, None, device), src_ids, dst_ids, n,
+           min(gpu.alignment, other.alignment))
+    ops.copy_blocks(cpu, src_ids, other_cpu, dst_ids)
+    assert_cache_bytes_equal(other, cache_bytes(other_cpu))
+    # the C ABI refuses a side that also carries a device id list
+    bad = ops._cache_side(gpu, torch.tensor([0], device=device), device)
+    _, ids_addr = addr([0])
+    with pytest.raises(_lib.VllmExtError, match="block_ids must be NULL"):
+        ops._copy_inline(bad, ops._cache_side(other, None, device), ids_addr, ids_addr, 1, gpu, 2, device)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype,head_size,alignment", UNALIGNED, ids=str)
 def test_unaligned_geometries_take_the_fallback_and_stay_exact(dtype, head_size, alignment):
     geometry = {"num_layers": 3, "num_blocks": 9, "block_size": 1, "num_kv_heads": 1,

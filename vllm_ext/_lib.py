@@ -12,11 +12,11 @@ _DIR = Path(__file__).resolve().parent
 # VLLM_EXT_LIBRARY loads another build of the library (tests use it for arch checks).
 LIBRARY_PATH = Path(os.environ.get("VLLM_EXT_LIBRARY") or _DIR / "libvllm_ext.so")
 BUILD_INFO_PATH = _DIR / "_build_info.json"
-ABI_VERSION = 2
+ABI_VERSION = 3
 IPC_HANDLE_BYTES = 64
 
 # vllm_ext_status
-OK, ERR_INVALID_ARGUMENT, ERR_NO_CUDA, ERR_CUDA, ERR_NO_KERNEL_IMAGE = range(5)
+OK, ERR_INVALID_ARGUMENT, ERR_NO_CUDA, ERR_CUDA, ERR_NO_KERNEL_IMAGE, ERR_TRANSFER = range(6)
 
 
 class VllmExtError(RuntimeError):
@@ -41,8 +41,32 @@ class Side(ctypes.Structure):
     ]
 
 
+MAX_INLINE_IDS = 448  # VLLM_EXT_MAX_INLINE_IDS: ids one inline launch carries
+STAGE_SEND, STAGE_RECV = 0, 1
+
+
+class Staging(ctypes.Structure):
+    """vllm_ext_staging: the slots, streams, events and transfer function of a staged pull."""
+
+    _fields_ = [
+        ("direction", ctypes.c_int32),
+        ("max_ctas", ctypes.c_int32),
+        ("slots", ctypes.c_uint64 * 2),
+        ("slot_blocks", ctypes.c_int64),
+        ("copy_stream", ctypes.c_void_p),
+        ("comm_stream", ctypes.c_void_p),
+        ("copied", ctypes.c_void_p * 2),
+        ("moved", ctypes.c_void_p * 2),
+        ("transfer", ctypes.c_void_p),
+        ("comm", ctypes.c_void_p),
+        ("peer", ctypes.c_int32),
+        ("datatype", ctypes.c_int32),
+    ]
+
+
 _i32, _i64, _u64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
 _side_p, _i32_p, _u64_p = ctypes.POINTER(Side), ctypes.POINTER(_i32), ctypes.POINTER(_u64)
+_staging_p = ctypes.POINTER(Staging)
 _handle = ctypes.c_uint8 * IPC_HANDLE_BYTES
 
 # name: (restype, argtypes). The C prototype of each row is in csrc/vllm_ext.h.
@@ -51,6 +75,17 @@ _FUNCTIONS = {
     #     int32 num_layers, int32 num_components, int64 chunk_nbytes, int32 alignment,
     #     int32 device, void* stream, int32 max_ctas)
     "vllm_ext_copy_blocks_cuda": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i32, _i32, _ptr, _i32]),
+    # int vllm_ext_copy_blocks_cuda_inline(const side* src, const side* dst,
+    #     const int64* src_ids, const int64* dst_ids, int64 num_ids, int32 num_layers,
+    #     int32 num_components, int64 chunk_nbytes, int32 alignment, int32 device, void* stream,
+    #     int32 max_ctas)
+    "vllm_ext_copy_blocks_cuda_inline": (_i32, [_side_p, _side_p, _ptr, _ptr, _i64, _i32, _i32, _i64, _i32,
+                                                _i32, _ptr, _i32]),
+    # int vllm_ext_staged_transfer(const side* cache, const staging* staging, const int64* ids,
+    #     const int64* bounds, int32 first_chunk, int32 num_chunks, int32 num_layers,
+    #     int32 num_components, int64 chunk_nbytes, int32 alignment, int32 device)
+    "vllm_ext_staged_transfer": (_i32, [_side_p, _staging_p, _ptr, _ptr, _i32, _i32, _i32, _i32, _i64, _i32,
+                                        _i32]),
     # int vllm_ext_copy_blocks_memcpy(const side* src, const side* dst, int64 num_ids,
     #     int32 num_layers, int32 num_components, int64 chunk_nbytes, int32 device, void* stream)
     "vllm_ext_copy_blocks_memcpy": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i32, _ptr]),
@@ -228,6 +263,23 @@ def copy_blocks_cuda(src, dst, num_ids, num_layers, num_components, chunk_nbytes
                                           num_components, chunk_nbytes, alignment, device, stream,
                                           max_ctas),
           "vllm_ext_copy_blocks_cuda")
+
+
+def copy_blocks_cuda_inline(src, dst, src_ids, dst_ids, num_ids, num_layers, num_components, chunk_nbytes,
+                            alignment, device, stream, max_ctas=0):
+    """src_ids / dst_ids: addresses of [host] int64 arrays of num_ids ids, or None (rows 0..)."""
+    check(lib().vllm_ext_copy_blocks_cuda_inline(ctypes.byref(src), ctypes.byref(dst), src_ids, dst_ids, num_ids,
+                                                 num_layers, num_components, chunk_nbytes, alignment, device,
+                                                 stream, max_ctas),
+          "vllm_ext_copy_blocks_cuda_inline")
+
+
+def staged_transfer(cache, staging, ids, bounds, first_chunk, num_chunks, num_layers, num_components,
+                    chunk_nbytes, alignment, device):
+    """ids / bounds: addresses of [host] int64 arrays (see vllm_ext_staged_transfer)."""
+    check(lib().vllm_ext_staged_transfer(ctypes.byref(cache), ctypes.byref(staging), ids, bounds, first_chunk,
+                                         num_chunks, num_layers, num_components, chunk_nbytes, alignment, device),
+          "vllm_ext_staged_transfer")
 
 
 def copy_blocks_memcpy(src, dst, num_ids, num_layers, num_components, chunk_nbytes, device, stream):

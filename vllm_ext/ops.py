@@ -120,6 +120,17 @@ def _copy_prechecked(src_cache: KVCache, src_ids: torch.Tensor, dst_cache: KVCac
          src_ids.shape[0], src_cache, min(src_cache.alignment, dst_cache.alignment), device)
 
 
+def _copy_inline(src: _lib.Side, dst: _lib.Side, src_ids: Optional[int], dst_ids: Optional[int], n: int,
+                 cache: KVCache, alignment: int, device: torch.device, max_ctas: int = 0) -> None:
+    """The launch with host ids carried by the kernel's parameters (no upload): the sides come
+    from _cache_side(cache, None, device) / _buffer_side and were checked once; src_ids /
+    dst_ids are addresses of host int64 arrays of n ids, or None for rows 0..n-1."""
+    if n:
+        _lib.copy_blocks_cuda_inline(src, dst, src_ids, dst_ids, n, cache.num_layers, cache.num_components,
+                                     cache.chunk_nbytes, alignment, device.index,
+                                     _current_raw_stream(device.index), max_ctas)
+
+
 def _gather_prechecked(cache: KVCache, ids: torch.Tensor, out: torch.Tensor, device: torch.device,
                        max_ctas: int = 0) -> None:
     _run(_cache_side(cache, ids, device), _buffer_side(out, cache), ids.shape[0], cache,
@@ -291,10 +302,12 @@ def _check_disjoint(src_ids, dst_ids, check):
 
 
 # ---- the call into the library -----------------------------------------------------------------
-def _cache_side(cache: KVCache, ids: torch.Tensor, device: torch.device) -> _lib.Side:
+def _cache_side(cache: KVCache, ids: Optional[torch.Tensor], device: torch.device) -> _lib.Side:
+    """The cache as a side of a copy run on `device`; ids None: passed apart (inline launches)."""
     return _lib.Side(layer_ptrs=cache.layer_table(device).data_ptr(), base=0, layer_stride=0,
                      block_stride=cache.block_stride, component_stride=cache.component_stride,
-                     num_blocks=cache.num_blocks, block_ids=ids.data_ptr() if ids.numel() else None)
+                     num_blocks=cache.num_blocks,
+                     block_ids=ids.data_ptr() if ids is not None and ids.numel() else None)
 
 
 def _buffer_side(buf: torch.Tensor, cache: KVCache) -> _lib.Side:
