@@ -208,6 +208,37 @@ def test_gpu_backends_reject_cpu_caches_and_mismatches(gpu_workers, backend):
         close_quietly(src_w, "m", "f16")
 
 
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("backend", ["ipc", "nccl"])
+def test_gpu_pulls_of_more_ids_than_one_launch_carries(gpu_workers, backend):
+    """A launch carries at most 448 ids in its parameters: a longer ipc pull uploads its ids,
+    and an nccl chunk of more blocks copies in several launches. Pulls of 448, 449 and 1500
+    tiny blocks land byte for byte, and nothing else changes."""
+    dst_w, src_w, _ = gpu_workers(("cuda:0", "cuda:1"))
+    spec = {"num_layers": 2, "num_blocks": 1600, "block_size": 2, "num_kv_heads": 2,
+            "head_size": 8, "dtype": "bfloat16", "layout": "flash"}
+    options = {"chunk_bytes": 1 << 20} if backend == "nccl" else {}  # chunks up to 4096 blocks
+    rng = random.Random(77)
+    try:
+        desc = src_w.call("endpoint", "many", dict(spec, seed=1, device="cuda:1"), backend, options)
+        dst_w.call("endpoint", "many", dict(spec, seed=2, layout="flashinfer", device="cuda:0"),
+                   backend, options)
+        all_ids = list(range(spec["num_blocks"]))
+        src_before = src_w.call("blocks", "many", all_ids)
+        for n in (448, 449, 1500):
+            src = [rng.randrange(spec["num_blocks"]) for _ in range(n)]
+            dst = rng.sample(all_ids, n)
+            others = sorted(set(all_ids) - set(dst))
+            before = dst_w.call("blocks", "many", others)
+            dst_w.call("pull", "many", desc, src, dst, PULL_TIMEOUT_S, timeout=CALL_TIMEOUT_S)
+            assert torch.equal(dst_w.call("blocks", "many", dst), src_before[src])
+            assert torch.equal(dst_w.call("blocks", "many", others), before)
+        assert torch.equal(src_w.call("blocks", "many", all_ids), src_before)
+    finally:
+        close_quietly(dst_w, "many")
+        close_quietly(src_w, "many")
+
+
 @pytest.mark.gpu
 def test_id_staging_reuses_and_grows_its_buffers():
     """Every pull's ids go through one pinned and one device buffer per pair: reused while they

@@ -67,6 +67,11 @@ class NcclLibrary:
             msg = self.ncclGetErrorString(result)
             raise NcclError(f"{what}: NCCL error {result}: {msg.decode() if msg else '?'}")
 
+    def address(self, name: str) -> int:
+        """The C address of a declared function (ncclSend, ncclRecv): vllm_ext's staged transfer
+        calls it without linking NCCL."""
+        return ctypes.cast(getattr(self, name), ctypes.c_void_p).value
+
     def version(self) -> int:
         v = ctypes.c_int()
         self.check(self.ncclGetVersion(ctypes.byref(v)), "ncclGetVersion")

@@ -2,9 +2,10 @@
 (once per peer) and pulls with one ops.copy_blocks launch on its own GPU that reads the
 source over NVLink (or PCIe peer access): no staging buffer, no host copy, no send/recv.
 
-A pull exchanges no control message: the only fixed costs are the id upload (into reused
-pinned and device buffers), one kernel launch and the completion poll, all on the current
-stream of the destination's GPU (so the copy follows the work already queued there). The
+A pull exchanges no control message: its fixed costs are one kernel launch, which carries
+up to 448 block-id pairs in its parameters (a longer list goes through reused pinned and
+device buffers first), and the completion poll, on the current stream of the destination's
+GPU (so the copy follows the work already queued there). The
 source is therefore not asked per pull, and must offer only blocks whose writes are complete
 (a serving engine migrates blocks of finished steps).
 Before each pull the destination checks that the source's control connection is still open;
@@ -14,6 +15,7 @@ Source-side checks (same host, geometry, dtype) happen when the destination maps
 ids are checked on the destination against the block count the source reported then.
 """
 
+import array
 import dataclasses
 import logging
 from typing import Any, Dict
@@ -98,16 +100,29 @@ class IpcBackend(MigrationBackend):
         link.state["view"] = view
         link.state["ids"] = IdStaging(cache.device)
         link.state["done"] = torch.cuda.Event()
+        # The two sides of every launch, without ids: built once.
+        link.state["sides"] = (ops._cache_side(view, None, cache.device),
+                               ops._cache_side(cache, None, cache.device),
+                               min(view.alignment, cache.alignment))
 
     def pull(self, link, src_ids, dst_ids, deadline: Deadline) -> PullStats:
-        from .. import ops
+        from .. import _lib, ops
 
         cache = self.endpoint.cache
         if link.conn.closed_by_peer():
             raise MigrationError("ipc pull: the source closed its control connection (exited?)")
         # Checked once at connect: same geometry, peer access; ids checked by the endpoint.
-        src, dst = link.state["ids"].upload(src_ids, dst_ids, deadline=deadline)
-        ops._copy_prechecked(link.state["view"], src, cache, dst, cache.device)
+        n = len(src_ids)
+        if n <= _lib.MAX_INLINE_IDS:  # the ids travel in the launch itself
+            src_side, dst_side, alignment = link.state["sides"]
+            ids = array.array("q", src_ids)
+            ids.extend(dst_ids)
+            address = ids.buffer_info()[0]
+            ops._copy_inline(src_side, dst_side, address, address + n * ids.itemsize, n, cache,
+                             alignment, cache.device)
+        else:
+            src, dst = link.state["ids"].upload(src_ids, dst_ids, deadline=deadline)
+            ops._copy_prechecked(link.state["view"], src, cache, dst, cache.device)
         done = link.state["done"]
         done.record(torch.cuda.current_stream(cache.device))
         wait_cuda_event(done, deadline, "ipc copy")
@@ -127,6 +142,7 @@ class IpcBackend(MigrationBackend):
                 self._unfinished.append((done, view, link.state.pop("ids", None)))
                 return
         link.state.pop("ids", None)
+        link.state.pop("sides", None)
         if view is not None:
             view.close()
 
