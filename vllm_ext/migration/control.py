@@ -19,6 +19,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .base import Deadline, MigrationError
@@ -113,6 +114,17 @@ class Connection:
     def readable(self) -> bool:
         """True when a message (or EOF) is waiting: never blocks."""
         return _poll_readable(self.sock)
+
+    def spin_until_readable(self, seconds: float) -> bool:
+        """Polls, without sleeping, for up to `seconds` until a message (or EOF) waits; True
+        when one does. A server calls it after each request: the next request of a burst (a
+        migration's stages) is then read at once, without the ~40 us of waking a blocked
+        thread."""
+        end = time.monotonic() + seconds
+        while not _poll_readable(self.sock):
+            if time.monotonic() >= end:
+                return False
+        return True
 
     def closed_by_peer(self) -> bool:
         """True when the peer closed the connection (EOF or reset); never blocks and leaves

@@ -30,6 +30,8 @@ __all__ = ["MigrationEndpoint", "PeerLink", "PROTOCOL"]
 # destination and a source of different versions are refused at hello, never half-understood.
 # 2: nccl chunks ramp 1, 2, 4, ... blocks; the nccl connect carries copy_ctas.
 PROTOCOL = 2
+# After serving a request, the server polls this long for the next one before it blocks.
+_SERVE_SPIN_S = 2e-3
 
 
 class PeerLink:
@@ -203,6 +205,7 @@ class MigrationEndpoint:
     def _serve_connection(self, conn: Connection) -> None:
         try:
             while True:
+                conn.spin_until_readable(_SERVE_SPIN_S)
                 try:
                     header, payload = conn.recv()
                 except EOFError:
