@@ -530,3 +530,36 @@ def test_import_loads_no_backend():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert set(BACKEND_NAMES) == {"ipc", "nccl", "gloo", "rayrpc"}
+
+
+def test_a_set_up_that_completes_after_its_deadline_is_released():
+    """nccl's communicator set-up cannot be interrupted: past the deadline the pull gives up
+    on it, and when it completes later after all, what it built is released, not leaked."""
+    from vllm_ext.migration.nccl import _run_bounded
+
+    released = []
+    gate = threading.Event()
+
+    def slow():
+        gate.wait(10)
+        return "comm"
+
+    start = time.monotonic()
+    with pytest.raises(MigrationError, match="set-up: not complete at the deadline of 0.2 s"):
+        _run_bounded(slow, Deadline(0.2), "set-up", on_abandoned=released.append)
+    assert time.monotonic() - start < 2.0
+    assert released == []
+    gate.set()
+    end = time.monotonic() + 5
+    while not released and time.monotonic() < end:
+        time.sleep(0.01)
+    assert released == ["comm"]
+    # In time: the value, and nothing released; a failure: MigrationError with the cause.
+    assert _run_bounded(lambda: 7, Deadline(5), "set-up", on_abandoned=released.append) == 7
+    def failing():
+        raise OSError("boom")
+
+    with pytest.raises(MigrationError, match="set-up: boom") as info:
+        _run_bounded(failing, Deadline(5), "set-up")
+    assert isinstance(info.value.__cause__, OSError)
+    assert released == ["comm"]

@@ -154,6 +154,46 @@ def test_gpu_dead_or_stalled_source(gpu_workers, backend, kill):
 
 
 @pytest.mark.multi_gpu
+def test_nccl_source_that_joins_late_is_cut_off_then_cleaned_up(gpu_workers):
+    """A source that accepts the connect but joins the communicator only after the pull's
+    deadline: the destination raises MigrationError within the deadline, its cache is
+    untouched, the late join is released on both sides, and new pulls to that source and to
+    others work."""
+    _, _, healthy = gpu_workers(("cuda:0", "cuda:1"))
+    # Own workers, killed at the end: a process whose abandoned set-up thread is still inside
+    # NCCL may abort at exit, which is no verdict on this test.
+    src_w, dst_w = Worker("cuda:1"), Worker("cuda:0")
+    try:
+        desc = src_w.call("endpoint", "late", dict(FAIL_SPEC, device="cuda:1"), "nccl", {})
+        healthy_desc = healthy.call("endpoint", "h", dict(FAIL_SPEC, seed=6, device="cuda:1"),
+                                    "nccl", {})
+        dst_w.call("endpoint", "d", dict(FAIL_SPEC, seed=7, device="cuda:0"), "nccl", {})
+        before = dst_w.call("blocks", "d", list(range(64)))
+        src_w.call("stall", "late", "connect", 4.0)
+        timeout = 2.0
+        start = time.monotonic()
+        with pytest.raises(RemoteError) as info:
+            dst_w.call("pull", "d", desc, [0, 1], [2, 3], timeout, timeout=CALL_TIMEOUT_S)
+        elapsed = time.monotonic() - start
+        assert info.value.type_name == "MigrationError", info.value
+        assert "set-up" in info.value.message
+        assert elapsed < timeout + 2.0, f"MigrationError after {elapsed:.1f} s"
+        assert torch.equal(dst_w.call("blocks", "d", list(range(64))), before)
+        src_w.call("stall", "late", "never", 0.0)
+        for wait in (0.0, 5.0):  # at once, and after the late join has run its course
+            time.sleep(wait)
+            dst_w.call("pull", "d", desc, [0, 1], [2, 3], PULL_TIMEOUT_S, timeout=CALL_TIMEOUT_S)
+            assert torch.equal(dst_w.call("blocks", "d", [2, 3]),
+                               src_w.call("blocks", "late", [0, 1]))
+            dst_w.call("pull", "d", healthy_desc, [5], [6], PULL_TIMEOUT_S, timeout=CALL_TIMEOUT_S)
+            assert torch.equal(dst_w.call("blocks", "d", [6]), healthy.call("blocks", "h", [5]))
+    finally:
+        src_w.kill()
+        dst_w.kill()
+        close_quietly(healthy, "h")
+
+
+@pytest.mark.multi_gpu
 def test_ipc_killed_source_is_reported(gpu_workers):
     """ipc has no per-pull message: a source that exited is noticed through its closed
     control connection before its memory is read."""

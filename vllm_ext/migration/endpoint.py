@@ -270,8 +270,9 @@ class MigrationEndpoint:
         conn.peer_id = str(header.get("peer_id"))
         conn.reply_ok(num_blocks=self.cache.num_blocks, endpoint_id=self.endpoint_id)
 
-    def test_pause(self, chunk: int) -> None:
-        """Source side, tests only: pause at chunk `chunk` when test_stall says so."""
+    def test_pause(self, chunk) -> None:
+        """Source side, tests only: pause at chunk `chunk` (or at a named step, such as nccl's
+        "connect") when test_stall says so."""
         stall = self.test_stall
         if stall is not None and chunk == stall[0]:
             time.sleep(stall[1])

@@ -160,23 +160,38 @@ class _Pair:
                 time.sleep(1e-4)
 
 
-def _run_bounded(fn, deadline: Deadline, what: str):
-    """Runs fn() on a helper thread; MigrationError when it is not done by the deadline (the
-    thread is then abandoned: a blocking NCCL set-up cannot be interrupted)."""
+def _run_bounded(fn, deadline: Deadline, what: str, on_abandoned=None):
+    """Runs fn() on a helper thread; MigrationError when it is not done by the deadline. The
+    thread is then abandoned (a blocking NCCL set-up cannot be interrupted); if it completes
+    later after all, `on_abandoned(value)` releases what it built (a communicator whose peer
+    joined late), so nothing leaks."""
     result: Dict[str, Any] = {}
+    lock = threading.Lock()
 
     def target():
         try:
-            result["value"] = fn()
+            value = fn()
         except BaseException as e:  # noqa: BLE001
             result["error"] = e
+            return
+        with lock:
+            if not result.get("abandoned"):
+                result["value"] = value
+                return
+        if on_abandoned is not None:
+            try:
+                on_abandoned(value)
+            except Exception:  # noqa: BLE001
+                logger.exception("%s: releasing a set-up that completed after its deadline", what)
 
     thread = threading.Thread(target=target, name="nccl-setup", daemon=True)
     thread.start()
     thread.join(max(deadline.remaining(), 0))
-    if thread.is_alive():
-        raise MigrationError(f"{what}: not complete at the deadline of {deadline.timeout:g} s "
-                             "(peer gone?)")
+    with lock:
+        if "value" not in result and "error" not in result:
+            result["abandoned"] = True
+            raise MigrationError(f"{what}: not complete at the deadline of {deadline.timeout:g} s "
+                                 "(peer gone?)")
     if "error" in result:
         raise MigrationError(f"{what}: {result['error']}") from result["error"]
     return result["value"]
@@ -206,7 +221,8 @@ def _join(cache, uid: bytes, rank: int, deadline: Deadline) -> int:
             raise
         return comm
 
-    return _run_bounded(setup, deadline, "nccl communicator set-up")
+    return _run_bounded(setup, deadline, "nccl communicator set-up",
+                        on_abandoned=lambda comm: _lib_nccl().abort(comm))
 
 
 class NcclBackend(PairedBackend):
@@ -297,6 +313,7 @@ class NcclBackend(PairedBackend):
                              f"copy_ctas {copy_ctas}")
         cache = self.endpoint.cache
         conn.reply_ok()
+        self.endpoint.test_pause("connect")  # tests: a source that joins late
         comm = _join(cache, uid, _SRC_RANK, deadline)
         self.adopt(conn, _Pair(comm, cache, chunk_blocks, copy_ctas, _lib.STAGE_SEND))
 
@@ -307,7 +324,8 @@ class NcclBackend(PairedBackend):
             # No wait for other streams: like ipc, a source offers blocks whose writes are
             # complete (the engine's stream belongs to another thread anyway).
             stall = self.endpoint.test_stall
-            if stall is not None and 0 <= stall[0] < len(chunks):  # tests: pause before a chunk
+            if stall is not None and isinstance(stall[0], int) and 0 <= stall[0] < len(chunks):
+                # tests: pause before a chunk
                 if stall[0]:
                     pair.enqueue(src_ids, chunks[:stall[0]])
                 self.endpoint.test_pause(stall[0])
