@@ -22,7 +22,9 @@ Rows:
   Llumnix   the published CI figures (reference table, run 1) at the same sizes
 Every pull is checked: after the samples of a size, the destination's blocks are compared
 with the source's (row checksums); `wrong` counts mismatching blocks.
-Fixed cost per pull: median and p99 of `--fixed-samples` 1-block pulls.
+Fixed cost per pull: median and p99 of `--fixed-samples` 1-block pulls; and the control cost:
+the same for a cache of 4 KiB blocks (one layer, one head of 64, block size 16), where moving
+the bytes is free and what remains is the pull's own machinery (requests, launches, waits).
 
     python benchmarks/migration.py [--out benchmarks/results] [--quick] [--time-limit S]
 Nothing can hang: every wait has a deadline (pulls, NCCL and gloo set-up and transfers, the
@@ -107,6 +109,23 @@ def make_cache(device, num_blocks, seed):
     return cache
 
 
+TINY_GEOMETRY = {"num_layers": 1, "block_size": 16, "num_kv_heads": 1, "head_size": 64}  # 4 KiB
+TINY_BLOCKS = 16
+
+
+def make_tiny_cache(device, seed):
+    """The control-cost cache: 4 KiB blocks, random bytes."""
+    from vllm_ext import KVCache
+
+    cache = KVCache.allocate(num_blocks=TINY_BLOCKS, dtype=DTYPE, device=device, layout="flash",
+                             **TINY_GEOMETRY)
+    g = torch.Generator(device=device).manual_seed(seed)
+    for layer in cache.layers:
+        layer.view(torch.int16).random_(generator=g)
+    sync(device)
+    return cache
+
+
 def sync(device, what="device work"):
     """Waits for the current stream of `device`, at most WAIT_S (a host-blocking synchronize
     behind an NCCL receive whose sender is gone would never return)."""
@@ -173,6 +192,9 @@ def source_main(conn, device, num_blocks, backends, options):
 
     cache = make_cache(device, num_blocks, seed=1)
     endpoints = {b: MigrationEndpoint(cache, backend=b, **options.get(b, {})) for b in backends}
+    tiny = make_tiny_cache(device, seed=3)
+    endpoints.update({f"{b}:tiny": MigrationEndpoint(tiny, backend=b, **options.get(b, {}))
+                      for b in backends})
     conn.send({b: ep.descriptor() for b, ep in endpoints.items()})
     raw = {}
     staging = {}
@@ -241,6 +263,11 @@ def gloo_group(host, port, rank):
 _KEEP_ALIVE = []
 
 
+def percentile99(values):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(len(values) * 0.99))]
+
+
 # ---- process 0: the destination, which measures ---------------------------------------------------
 class Bench:
     def __init__(self, conn, device, num_blocks, backends, options, args):
@@ -257,6 +284,10 @@ class Bench:
         self.src_blocks = next(iter(self.descs.values())).num_blocks if self.descs else num_blocks
         self.endpoints = {b: MigrationEndpoint(self.cache, backend=b, **options.get(b, {}))
                           for b in backends}
+        self.tiny = make_tiny_cache(self.device, seed=4)
+        self.endpoints.update({f"{b}:tiny": MigrationEndpoint(self.tiny, backend=b,
+                                                              **options.get(b, {}))
+                               for b in backends})
         self.args = args
         self.rng = random.Random(0)
         self.results = {}
@@ -297,19 +328,23 @@ class Bench:
             self.record(f"{backend} (ours)", n, times, self.check(src, dst))
 
     def fixed_cost(self, backend, samples):
-        ep, desc = self.endpoints[backend], self.descs[backend]
-        times = []
-        for _ in range(samples):
-            src, dst = self.ids(1)
-            t = time.perf_counter()
-            ep.pull(desc, src, dst, timeout=PULL_TIMEOUT_S)
-            times.append(time.perf_counter() - t)
-        times.sort()
-        self.fixed[backend] = {"median_ms": statistics.median(times) * 1e3,
-                               "p99_ms": times[min(len(times) - 1, int(len(times) * 0.99))] * 1e3,
-                               "samples": len(times)}
-        log(f"  {backend} fixed cost per 1-block pull: median "
-            f"{self.fixed[backend]['median_ms']:.3f} ms, p99 {self.fixed[backend]['p99_ms']:.3f} ms")
+        """1-block pulls of an 8 MiB block, then of a 4 KiB block (the control cost)."""
+        entry = self.fixed[backend] = {"samples": samples}
+        for key, blocks in ((backend, self.num_blocks), (f"{backend}:tiny", TINY_BLOCKS)):
+            ep, desc = self.endpoints[key], self.descs[key]
+            ep.pull(desc, [0], [0], timeout=PULL_TIMEOUT_S)  # builds the pair
+            times = []
+            for _ in range(samples):
+                src, dst = self.rng.randrange(blocks), self.rng.randrange(blocks)
+                t = time.perf_counter()
+                ep.pull(desc, [src], [dst], timeout=PULL_TIMEOUT_S)
+                times.append(time.perf_counter() - t)
+            prefix = "" if key == backend else "tiny_"
+            entry.update({f"{prefix}median_ms": statistics.median(times) * 1e3,
+                          f"{prefix}p99_ms": percentile99(times) * 1e3})
+        log(f"  {backend} 1-block pull, 8 MiB: median {entry['median_ms']:.3f} ms, p99 "
+            f"{entry['p99_ms']:.3f} ms; 4 KiB (control cost): median {entry['tiny_median_ms']:.3f}"
+            f" ms, p99 {entry['tiny_p99_ms']:.3f} ms")
 
     # ceilings and baselines
     def join_raw(self, kinds, max_blocks):
@@ -480,25 +515,28 @@ def measure_rayrpc(sizes, samples, fixed_samples, num_blocks):
 
             self.cache = make_cache(torch.device("cpu"), num_blocks, seed)
             self.ep = MigrationEndpoint(self.cache, backend="rayrpc")
+            self.tiny = make_tiny_cache(torch.device("cpu"), seed)
+            self.ep_tiny = MigrationEndpoint(self.tiny, backend="rayrpc")
 
         def descriptor(self):
-            return self.ep.descriptor()
+            return self.ep.descriptor(), self.ep_tiny.descriptor()
 
         def checksum(self, ids):
             from vllm_ext import ops
 
             return row_checksums(ops.gather_blocks(self.cache, ids))
 
-        def pulls(self, desc, n, count, seed):
+        def pulls(self, desc, n, count, seed, tiny=False):
             rng = random.Random(seed)
             times, last = [], None
-            self.ep.pull(desc, [0], [0], timeout=120)
+            ep, blocks = (self.ep_tiny, TINY_BLOCKS) if tiny else (self.ep, num_blocks)
+            ep.pull(desc, [0], [0], timeout=120)
             for _ in range(count):
-                src, dst = rng.sample(range(num_blocks), n), rng.sample(range(num_blocks), n)
+                src, dst = rng.sample(range(blocks), n), rng.sample(range(blocks), n)
                 t = time.perf_counter()
-                self.ep.pull(desc, src, dst, timeout=120)
+                ep.pull(desc, src, dst, timeout=120)
                 times.append(time.perf_counter() - t)
-                last = (src, dst, self.checksum(dst))
+                last = (src, dst, None if tiny else self.checksum(dst))
             return times, last
 
     here = Path(__file__).resolve().parent.parent
@@ -510,7 +548,7 @@ def measure_rayrpc(sizes, samples, fixed_samples, num_blocks):
                      p for p in (str(here), os.environ.get("PYTHONPATH")) if p)}})
     actor = ray.remote(max_concurrency=2)(Instance)
     src, dst = actor.remote(1), actor.remote(2)
-    desc = ray.get(src.descriptor.remote())
+    desc, tiny_desc = ray.get(src.descriptor.remote())
     results, fixed = {}, {}
     for n in sizes:
         times, (src_ids, _, mine) = ray.get(dst.pulls.remote(desc, n, samples, n))
@@ -522,12 +560,13 @@ def measure_rayrpc(sizes, samples, fixed_samples, num_blocks):
         log(f"  {'rayrpc (ours)':<34} {n:>4} blocks ({n * 8:>5} MiB): "
             f"{results[n]['gibps']:8.2f} GiB/s" + (f"  WRONG BLOCKS: {wrong}" if wrong else ""))
     times, _ = ray.get(dst.pulls.remote(desc, 1, fixed_samples, 7))
-    times.sort()
-    fixed = {"median_ms": statistics.median(times) * 1e3,
-             "p99_ms": times[min(len(times) - 1, int(len(times) * 0.99))] * 1e3,
-             "samples": len(times)}
-    log(f"  rayrpc fixed cost per 1-block pull: median {fixed['median_ms']:.3f} ms, "
-        f"p99 {fixed['p99_ms']:.3f} ms")
+    tiny_times, _ = ray.get(dst.pulls.remote(tiny_desc, 1, fixed_samples, 8, True))
+    fixed = {"median_ms": statistics.median(times) * 1e3, "p99_ms": percentile99(times) * 1e3,
+             "tiny_median_ms": statistics.median(tiny_times) * 1e3,
+             "tiny_p99_ms": percentile99(tiny_times) * 1e3, "samples": len(times)}
+    log(f"  rayrpc 1-block pull, 8 MiB: median {fixed['median_ms']:.3f} ms, p99 "
+        f"{fixed['p99_ms']:.3f} ms; 4 KiB (control cost): median {fixed['tiny_median_ms']:.3f} ms,"
+        f" p99 {fixed['tiny_p99_ms']:.3f} ms")
     ray.kill(src)
     ray.kill(dst)
     if started:
@@ -590,10 +629,13 @@ def markdown(report):
         if ceiling in results:
             lines.append(f"| {ceiling} | " + " | ".join(cell(ceiling, n) for n in columns) + " |")
     lines.append("")
-    lines.append("| backend | fixed cost per 1-block pull: median (ms) | p99 (ms) |")
-    lines.append("| --- | --- | --- |")
+    lines.append("| backend | 1-block pull, 8 MiB: median (ms) | p99 (ms) "
+                 "| control cost (1-block pull, 4 KiB): median (ms) | p99 (ms) |")
+    lines.append("| --- | --- | --- | --- | --- |")
     for backend, f in report["fixed"].items():
-        lines.append(f"| {backend} | {f['median_ms']:.3f} | {f['p99_ms']:.3f} |")
+        tiny = [f"{f[k]:.3f}" if k in f else "-" for k in ("tiny_median_ms", "tiny_p99_ms")]
+        lines.append(f"| {backend} | {f['median_ms']:.3f} | {f['p99_ms']:.3f} | "
+                     + " | ".join(tiny) + " |")
     text = [f"# KV migration benchmark ({report['meta']['mode']})", "",
             "Speeds in GiB/s (Llumnix's \"GB/s\"): bytes / wall time of the destination's pull, "
             "min and max of the samples dropped, mean of the rest. Ceilings move the same bytes "
