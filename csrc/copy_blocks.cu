@@ -145,7 +145,8 @@ struct SideIds {  // the sides' own block_ids: [device] arrays, or NULL for 0..n
 
 constexpr int kMaxInlineIds = VLLM_EXT_MAX_INLINE_IDS;
 // Ids carried by the launch (a __grid_constant__ kernel parameter, read in place from the
-// constant bank): no upload and no device buffer. 3.6 KB, under the 4 KB every driver takes.
+// constant bank): no upload and no device buffer. 3.6 KB; with the other parameters 3.7 KB,
+// under the 4 KB every driver takes (checked below).
 struct InlineIds {
   int64_t first;  // a side without a list uses ids first, first + 1, ... (a buffer's rows)
   int32_t has_src, has_dst;
@@ -158,6 +159,12 @@ struct InlineIds {
     return has_dst ? dst_ids[i] : first + i;
   }
 };
+
+// The copy kernel's parameters, in order (see copy_blocks_kernel).
+constexpr size_t kInlineParamBytes = 2 * sizeof(vllm_ext_side) + 2 * sizeof(int32_t) + 3 * sizeof(int64_t) +
+                                     sizeof(InlineIds);
+static_assert(kInlineParamBytes <= 4096, "inline ids: kernel parameters over 4 KB (VLLM_EXT_MAX_INLINE_IDS)");
+static_assert(sizeof(vllm_ext_staging) == 104, "vllm_ext_staging: the layout vllm_ext/_lib.py mirrors");
 
 template <int kVecBytes, int kUnroll, typename Ids>
 __global__ void __launch_bounds__(kThreads, VLLM_EXT_MIN_CTAS_PER_SM)
@@ -293,13 +300,17 @@ int launch_inline(const vllm_ext_side& src, const vllm_ext_side& dst, const int6
   InlineIds ids;
   ids.has_src = src_ids != nullptr;
   ids.has_dst = dst_ids != nullptr;
+  int32_t unused;
+  for (int64_t i = 0; i < num_ids; ++i)  // refused before the first launch, not midway
+    if ((src_ids && !inline_id(src_ids[i], src.num_blocks, &unused)) ||
+        (dst_ids && !inline_id(dst_ids[i], dst.num_blocks, &unused)))
+      return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "a block id above 2^31 cannot be passed inline");
   for (int64_t first = 0; first < num_ids; first += kMaxInlineIds) {
     const int64_t n = std::min<int64_t>(kMaxInlineIds, num_ids - first);
     ids.first = first;
     for (int64_t i = 0; i < n; ++i) {
-      if ((src_ids && !inline_id(src_ids[first + i], src.num_blocks, &ids.src_ids[i])) ||
-          (dst_ids && !inline_id(dst_ids[first + i], dst.num_blocks, &ids.dst_ids[i])))
-        return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "a block id above 2^31 cannot be passed inline");
+      if (src_ids) inline_id(src_ids[first + i], src.num_blocks, &ids.src_ids[i]);
+      if (dst_ids) inline_id(dst_ids[first + i], dst.num_blocks, &ids.dst_ids[i]);
     }
     // A side without a list: the kernel's bound (num_blocks) still applies to first + i.
     const int status =
@@ -360,6 +371,8 @@ int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging*
   if ((st.direction != VLLM_EXT_STAGE_SEND && st.direction != VLLM_EXT_STAGE_RECV) || first_chunk < 0 ||
       num_chunks < 0 || st.slot_blocks <= 0 || st.slots[0] == 0 || st.slots[1] == 0)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "staged transfer: bad direction, chunk range or slots");
+  if (st.copied[0] == nullptr || st.copied[1] == nullptr || st.moved[0] == nullptr || st.moved[1] == nullptr)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "staged transfer: a NULL event (every slot needs copied and moved)");
   for (int32_t c = 0; c < num_chunks; ++c) {
     const int64_t n = bounds[c + 1] - bounds[c];
     if (bounds[c] < 0 || n < 0 || n > st.slot_blocks)
@@ -375,6 +388,7 @@ int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging*
     status = vllm_ext::check_copy_args(cache, &probe, 0, num_layers, num_components, chunk_nbytes);
   }
   if (status != VLLM_EXT_OK) return status;
+  if (num_layers == 0 || chunk_nbytes == 0) return VLLM_EXT_OK;  // blocks of no bytes: nothing moves
   DeviceGuard guard(device, /*bind=*/true);  // the transfer function may need the context current
   if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
   auto copy = static_cast<cudaStream_t>(st.copy_stream);

@@ -154,11 +154,39 @@ def test_gpu_dead_or_stalled_source(gpu_workers, backend, kill):
 
 
 @pytest.mark.multi_gpu
+@pytest.mark.parametrize("pause_at", [0, 3])
+def test_nccl_pull_paused_midway_lands_intact(gpu_workers, pause_at):
+    """The source enqueues a pull in two calls around a pause (chunks before it, then the
+    rest with their global chunk index, so the staging slots keep alternating): the blocks
+    still land byte for byte."""
+    dst_w, src_w, _ = gpu_workers(("cuda:0", "cuda:1"))
+    options = {"chunk_bytes": 2 * (256 << 10)}  # FAIL_SPEC blocks are 256 KiB: chunks 1,2,2,2,...
+    name = f"pause{pause_at}"
+    try:
+        desc = src_w.call("endpoint", name, dict(FAIL_SPEC, device="cuda:1"), "nccl", options)
+        dst_w.call("endpoint", name, dict(FAIL_SPEC, seed=9, device="cuda:0"), "nccl", options)
+        src_w.call("stall", name, pause_at, 0.3)
+        rng = random.Random(pause_at)
+        src = [rng.randrange(64) for _ in range(11)]
+        dst = rng.sample(range(64), 11)
+        others = sorted(set(range(64)) - set(dst))
+        before = dst_w.call("blocks", name, others)
+        stats = dst_w.call("pull", name, desc, src, dst, PULL_TIMEOUT_S, timeout=CALL_TIMEOUT_S)
+        assert stats.chunks == 6
+        assert torch.equal(dst_w.call("blocks", name, dst), src_w.call("blocks", name, src))
+        assert torch.equal(dst_w.call("blocks", name, others), before)
+    finally:
+        close_quietly(dst_w, name)
+        close_quietly(src_w, name)
+
+
+@pytest.mark.multi_gpu
 def test_nccl_source_that_joins_late_is_cut_off_then_cleaned_up(gpu_workers):
     """A source that accepts the connect but joins the communicator only after the pull's
     deadline: the destination raises MigrationError within the deadline, its cache is
-    untouched, the late join is released on both sides, and new pulls to that source and to
-    others work."""
+    untouched, and once the late join has run its course (both sides give it up), new pulls
+    to that source and to others work. (The release of a set-up that completes after its
+    deadline is tested on its own in test_migration.py.)"""
     _, _, healthy = gpu_workers(("cuda:0", "cuda:1"))
     # Own workers, killed at the end: a process whose abandoned set-up thread is still inside
     # NCCL may abort at exit, which is no verdict on this test.

@@ -322,9 +322,10 @@ def poll_until(done: Callable[[], bool], deadline: "Deadline", what: str,
                check: Optional[Callable[[], None]] = None, spin_s: float = 2e-3) -> None:
     """Polls done() until true; MigrationError at the deadline. `check` runs on every poll
     and may raise (a peer's error report or exit). Spins for `spin_s`, then sleeps in steps
-    of 2% of the time waited so far (20 us to 1 ms): a small pull pays no scheduler latency,
-    a long one costs little CPU, and noticing completion late costs at most ~2% of a wait
-    (doubling steps cost up to half of it: a 5 ms pull finished up to 1 ms late)."""
+    of 2% of the time waited so far (at most 1 ms): a small pull pays no scheduler latency,
+    a long one costs little CPU, and completion is noticed late by ~2% of the wait plus the
+    sleep's own overshoot (tens of us), where doubling steps cost up to half of it (a 5 ms
+    pull finished up to 1 ms late)."""
     start = time.monotonic()
     while True:
         if check is not None:

@@ -30,7 +30,8 @@ __all__ = ["MigrationEndpoint", "PeerLink", "PROTOCOL"]
 # destination and a source of different versions are refused at hello, never half-understood.
 # 2: nccl chunks ramp 1, 2, 4, ... blocks; the nccl connect carries copy_ctas.
 PROTOCOL = 2
-# After serving a request, the server polls this long for the next one before it blocks.
+# After serving a pull, the server polls this long for the next request before it blocks
+# (the stages of a migration come in bursts; other requests are rare and wait as usual).
 _SERVE_SPIN_S = 2e-3
 
 
@@ -204,8 +205,10 @@ class MigrationEndpoint:
     # ---- source side ---------------------------------------------------------------------
     def _serve_connection(self, conn: Connection) -> None:
         try:
+            after_pull = False
             while True:
-                conn.spin_until_readable(_SERVE_SPIN_S)
+                if after_pull:
+                    conn.spin_until_readable(_SERVE_SPIN_S)
                 try:
                     header, payload = conn.recv()
                 except EOFError:
@@ -219,6 +222,7 @@ class MigrationEndpoint:
                         pass
                     return
                 op = header.get("op")
+                after_pull = isinstance(op, str) and op.endswith(".pull")
                 sent_before = conn.sent
                 try:
                     if op == "hello":

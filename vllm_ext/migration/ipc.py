@@ -1,6 +1,6 @@
 """ipc: two GPUs of one host. The destination maps the source's cache memory through CUDA IPC
-(once per peer) and pulls with one ops.copy_blocks launch on its own GPU that reads the
-source over NVLink (or PCIe peer access): no staging buffer, no host copy, no send/recv.
+(once per peer) and pulls with one launch of the block-copy kernel on its own GPU that reads
+the source over NVLink (or PCIe peer access): no staging buffer, no host copy, no send/recv.
 
 A pull exchanges no control message: its fixed costs are one kernel launch, which carries
 up to 448 block-id pairs in its parameters (a longer list goes through reused pinned and

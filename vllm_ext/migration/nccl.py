@@ -27,9 +27,9 @@ deadline; a set-up that never completes is abandoned.
 
 The gathers and scatters run with a capped grid (`copy_ctas`, default one CTA per 2 SMs):
 still far faster than the link, and the NCCL kernel of the neighbouring chunk keeps SM room
-and memory bandwidth (measured on two H200s, the pipeline without its control messages at
-544 MiB / 1.6 GiB: 257 / 266 GiB/s with a full grid, 270 / 285 with 66 CTAs, 249 / 278
-with 16).
+and memory bandwidth (measured on two H200s with a diagnostic script, the pipeline without
+its control messages, enqueued from Python, at 544 MiB / 1.6 GiB: 257 / 266 GiB/s with a
+full grid, 270 / 285 with 66 CTAs, 249 / 278 with 16).
 
 The destination chooses the pair's parameters and sends them to the source at connect.
 Options: chunk_bytes (largest chunk, default 64 MiB: two slots per side are 128 MiB of GPU
@@ -124,6 +124,8 @@ class _Pair:
 
     def enqueue(self, ids: List[int], chunks, first: int = 0) -> None:
         """Enqueues chunks[first:] of a pull of blocks `ids` on the pair's streams."""
+        if first >= len(chunks):
+            return
         values = array.array("q", ids)
         bounds = array.array("q", [lo for lo, _ in chunks[first:]] + [chunks[-1][1]])
         cache = self.cache
