@@ -178,6 +178,18 @@ def test_inline_id_launches_equal_cpu_across_launch_splits(n, layout):
            min(gpu.alignment, other.alignment))
     ops.copy_blocks(cpu, src_ids, other_cpu, dst_ids)
     assert_cache_bytes_equal(other, cache_bytes(other_cpu))
+    # the public ops: a list of up to 448 ids takes the inline launch, a longer one device ids
+    src_ids = [rng.randrange(geometry["num_blocks"]) for _ in range(n)]
+    assert torch.equal(ops.gather_blocks(gpu, src_ids).cpu(), ops.gather_blocks(cpu, src_ids))
+    dst_ids = distinct_ids(rng, geometry["num_blocks"], n)
+    rows = poison((n, gpu.block_nbytes), "cpu", n + 2)
+    ops.scatter_blocks(rows.cuda(), gpu, dst_ids)
+    ops.scatter_blocks(rows, cpu, dst_ids)
+    ops.copy_blocks(gpu, src_ids, other, dst_ids)
+    ops.copy_blocks(cpu, src_ids, other_cpu, dst_ids)
+    torch.cuda.synchronize()
+    assert_cache_bytes_equal(gpu, cache_bytes(cpu))
+    assert_cache_bytes_equal(other, cache_bytes(other_cpu))
     # the C ABI refuses a side that also carries a device id list
     bad = ops._cache_side(gpu, torch.tensor([0], device=device), device)
     _, ids_addr = addr([0])

@@ -97,6 +97,7 @@ class KVCache:
             [*self.layer_addresses, block_stride, component_stride, self.chunk_nbytes])
         self._ipc_mappings = ipc_mappings  # [(base, device)] for an imported cache
         self._tables = {}
+        self._extents = None  # the layers' byte ranges, computed on first use (never change)
         if self.device.type == "cuda":
             self.layer_table(self.device)  # upload now, so a later graph capture needs none
         self._finalizer = None
@@ -195,9 +196,15 @@ class KVCache:
 
     def extents(self) -> list:
         """Sorted [start, end) byte ranges of the layers (address-space footprint)."""
-        span = ((self.num_blocks - 1) * self.block_stride + (self.num_components - 1) * self.component_stride
-                + self.chunk_nbytes)
-        return sorted((a, a + span) for a in self.layer_addresses)
+        return list(self._extents_sorted())
+
+    def _extents_sorted(self) -> tuple:
+        """extents() as a tuple, computed once (ops checks overlap on every copy)."""
+        if self._extents is None:
+            span = ((self.num_blocks - 1) * self.block_stride
+                    + (self.num_components - 1) * self.component_stride + self.chunk_nbytes)
+            self._extents = tuple(sorted((a, a + span) for a in self.layer_addresses))
+        return self._extents
 
     def layer_table(self, device: torch.device) -> Optional[torch.Tensor]:
         """The per-layer base addresses as an int64 tensor on `device` (where the kernel

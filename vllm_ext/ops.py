@@ -11,6 +11,8 @@ Where the copy runs:
     is host memory. A CPU side used with a GPU must be pinned; the kernel reads or writes it
     over PCIe directly. Two GPUs need peer access; the kernel on the destination reads the
     source over NVLink with no staging.
+Ids given as a Python list (up to 448 of them) travel inside the kernel launch itself, so such a
+call makes no host-to-device copy; longer lists and tensors of ids go through device memory.
 CUDA work is enqueued on the current torch stream of the kernel's GPU, with no
 synchronisation and no allocation inside, so a call can be captured in a CUDA graph (pass
 device tensors of ids then; their host-side checks are skipped during capture, and the kernel
@@ -20,6 +22,7 @@ Every argument is checked before any work starts; a bad one raises ValueError or
 naming it, and nothing is written.
 """
 
+import array
 import operator
 from typing import Optional, Sequence, Union
 
@@ -55,6 +58,11 @@ def gather_blocks(cache: KVCache, block_ids: BlockIds, out: Optional[torch.Tenso
         out = torch.empty((n, cache.block_nbytes), dtype=torch.uint8, device=device)
     _check_buffer(out, "out", n, cache)
     kernel_device = _placement(cache.device, cache.pinned, "cache", out.device, _pinned(out), "out")
+    host = _inline_ids(block_ids, "block_ids", cache.num_blocks, kernel_device, unique=False)
+    if host is not None:
+        _copy_inline(_cache_side(cache, None, kernel_device), _buffer_side(out, cache), _address(host),
+                     None, n, cache, min(cache.alignment, _buffer_alignment(out, cache)), kernel_device)
+        return out
     ids = _block_ids(block_ids, "block_ids", cache.num_blocks, kernel_device, unique=False,
                      check=check_ids)
     _gather_prechecked(cache, ids, out, kernel_device)
@@ -70,6 +78,11 @@ def scatter_blocks(buf: torch.Tensor, cache: KVCache, block_ids: BlockIds, *,
     n = _count(block_ids, "block_ids")
     _check_buffer(buf, "buf", n, cache)
     kernel_device = _placement(buf.device, _pinned(buf), "buf", cache.device, cache.pinned, "cache")
+    host = _inline_ids(block_ids, "block_ids", cache.num_blocks, kernel_device, unique=True)
+    if host is not None:
+        _copy_inline(_buffer_side(buf, cache), _cache_side(cache, None, kernel_device), None, _address(host),
+                     n, cache, min(cache.alignment, _buffer_alignment(buf, cache)), kernel_device)
+        return
     ids = _block_ids(block_ids, "block_ids", cache.num_blocks, kernel_device, unique=True,
                      check=check_ids)
     _scatter_prechecked(buf, cache, ids, kernel_device)
@@ -96,14 +109,23 @@ def copy_blocks(src_cache: KVCache, src_ids: BlockIds, dst_cache: KVCache, dst_i
         raise ValueError(f"src_ids and dst_ids: lengths differ ({n} vs {_count(dst_ids, 'dst_ids')})")
     kernel_device = _placement(src_cache.device, src_cache.pinned, "src_cache", dst_cache.device,
                                dst_cache.pinned, "dst_cache")
+    host_src = _inline_ids(src_ids, "src_ids", src_cache.num_blocks, kernel_device, unique=False)
+    host_dst = _inline_ids(dst_ids, "dst_ids", dst_cache.num_blocks, kernel_device, unique=True)
+    if host_src is not None and host_dst is not None:
+        if n and _share_memory(src_cache, dst_cache):
+            _check_same_layout(src_cache, dst_cache)
+            if set(host_src) & set(host_dst):
+                raise ValueError(_OVERLAP)
+        _copy_inline(_cache_side(src_cache, None, kernel_device), _cache_side(dst_cache, None, kernel_device),
+                     _address(host_src), _address(host_dst), n, src_cache,
+                     min(src_cache.alignment, dst_cache.alignment), kernel_device)
+        return
     sids = _block_ids(src_ids, "src_ids", src_cache.num_blocks, kernel_device, unique=False,
                       check=check_ids)
     dids = _block_ids(dst_ids, "dst_ids", dst_cache.num_blocks, kernel_device, unique=True,
                       check=check_ids)
     if n and _share_memory(src_cache, dst_cache):
-        if src_cache.layout_key() != dst_cache.layout_key():
-            raise ValueError("src_cache and dst_cache: two views of the same memory with different layouts; "
-                             "copy through a buffer (gather_blocks, then scatter_blocks)")
+        _check_same_layout(src_cache, dst_cache)
         _check_disjoint(sids, dids, check_ids)
     _copy_prechecked(src_cache, sids, dst_cache, dids, kernel_device)
 
@@ -208,11 +230,12 @@ def _block_ids(block_ids, name, num_blocks, device, *, unique, check):
         if block_ids.dtype == torch.bool or block_ids.is_floating_point() or block_ids.is_complex():
             raise TypeError(f"{name}: dtype {block_ids.dtype}, expected an integer dtype")
         ids = block_ids
-        capturing = _capturing(device)
-        if ids.device.type == "cpu" and capturing:
-            raise ValueError(f"{name}: pass a CUDA tensor of ids while capturing a CUDA graph "
-                             "(a CPU tensor needs a host-to-device copy)")
-        if ids.device.type == "cpu" or (check and not capturing):
+        if ids.device.type == "cpu":
+            if _capturing(device):
+                raise ValueError(f"{name}: pass a CUDA tensor of ids while capturing a CUDA graph "
+                                 "(a CPU tensor needs a host-to-device copy)")
+            _check_id_values(ids, name, num_blocks, unique)
+        elif check and not _capturing(device):  # unchecked device ids need no capture query
             _check_id_values(ids, name, num_blocks, unique)
         if ids.dtype != torch.int64 or ids.device != device:
             ids = _move_ids(ids, device)
@@ -279,7 +302,13 @@ def _share_memory(a: KVCache, b: KVCache) -> bool:
     """Do any layer extents of the two caches overlap (one cache, or two views of it)?"""
     if a is b:
         return True
-    spans_a, spans_b = a.extents(), b.extents()
+    spans_a, spans_b = a._extents_sorted(), b._extents_sorted()
+    if not spans_a or not spans_b:
+        return False
+    # Every span of a cache has the same length, so the last one ends last: caches in separate
+    # allocations (the usual case) are told apart without the walk.
+    if spans_a[-1][1] <= spans_b[0][0] or spans_b[-1][1] <= spans_a[0][0]:
+        return False
     i = j = 0
     while i < len(spans_a) and j < len(spans_b):
         (start_a, end_a), (start_b, end_b) = spans_a[i], spans_b[j]
@@ -292,13 +321,39 @@ def _share_memory(a: KVCache, b: KVCache) -> bool:
     return False
 
 
+_OVERLAP = ("src_ids and dst_ids: both caches are the same memory and the id sets overlap; "
+            "a block cannot be read and written by one call")
+
+
+def _check_same_layout(src_cache, dst_cache):
+    if src_cache.layout_key() != dst_cache.layout_key():
+        raise ValueError("src_cache and dst_cache: two views of the same memory with different layouts; "
+                         "copy through a buffer (gather_blocks, then scatter_blocks)")
+
+
 def _check_disjoint(src_ids, dst_ids, check):
     """Within one cache, reading and writing the same block in one launch is a race."""
     if src_ids.device.type == "cuda" and (not check or _capturing(src_ids.device)):
         return
     if torch.isin(dst_ids, src_ids).any().item():
-        raise ValueError("src_ids and dst_ids: both caches are the same memory and the id sets overlap; "
-                         "a block cannot be read and written by one call")
+        raise ValueError(_OVERLAP)
+
+
+def _inline_ids(block_ids, name, num_blocks, device, *, unique):
+    """Checked host ids for an inline launch (an int64 array), or None when the ids must go
+    through device memory: a tensor, a CPU copy, more than MAX_INLINE_IDS ids, or a CUDA graph
+    capture (whose refusal of host ids _block_ids reports)."""
+    if isinstance(block_ids, torch.Tensor) or device.type != "cuda":
+        return None
+    values = [_index(v, name) for v in block_ids]
+    if len(values) > _lib.MAX_INLINE_IDS or _capturing(device):
+        return None
+    _check_python_ids(values, name, num_blocks, unique)
+    return array.array("q", values)
+
+
+def _address(ids: "array.array") -> Optional[int]:
+    return ids.buffer_info()[0] if len(ids) else None
 
 
 # ---- the call into the library -----------------------------------------------------------------
