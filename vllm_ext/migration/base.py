@@ -249,8 +249,10 @@ class MigrationBackend(abc.ABC):
 class PairedBackend(MigrationBackend):
     """A backend whose source side keeps one data-path "pair" per destination (a communicator,
     gloo groups, staging slots) in that connection's state: the bookkeeping nccl and gloo
-    share. Subclasses implement `retire(pair)`, which ends a pair that is replaced, whose
-    connection closed, or whose endpoint closes (it must not block for long)."""
+    share. Subclasses implement `_serve_connect` and `_serve_pull` (the requests
+    "<name>.connect" and "<name>.pull") and `retire(pair)`, which ends a pair that is replaced,
+    whose connection closed, whose endpoint closes, or (destination side) whose pull failed;
+    it must not block for long."""
 
     def __init__(self, endpoint, **options):
         super().__init__(endpoint, **options)
@@ -259,7 +261,28 @@ class PairedBackend(MigrationBackend):
 
     @abc.abstractmethod
     def retire(self, pair) -> None:
-        """Ends a source-side pair (see the class docstring)."""
+        """Ends a pair (see the class docstring); on the destination side too, after a failure."""
+
+    @abc.abstractmethod
+    def _serve_connect(self, conn, header: Dict[str, Any]) -> None:
+        """Source side of "<name>.connect": build this side of the pair and adopt it."""
+
+    @abc.abstractmethod
+    def _serve_pull(self, conn, header: Dict[str, Any], payload: bytes) -> None:
+        """Source side of "<name>.pull": send the requested blocks."""
+
+    def serve(self, conn, op: str, header: Dict[str, Any], payload: bytes) -> None:
+        if op == f"{self.name}.connect":
+            self._serve_connect(conn, header)
+        elif op == f"{self.name}.pull":
+            self._serve_pull(conn, header, payload)
+        else:
+            super().serve(conn, op, header, payload)
+
+    def discard(self, link) -> None:
+        pair = link.state.pop("pair", None)
+        if pair is not None:
+            self.retire(pair)
 
     def adopt(self, conn, pair) -> None:
         """Makes `pair` the data path of `conn` (a reconnect replaces the old one)."""

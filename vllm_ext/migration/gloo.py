@@ -255,20 +255,7 @@ class GlooBackend(PairedBackend):
             wait_cuda_event(pair.done, deadline, "gloo scatter")
         return PullStats(self.name, n, n * cache.block_nbytes, 0.0, chunks=len(chunks))
 
-    def discard(self, link) -> None:
-        pair = link.state.pop("pair", None)
-        if pair is not None:
-            self.retire(pair)
-
     # ---- source side ---------------------------------------------------------------------
-    def serve(self, conn, op: str, header: Dict[str, Any], payload: bytes) -> None:
-        if op == "gloo.connect":
-            self._serve_connect(conn, header)
-        elif op == "gloo.pull":
-            self._serve_pull(conn, header, payload)
-        else:
-            super().serve(conn, op, header, payload)
-
     def _serve_connect(self, conn, header) -> None:
         from torch.distributed import TCPStore
 

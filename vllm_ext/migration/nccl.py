@@ -292,20 +292,7 @@ class NcclBackend(PairedBackend):
             raise
         return PullStats(self.name, n, n * cache.block_nbytes, 0.0, chunks=len(chunks))
 
-    def discard(self, link) -> None:
-        pair = link.state.pop("pair", None)
-        if pair is not None:
-            pair.abort()
-
     # ---- source side ---------------------------------------------------------------------
-    def serve(self, conn, op: str, header: Dict[str, Any], payload: bytes) -> None:
-        if op == "nccl.connect":
-            self._serve_connect(conn, header)
-        elif op == "nccl.pull":
-            self._serve_pull(conn, header, payload)
-        else:
-            super().serve(conn, op, header, payload)
-
     def _serve_connect(self, conn, header) -> None:
         deadline = Deadline(float(header["timeout"]))
         uid = bytes.fromhex(str(header["uid"]))
