@@ -3,6 +3,7 @@ geometries, layouts and block ids, both directions, byte-for-byte), the timeout 
 dead-peer paths, every rejection, the control channel, and lazy backend loading."""
 
 import dataclasses
+import queue as queue_mod
 import random
 import subprocess
 import sys
@@ -563,3 +564,43 @@ def test_a_set_up_that_completes_after_its_deadline_is_released():
         _run_bounded(failing, Deadline(5), "set-up")
     assert isinstance(info.value.__cause__, OSError)
     assert released == ["comm"]
+
+
+def test_spin_until_readable_sees_a_message_or_eof_and_leaves_it():
+    """The server's poll after a pull: True once a message (or EOF) waits, without consuming
+    it; False when the window passes with nothing."""
+    got = queue_mod.Queue()
+
+    def echo_later(conn):
+        header, _ = conn.recv()
+        got.put(header)
+        time.sleep(0.2)
+        conn.reply_ok(seen=header["op"])
+
+    server = ControlServer("127.0.0.1", 0, echo_later)
+    try:
+        conn = Connection.open(server.host, server.port, Deadline(5))
+        assert conn.spin_until_readable(0.01) is False  # nothing sent yet
+        conn.send({"op": "ping"})
+        assert got.get(timeout=5) == {"op": "ping"}
+        assert conn.spin_until_readable(5.0) is True  # the reply, after ~0.2 s
+        assert conn.recv_reply(Deadline(5), "ping")["seen"] == "ping"  # still there to read
+        server.close()
+        assert conn.spin_until_readable(5.0) is True  # EOF counts: the caller's recv reports it
+        conn.close()
+    finally:
+        server.close()
+
+
+def test_public_ops_route_only_short_id_lists_to_inline_launches():
+    """Python lists of up to 448 ids for a GPU copy travel in the launch; tensors, CPU copies
+    and longer lists go through device memory. The ids' types are checked either way."""
+    from vllm_ext import _lib, ops
+
+    gpu = torch.device("cuda", 0)  # the routing is decided before anything touches a GPU
+    assert ops._inline_ids(torch.tensor([1, 2]), "ids", 10, gpu, unique=False) is None
+    assert ops._inline_ids([1, 2], "ids", 10, torch.device("cpu"), unique=False) is None
+    long = list(range(_lib.MAX_INLINE_IDS + 1))
+    assert ops._inline_ids(long, "ids", len(long), gpu, unique=True) is None
+    with pytest.raises(TypeError, match="ids: True is not an int"):
+        ops._inline_ids(long[:-1] + [True], "ids", len(long), gpu, unique=True)
