@@ -29,6 +29,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import _lib
+from ._ids import check_id_values
 from .cache import KVCache, _pow2_alignment
 
 BlockIds = Union[Sequence[int], torch.Tensor]
@@ -244,7 +245,7 @@ def _block_ids(block_ids, name, num_blocks, device, *, unique, check):
     if _capturing(device):
         raise ValueError(f"{name}: pass a CUDA tensor of ids while capturing a CUDA graph "
                          "(a Python list needs a host-to-device copy)")
-    _check_python_ids(values, name, num_blocks, unique)
+    check_id_values(values, name, num_blocks, unique)
     ids = torch.tensor(values, dtype=torch.int64)
     return ids if device.type == "cpu" else _move_ids(ids, device)
 
@@ -258,17 +259,6 @@ def _index(v, name):
         return operator.index(v)
     except TypeError:
         raise TypeError(f"{name}: {v!r} is not an int") from None
-
-
-def _check_python_ids(values, name, num_blocks, unique):
-    """Range (and, for destinations, distinctness) of ids given as Python ints."""
-    for v in values:
-        if not 0 <= v < num_blocks:
-            raise ValueError(f"{name}: id {v} out of range for a cache of {num_blocks} blocks")
-    if unique and len(set(values)) != len(values):
-        seen = set()
-        dup = next(v for v in values if v in seen or seen.add(v))
-        raise ValueError(f"{name}: duplicate id {dup}; destination ids must be distinct")
 
 
 def _move_ids(ids, device):
@@ -285,7 +275,7 @@ def _check_id_values(ids, name, num_blocks, unique):
     if ids.numel() == 0:
         return
     if ids.device.type == "cpu":  # host ids: the same checks as for a Python list
-        _check_python_ids(ids.tolist(), name, num_blocks, unique)
+        check_id_values(ids.tolist(), name, num_blocks, unique)
         return
     # Device ids: one synchronisation for all checks.
     sorted_ids = ids.to(torch.int64).sort().values
@@ -348,7 +338,7 @@ def _inline_ids(block_ids, name, num_blocks, device, *, unique):
     values = [_index(v, name) for v in block_ids]
     if len(values) > _lib.MAX_INLINE_IDS or _capturing(device):
         return None
-    _check_python_ids(values, name, num_blocks, unique)
+    check_id_values(values, name, num_blocks, unique)
     return array.array("q", values)
 
 

@@ -33,6 +33,8 @@ import threading
 import time
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
 
+from .._ids import check_id_values
+
 __all__ = [
     "MigrationError",
     "PeerDescriptor",
@@ -135,19 +137,11 @@ class Deadline:
 def check_block_ids(ids, name: str, num_blocks: int, *, unique: bool) -> List[int]:
     """Validated ids as a list of Python ints; raises TypeError/ValueError naming `name`."""
     if type(ids) is list and all(type(v) is int for v in ids):  # the common case, at C speed
-        if ids and (min(ids) < 0 or max(ids) >= num_blocks):
-            bad = next(v for v in ids if not 0 <= v < num_blocks)
-            raise ValueError(f"{name}: id {bad} out of range for a cache of {num_blocks} blocks")
-        if unique and len(set(ids)) != len(ids):
-            seen: set = set()
-            dup = next(v for v in ids if v in seen or seen.add(v))
-            raise ValueError(f"{name}: duplicate id {dup}; destination ids must be distinct")
+        check_id_values(ids, name, num_blocks, unique)
         return list(ids)
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency of the cache
-        torch = None
-    if torch is not None and isinstance(ids, torch.Tensor):
+    import torch
+
+    if isinstance(ids, torch.Tensor):
         if ids.dim() != 1:
             raise ValueError(f"{name}: expected a 1-D tensor of ids, got shape {list(ids.shape)}")
         if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
@@ -162,15 +156,7 @@ def check_block_ids(ids, name: str, num_blocks: int, *, unique: bool) -> List[in
             if isinstance(v, bool) or isinstance(v, float) or not hasattr(v, "__index__"):
                 raise TypeError(f"{name}: {v!r} is not an int")
             values.append(v.__index__())
-    for v in values:
-        if not 0 <= v < num_blocks:
-            raise ValueError(f"{name}: id {v} out of range for a cache of {num_blocks} blocks")
-    if unique and len(set(values)) != len(values):
-        seen = set()
-        for v in values:
-            if v in seen:
-                raise ValueError(f"{name}: duplicate id {v}; destination ids must be distinct")
-            seen.add(v)
+    check_id_values(values, name, num_blocks, unique)
     return values
 
 
