@@ -121,12 +121,7 @@ class Connection:
         migration's stages) is then read at once, without the ~40 us of waking a blocked
         thread."""
         end = time.monotonic() + seconds
-        if not hasattr(select, "poll"):  # pragma: no cover - every supported host has poll()
-            ready = lambda: _poll_readable(self.sock)  # noqa: E731
-        else:
-            poller = select.poll()
-            poller.register(self.sock, select.POLLIN | select.POLLERR | select.POLLHUP)
-            ready = lambda: bool(poller.poll(0))  # noqa: E731
+        ready = _readiness(self.sock)
         while not ready():
             if time.monotonic() >= end:
                 return False
@@ -191,16 +186,20 @@ class Connection:
         self.sock.close()
 
 
+def _readiness(sock: socket.socket) -> Callable[[], bool]:
+    """A check, repeatable without blocking, of whether `sock` has data or EOF waiting. poll(),
+    not select(): select() cannot watch descriptors above 1023, common in a serving process."""
+    if not hasattr(select, "poll"):  # pragma: no cover - every supported host has poll()
+        return lambda: bool(select.select([sock], [], [], 0)[0])
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return lambda: bool(poller.poll(0))
+
+
 def _poll_readable(sock: socket.socket) -> bool:
-    """True when `sock` has data or EOF waiting (or is broken); never blocks. poll(), not
-    select(): select() cannot watch descriptors above 1023, common in a serving process."""
+    """True when `sock` has data or EOF waiting (or is broken); never blocks."""
     try:
-        if hasattr(select, "poll"):
-            poller = select.poll()
-            poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
-            return bool(poller.poll(0))
-        r, _, _ = select.select([sock], [], [], 0)
-        return bool(r)
+        return _readiness(sock)()
     except (OSError, ValueError):
         return True
 

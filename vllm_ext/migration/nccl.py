@@ -89,7 +89,6 @@ class _Pair:
         self.cache = cache
         self.device = cache.device
         self.chunk_blocks = chunk_blocks
-        self.copy_ctas = copy_ctas  # grid cap of the gathers and scatters (0 = the whole GPU)
         self.slots = [torch.empty((chunk_blocks, cache.block_nbytes), dtype=torch.uint8,
                                   device=cache.device) for _ in range(2)]
         self.copy_stream = torch.cuda.Stream(cache.device)  # gather or scatter
@@ -105,7 +104,7 @@ class _Pair:
             event.record(self.copy_stream)  # torch creates an event's CUDA handle lazily
         lib = _lib_nccl()
         self.staging = _lib.Staging(
-            direction=direction, max_ctas=copy_ctas,
+            direction=direction, max_ctas=copy_ctas,  # grid cap of the copies (0 = whole GPU)
             slots=(ctypes.c_uint64 * 2)(*(slot.data_ptr() for slot in self.slots)),
             slot_blocks=chunk_blocks, copy_stream=self.copy_stream.cuda_stream,
             comm_stream=self.comm_stream.cuda_stream,
