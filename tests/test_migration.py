@@ -3,8 +3,10 @@ geometries, layouts and block ids, both directions, byte-for-byte), the timeout 
 dead-peer paths, every rejection, the control channel, and lazy backend loading."""
 
 import dataclasses
+import os
 import queue as queue_mod
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +18,7 @@ from test_migration_harness import RemoteError, Worker, expected_blocks, make_ca
 
 from vllm_ext.migration import BACKEND_NAMES, MigrationEndpoint, MigrationError, PeerDescriptor, get_backend_class
 from vllm_ext.migration.base import Deadline
-from vllm_ext.migration.control import Connection, ControlServer
+from vllm_ext.migration.control import LOCAL_SOCKETS, Connection, ControlServer
 
 LAYOUT_PAIRS = [("flash", "flash"), ("flash", "flashinfer"), ("flashinfer", "flash"),
                 ("mla", "mla")]
@@ -307,6 +309,34 @@ def test_a_changed_descriptor_is_checked_again(local_pair):
                        expected_blocks(dict(SPEC, seed=2, num_blocks=8), [1, 3]))
 
 
+def _transport(dst, src):
+    """The socket family of dst's control connection to src."""
+    return dst._links[src.endpoint_id].conn.sock.family
+
+
+@pytest.mark.skipif(not LOCAL_SOCKETS, reason="abstract Unix sockets are Linux-only")
+def test_peers_of_one_host_talk_over_the_local_socket_else_tcp(local_pair):
+    a, b = local_pair
+    c = MigrationEndpoint(make_cache(dict(SPEC, seed=3)), backend="gloo", stripes=1)
+    try:
+        assert b.descriptor().local
+        # A peer on another host (as the descriptor says) is reached over TCP only.
+        a.pull(dataclasses.replace(b.descriptor(), hostname="another-host"), [5], [6], timeout=30)
+        assert _transport(a, b) == socket.AF_INET
+        # A local socket that does not answer (another network namespace): TCP.
+        b.pull(dataclasses.replace(a.descriptor(), local="vllm-ext-migration-" + "0" * 32),
+               [9], [2], timeout=30)
+        assert _transport(b, a) == socket.AF_INET
+        c.pull(b.descriptor(), [1, 7], [3, 4], timeout=30)
+        assert _transport(c, b) == socket.AF_UNIX
+        b8 = dict(SPEC, seed=2, num_blocks=8)
+        assert torch.equal(expected_blocks_of(a, [6]), expected_blocks(b8, [5]))
+        assert torch.equal(expected_blocks_of(b, [2]), expected_blocks(SPEC, [9]))
+        assert torch.equal(expected_blocks_of(c, [3, 4]), expected_blocks(b8, [1, 7]))
+    finally:
+        c.close()
+
+
 def test_unreachable_peer_raises_migration_error(local_pair):
     a, b = local_pair
     desc = b.descriptor()
@@ -383,6 +413,37 @@ def test_control_channel_round_trips_in_order():
         conn.close()
     finally:
         server.close()
+
+
+@pytest.mark.skipif(not LOCAL_SOCKETS, reason="abstract Unix sockets are Linux-only")
+def test_control_server_serves_tcp_and_its_local_socket_and_closes_both():
+    def echo(conn):
+        while True:
+            try:
+                header, _ = conn.recv()
+            except EOFError:
+                return
+            conn.reply_ok(i=header["i"])
+
+    name = f"vllm-ext-test-{os.getpid()}-{random.getrandbits(32)}"
+    server = ControlServer("127.0.0.1", 0, echo, local=name)
+    try:
+        assert server.local == name
+        for local, family in (("", socket.AF_INET), (name, socket.AF_UNIX)):
+            conn = Connection.open(server.host, server.port, Deadline(5), local=local)
+            assert conn.sock.family == family
+            for i in range(3):
+                conn.send({"op": "ping", "i": i})
+                assert conn.recv_reply(Deadline(5), "ping")["i"] == i
+            conn.close()
+    finally:
+        start = time.monotonic()
+        server.close()
+        assert time.monotonic() - start < 4, "an accept thread did not end"
+    probe = socket.socket(socket.AF_UNIX)
+    with pytest.raises(OSError):  # the name is free again: nothing listens
+        probe.connect("\0" + name)
+    probe.close()
 
 
 def test_chunk_ranges_cover_the_ids_in_order():

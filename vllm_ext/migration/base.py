@@ -93,6 +93,9 @@ class PeerDescriptor:
     layout: str
     device: str  # "cpu" or "cuda:N"
     extra: Dict[str, Any] = dataclasses.field(default_factory=dict)  # backend-specific
+    # The control server's abstract Unix socket ("" = none): peers on the same host try it
+    # before TCP (a few us per message instead of tens).
+    local: str = ""
 
     def short(self) -> str:
         return f"{self.backend} endpoint {self.endpoint_id[:8]} at {self.host}:{self.port}"

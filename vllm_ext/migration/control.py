@@ -1,5 +1,11 @@
-"""The control channel between endpoints: length-prefixed messages over one TCP connection per
-(destination, source) pair, plus the server thread each endpoint runs.
+"""The control channel between endpoints: length-prefixed messages over one stream connection per
+(destination, source) pair, plus the server threads each endpoint runs.
+
+Transport: TCP; between two processes of one host (Linux, one network namespace), an abstract
+Unix socket named in the descriptor instead (no file to clean up; a peer in another namespace
+fails to connect to it at once and uses TCP). Measured on a 2-core host with Python: a small
+message costs 2.4 us of sendall and 10 us one way over the Unix socket, 17 and 35 us over
+loopback TCP, and a pull exchanges two.
 
 A message is a frame `!II` (header length, payload length), a UTF-8 JSON header (a dict with
 an "op" for requests, "ok" for replies) and an optional binary payload (block ids as int64).
@@ -7,8 +13,7 @@ JSON rather than pickle: a server must never execute what a peer sends. Requests
 connection are answered in order; a source that fails after accepting a request sends one
 unsolicited error message, which the destination sees while it waits for its data.
 
-Cost on one host: a request/reply round trip is about 50-100 us of Python and loopback TCP;
-the destination never waits for a reply before it starts receiving data.
+The destination never waits for a reply before it starts receiving data.
 """
 
 import array
@@ -29,6 +34,8 @@ logger = logging.getLogger(__name__)
 _FRAME = struct.Struct("!II")
 _MAX_HEADER = 1 << 20
 _MAX_PAYLOAD = 1 << 30
+# Abstract Unix socket names (a leading NUL byte) exist on Linux only.
+LOCAL_SOCKETS = sys.platform.startswith("linux")
 
 
 def encode_ids(ids: List[int]) -> bytes:
@@ -56,13 +63,25 @@ class Connection:
         self.sock = sock
         self.peer = peer  # for messages
         self.peer_id: Optional[str] = None  # endpoint id learned in the hello exchange
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._closed = False
         self.sent = 0  # messages sent (the server uses it to know if a request was answered)
         self.state: Dict[str, Any] = {}  # the source-side backend's state for this pair
 
     @classmethod
-    def open(cls, host: str, port: int, deadline: Deadline) -> "Connection":
+    def open(cls, host: str, port: int, deadline: Deadline, local: str = "") -> "Connection":
+        """A connection to the server at host:port, or at the abstract Unix socket `local`
+        (tried first when given; a server in another network namespace is not reachable
+        there, and TCP is used)."""
+        if local and LOCAL_SOCKETS:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(max(deadline.remaining(), 1e-3))
+                sock.connect("\0" + local)
+                return cls(sock, f"{host}:{port}")
+            except OSError:
+                sock.close()
         try:
             sock = socket.create_connection((host, port), timeout=max(deadline.remaining(), 1e-3))
         except OSError as e:
@@ -214,27 +233,44 @@ def check_reply(header: Dict[str, Any], peer: str, what: str) -> None:
 
 class ControlServer:
     """Accepts control connections and runs `handle_connection(conn)` on a thread per
-    connection (so one slow or dead peer never delays another)."""
+    connection (so one slow or dead peer never delays another). Listens on TCP at host:port
+    and, when `local` names one, on that abstract Unix socket (`self.local`: the name, or ""
+    where there is none)."""
 
     def __init__(self, host: str, port: int, handle_connection: Callable[[Connection], None],
-                 name: str = "migration"):
+                 name: str = "migration", local: str = ""):
         self._handle = handle_connection
-        self._listener = socket.create_server((host, port), reuse_port=False)
-        self.host, self.port = self._listener.getsockname()[:2]
+        self._listeners = [socket.create_server((host, port), reuse_port=False)]
+        self.host, self.port = self._listeners[0].getsockname()[:2]
+        self.local = ""
+        if local and LOCAL_SOCKETS:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                listener.bind("\0" + local)
+                listener.listen()
+            except OSError as e:  # TCP still serves every peer
+                listener.close()
+                logger.warning("control server: no local socket %r (%s); peers use TCP", local, e)
+            else:
+                self._listeners.append(listener)
+                self.local = local
         self._connections: List[Connection] = []
         self._lock = threading.Lock()
         self._closed = False
-        self._thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept",
-                                        daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._accept_loop, args=(listener,),
+                                          name=f"{name}-accept", daemon=True)
+                         for listener in self._listeners]
+        for thread in self._threads:
+            thread.start()
 
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener: socket.socket) -> None:
         while True:
             try:
-                sock, addr = self._listener.accept()
+                sock, addr = listener.accept()
             except OSError:
                 return  # closed
-            conn = Connection(sock, f"{addr[0]}:{addr[1]}")
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "local peer"
+            conn = Connection(sock, peer)
             with self._lock:
                 if self._closed:
                     conn.close()
@@ -264,11 +300,13 @@ class ControlServer:
         with self._lock:
             self._closed = True
             connections = list(self._connections)
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept(); close() alone may not
-        except OSError:
-            pass
-        self._listener.close()
+        for listener in self._listeners:
+            try:
+                listener.shutdown(socket.SHUT_RDWR)  # wakes accept(); close() alone may not
+            except OSError:
+                pass
+            listener.close()
         for conn in connections:
             conn.close()
-        self._thread.join(timeout=5)
+        for thread in self._threads:
+            thread.join(timeout=5)

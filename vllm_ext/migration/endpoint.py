@@ -66,6 +66,8 @@ class MigrationEndpoint:
         backend: "ipc", "nccl", "gloo" or "rayrpc".
         host: address the control server binds and advertises; the default (loopback)
             serves peers of this host only. Use the host's address for peers elsewhere.
+            Peers on this host connect through an abstract Unix socket (Linux) when they
+            share the network namespace, else through host:port.
         port: control server port (0 = any free port).
         **options: backend options (see each backend's class docstring).
     """
@@ -93,7 +95,8 @@ class MigrationEndpoint:
         # Tests only: (chunk index, seconds) makes the source pause while serving.
         self.test_stall: Optional[tuple] = None
         self._server = ControlServer(host, port, self._serve_connection,
-                                     name=f"migration-{backend}")
+                                     name=f"migration-{backend}",
+                                     local=f"vllm-ext-migration-{self.endpoint_id}")
 
     # ---- description ---------------------------------------------------------------------
     def descriptor(self) -> PeerDescriptor:
@@ -102,7 +105,8 @@ class MigrationEndpoint:
             endpoint_id=self.endpoint_id, backend=self.backend.name, host=self._server.host,
             port=self._server.port, hostname=socket.gethostname(), pid=os.getpid(),
             geometry=cache.geometry(), num_blocks=cache.num_blocks, layout=cache.layout,
-            device=str(cache.device), extra=self.backend.descriptor_extra())
+            device=str(cache.device), extra=self.backend.descriptor_extra(),
+            local=self._server.local)
 
     # ---- destination side ----------------------------------------------------------------
     def pull(self, peer: PeerDescriptor, src_block_ids, dst_block_ids,
@@ -188,7 +192,9 @@ class MigrationEndpoint:
 
     def _open(self, link: PeerLink, deadline: Deadline) -> None:
         peer = link.peer
-        link.conn = Connection.open(peer.host, peer.port, deadline)
+        same_host = peer.hostname == socket.gethostname()
+        link.conn = Connection.open(peer.host, peer.port, deadline,
+                                    local=peer.local if same_host else "")
         link.request({"op": "hello", "protocol": PROTOCOL, "peer_id": self.endpoint_id,
                       "backend": self.backend.name,
                       "geometry": self.cache.geometry(), "hostname": socket.gethostname(),
