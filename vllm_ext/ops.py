@@ -59,13 +59,10 @@ def gather_blocks(cache: KVCache, block_ids: BlockIds, out: Optional[torch.Tenso
         out = torch.empty((n, cache.block_nbytes), dtype=torch.uint8, device=device)
     _check_buffer(out, "out", n, cache)
     kernel_device = _placement(cache.device, cache.pinned, "cache", out.device, _pinned(out), "out")
-    host = _inline_ids(block_ids, "block_ids", cache.num_blocks, kernel_device, unique=False)
-    if host is not None:
-        _copy_inline(_cache_side(cache, None, kernel_device), _buffer_side(out, cache), _address(host),
-                     None, n, cache, min(cache.alignment, _buffer_alignment(out, cache)), kernel_device)
-        return out
-    ids = _block_ids(block_ids, "block_ids", cache.num_blocks, kernel_device, unique=False,
-                     check=check_ids)
+    ids = _inline_ids(block_ids, "block_ids", cache.num_blocks, kernel_device, unique=False)
+    if ids is None:
+        ids = _block_ids(block_ids, "block_ids", cache.num_blocks, kernel_device, unique=False,
+                         check=check_ids)
     _gather_prechecked(cache, ids, out, kernel_device)
     return out
 
@@ -79,13 +76,10 @@ def scatter_blocks(buf: torch.Tensor, cache: KVCache, block_ids: BlockIds, *,
     n = _count(block_ids, "block_ids")
     _check_buffer(buf, "buf", n, cache)
     kernel_device = _placement(buf.device, _pinned(buf), "buf", cache.device, cache.pinned, "cache")
-    host = _inline_ids(block_ids, "block_ids", cache.num_blocks, kernel_device, unique=True)
-    if host is not None:
-        _copy_inline(_buffer_side(buf, cache), _cache_side(cache, None, kernel_device), None, _address(host),
-                     n, cache, min(cache.alignment, _buffer_alignment(buf, cache)), kernel_device)
-        return
-    ids = _block_ids(block_ids, "block_ids", cache.num_blocks, kernel_device, unique=True,
-                     check=check_ids)
+    ids = _inline_ids(block_ids, "block_ids", cache.num_blocks, kernel_device, unique=True)
+    if ids is None:
+        ids = _block_ids(block_ids, "block_ids", cache.num_blocks, kernel_device, unique=True,
+                         check=check_ids)
     _scatter_prechecked(buf, cache, ids, kernel_device)
 
 
@@ -110,21 +104,13 @@ def copy_blocks(src_cache: KVCache, src_ids: BlockIds, dst_cache: KVCache, dst_i
         raise ValueError(f"src_ids and dst_ids: lengths differ ({n} vs {_count(dst_ids, 'dst_ids')})")
     kernel_device = _placement(src_cache.device, src_cache.pinned, "src_cache", dst_cache.device,
                                dst_cache.pinned, "dst_cache")
-    host_src = _inline_ids(src_ids, "src_ids", src_cache.num_blocks, kernel_device, unique=False)
-    host_dst = _inline_ids(dst_ids, "dst_ids", dst_cache.num_blocks, kernel_device, unique=True)
-    if host_src is not None and host_dst is not None:
-        if n and _share_memory(src_cache, dst_cache):
-            _check_same_layout(src_cache, dst_cache)
-            if set(host_src) & set(host_dst):
-                raise ValueError(_OVERLAP)
-        _copy_inline(_cache_side(src_cache, None, kernel_device), _cache_side(dst_cache, None, kernel_device),
-                     _address(host_src), _address(host_dst), n, src_cache,
-                     min(src_cache.alignment, dst_cache.alignment), kernel_device)
-        return
-    sids = _block_ids(src_ids, "src_ids", src_cache.num_blocks, kernel_device, unique=False,
-                      check=check_ids)
-    dids = _block_ids(dst_ids, "dst_ids", dst_cache.num_blocks, kernel_device, unique=True,
-                      check=check_ids)
+    sids = _inline_ids(src_ids, "src_ids", src_cache.num_blocks, kernel_device, unique=False)
+    dids = _inline_ids(dst_ids, "dst_ids", dst_cache.num_blocks, kernel_device, unique=True)
+    if sids is None or dids is None:  # both sides inline, or both through device memory
+        sids = _block_ids(src_ids, "src_ids", src_cache.num_blocks, kernel_device, unique=False,
+                          check=check_ids)
+        dids = _block_ids(dst_ids, "dst_ids", dst_cache.num_blocks, kernel_device, unique=True,
+                          check=check_ids)
     if n and _share_memory(src_cache, dst_cache):
         _check_same_layout(src_cache, dst_cache)
         _check_disjoint(sids, dids, check_ids)
@@ -134,13 +120,18 @@ def copy_blocks(src_cache: KVCache, src_ids: BlockIds, dst_cache: KVCache, dst_i
 # ---- the launches, after the checks --------------------------------------------------------------
 # The public ops above check everything, then call these. The migration backends call them
 # directly: they check a pair's caches once (geometry, placement, disjoint memory) and each
-# pull's ids on the host. Ids are contiguous int64 tensors on `device`, where the copy runs; the
-# launch goes to its current stream with no allocation. As for every launch, the kernel skips
-# ids outside a cache and never touches other memory. `max_ctas` caps the grid (0 = no cap).
-def _copy_prechecked(src_cache: KVCache, src_ids: torch.Tensor, dst_cache: KVCache,
-                     dst_ids: torch.Tensor, device: torch.device) -> None:
-    _run(_cache_side(src_cache, src_ids, device), _cache_side(dst_cache, dst_ids, device),
-         src_ids.shape[0], src_cache, min(src_cache.alignment, dst_cache.alignment), device)
+# pull's ids on the host. Ids (`Ids`) are either contiguous int64 tensors on `device`, where the
+# copy runs, or host int64 arrays (array.array "q", at most _lib.MAX_INLINE_IDS, CUDA only)
+# that the launch carries in the kernel's parameters. The launch goes to the device's current
+# stream with no allocation. As for every launch, the kernel skips ids outside a cache and never
+# touches other memory. `max_ctas` caps the grid (0 = no cap).
+Ids = Union[torch.Tensor, "array.array"]
+
+
+def _copy_prechecked(src_cache: KVCache, src_ids: Ids, dst_cache: KVCache, dst_ids: Ids,
+                     device: torch.device) -> None:
+    _launch(_cache_side(src_cache, src_ids, device), _cache_side(dst_cache, dst_ids, device),
+            src_ids, dst_ids, src_cache, min(src_cache.alignment, dst_cache.alignment), device)
 
 
 def _copy_inline(src: _lib.Side, dst: _lib.Side, src_ids: Optional[int], dst_ids: Optional[int], n: int,
@@ -154,16 +145,28 @@ def _copy_inline(src: _lib.Side, dst: _lib.Side, src_ids: Optional[int], dst_ids
                                      _current_raw_stream(device.index), max_ctas)
 
 
-def _gather_prechecked(cache: KVCache, ids: torch.Tensor, out: torch.Tensor, device: torch.device,
+def _gather_prechecked(cache: KVCache, ids: Ids, out: torch.Tensor, device: torch.device,
                        max_ctas: int = 0) -> None:
-    _run(_cache_side(cache, ids, device), _buffer_side(out, cache), ids.shape[0], cache,
-         min(cache.alignment, _buffer_alignment(out, cache)), device, max_ctas)
+    _launch(_cache_side(cache, ids, device), _buffer_side(out, cache), ids, None, cache,
+            min(cache.alignment, _buffer_alignment(out, cache)), device, max_ctas)
 
 
-def _scatter_prechecked(buf: torch.Tensor, cache: KVCache, ids: torch.Tensor, device: torch.device,
+def _scatter_prechecked(buf: torch.Tensor, cache: KVCache, ids: Ids, device: torch.device,
                         max_ctas: int = 0) -> None:
-    _run(_buffer_side(buf, cache), _cache_side(cache, ids, device), ids.shape[0], cache,
-         min(cache.alignment, _buffer_alignment(buf, cache)), device, max_ctas)
+    _launch(_buffer_side(buf, cache), _cache_side(cache, ids, device), None, ids, cache,
+            min(cache.alignment, _buffer_alignment(buf, cache)), device, max_ctas)
+
+
+def _launch(src: _lib.Side, dst: _lib.Side, src_ids: Optional[Ids], dst_ids: Optional[Ids],
+            cache: KVCache, alignment: int, device: torch.device, max_ctas: int = 0) -> None:
+    """One copy between two sides built by _cache_side/_buffer_side with these ids (None: the
+    rows of a buffer). Host arrays of ids go inline; tensors are already in the sides."""
+    n = len(src_ids if src_ids is not None else dst_ids)
+    if isinstance(src_ids, array.array) or isinstance(dst_ids, array.array):
+        _copy_inline(src, dst, _address(src_ids), _address(dst_ids), n, cache, alignment, device,
+                     max_ctas)
+    else:
+        _run(src, dst, n, cache, alignment, device, max_ctas)
 
 
 # ---- validation ------------------------------------------------------------------------------
@@ -321,8 +324,12 @@ def _check_same_layout(src_cache, dst_cache):
                          "copy through a buffer (gather_blocks, then scatter_blocks)")
 
 
-def _check_disjoint(src_ids, dst_ids, check):
+def _check_disjoint(src_ids: Ids, dst_ids: Ids, check):
     """Within one cache, reading and writing the same block in one launch is a race."""
+    if isinstance(src_ids, array.array):
+        if set(src_ids) & set(dst_ids):
+            raise ValueError(_OVERLAP)
+        return
     if src_ids.device.type == "cuda" and (not check or _capturing(src_ids.device)):
         return
     if torch.isin(dst_ids, src_ids).any().item():
@@ -342,17 +349,19 @@ def _inline_ids(block_ids, name, num_blocks, device, *, unique):
     return array.array("q", values)
 
 
-def _address(ids: "array.array") -> Optional[int]:
-    return ids.buffer_info()[0] if len(ids) else None
+def _address(ids: Optional["array.array"]) -> Optional[int]:
+    """The address of a host array of ids; None for no ids (a buffer's rows) or none at all."""
+    return ids.buffer_info()[0] if ids is not None and len(ids) else None
 
 
 # ---- the call into the library -----------------------------------------------------------------
-def _cache_side(cache: KVCache, ids: Optional[torch.Tensor], device: torch.device) -> _lib.Side:
-    """The cache as a side of a copy run on `device`; ids None: passed apart (inline launches)."""
+def _cache_side(cache: KVCache, ids: Optional[Ids], device: torch.device) -> _lib.Side:
+    """The cache as a side of a copy run on `device`; ids that are not a tensor (None, a host
+    array) are passed apart, to an inline launch."""
+    tensor = isinstance(ids, torch.Tensor) and ids.numel()
     return _lib.Side(layer_ptrs=cache.layer_table(device).data_ptr(), base=0, layer_stride=0,
                      block_stride=cache.block_stride, component_stride=cache.component_stride,
-                     num_blocks=cache.num_blocks,
-                     block_ids=ids.data_ptr() if ids is not None and ids.numel() else None)
+                     num_blocks=cache.num_blocks, block_ids=ids.data_ptr() if tensor else None)
 
 
 def _buffer_side(buf: torch.Tensor, cache: KVCache) -> _lib.Side:
