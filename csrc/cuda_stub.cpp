@@ -17,6 +17,15 @@ int vllm_ext_copy_blocks_cuda_inline(const vllm_ext_side*, const vllm_ext_side*,
 }
 int vllm_ext_staged_transfer(const vllm_ext_side*, const vllm_ext_staging*, const int64_t*, const int64_t*, int32_t,
                              int32_t, int32_t, int32_t, int64_t, int32_t, int32_t) { return no_cuda(); }
+int vllm_ext_pull_server_start(int32_t, const vllm_ext_side*, const vllm_ext_staging*, int32_t, int32_t, int64_t,
+                               int32_t, int32_t, void*, const int64_t*, vllm_ext_pull_server**) {
+  return no_cuda();
+}
+int vllm_ext_pull_server_stop(vllm_ext_pull_server*) { return no_cuda(); }
+int vllm_ext_pull_server_wait(vllm_ext_pull_server*, int64_t, int32_t*, int32_t*, char*, int32_t) {
+  return no_cuda();
+}
+int vllm_ext_pull_server_destroy(vllm_ext_pull_server*) { return no_cuda(); }
 int vllm_ext_copy_blocks_memcpy(const vllm_ext_side*, const vllm_ext_side*, int64_t, int32_t, int32_t,
                                 int64_t, int32_t, void*) { return no_cuda(); }
 int vllm_ext_check_device(int32_t, int32_t*, int32_t*) { return no_cuda(); }

@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define VLLM_EXT_ABI_VERSION 3
+#define VLLM_EXT_ABI_VERSION 4
 
 /* The library is built with hidden visibility; only these functions are exported. */
 #if defined(__GNUC__)
@@ -126,6 +126,49 @@ VLLM_EXT_API int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm
                              const int64_t* ids, const int64_t* bounds, int32_t first_chunk,
                              int32_t num_chunks, int32_t num_layers, int32_t num_components,
                              int64_t chunk_nbytes, int32_t alignment, int32_t device);
+
+/*
+ * Pull server: the source side of staged pulls, run by a library thread, so that serving a
+ * pull needs no Python (a source process whose Python is busy would otherwise delay every
+ * request by GIL hand-overs). The thread owns `fd`, a connected stream socket, and answers
+ * binary requests on it until the peer closes it or vllm_ext_pull_server_stop:
+ *   request: uint32 magic VLLM_EXT_PULL_REQUEST_MAGIC, uint32 count, float64 timeout_s, then
+ *            count int64 block ids of `cache` (little endian)
+ *   reply:   uint32 magic VLLM_EXT_PULL_REPLY_MAGIC, uint32 kind (vllm_ext_pull_reply),
+ *            uint32 message_len, uint32 0, then message_len bytes of UTF-8
+ * A request with an id outside the cache or a bad timeout is REFUSED (nothing moves). Otherwise
+ * its chunks (1, 2, 4, ... blocks up to staging->slot_blocks) are enqueued as
+ * vllm_ext_staged_transfer does, `done_event` is recorded on the comm stream, the reply is
+ * ACCEPTED, and the thread waits for done_event against timeout_s: past it, it sends FAILED
+ * and ends (as it does after a failed enqueue); a peer that closes the connection ends it too.
+ * After the thread ends, the caller must end the communicator (ncclCommAbort) before reusing
+ * the slots: a pull may be half enqueued. `stall` ([host], may be NULL; tests only) holds
+ * {chunk, microseconds}: the thread pauses that long before enqueueing that chunk, read at
+ * every request. `cache`, `staging` and `stall` must stay valid until destroy.
+ */
+#define VLLM_EXT_PULL_REQUEST_MAGIC 0x31505856u /* "VXP1" */
+#define VLLM_EXT_PULL_REPLY_MAGIC 0x31525856u   /* "VXR1" */
+#define VLLM_EXT_PULL_MAX_IDS (1u << 24)
+typedef enum { VLLM_EXT_PULL_ACCEPTED = 0, VLLM_EXT_PULL_REFUSED = 1, VLLM_EXT_PULL_FAILED = 2 } vllm_ext_pull_reply;
+typedef enum {
+  VLLM_EXT_PULL_SERVER_PEER_CLOSED = 0, /* the peer closed the connection (between or during pulls) */
+  VLLM_EXT_PULL_SERVER_STOPPED = 1,     /* vllm_ext_pull_server_stop */
+  VLLM_EXT_PULL_SERVER_FAILED = 2,      /* an enqueue or CUDA call failed, or a malformed request */
+  VLLM_EXT_PULL_SERVER_DEADLINE = 3,    /* a pull was not complete at its deadline */
+} vllm_ext_pull_server_end;
+typedef struct vllm_ext_pull_server vllm_ext_pull_server;
+VLLM_EXT_API int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cache, const vllm_ext_staging* staging,
+                               int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
+                               int32_t alignment, int32_t device, void* done_event, const int64_t* stall,
+                               vllm_ext_pull_server** server);
+/* Asks the thread to end (shuts the socket down); returns at once; any thread may call it. */
+VLLM_EXT_API int vllm_ext_pull_server_stop(vllm_ext_pull_server* server);
+/* Waits up to timeout_us for the thread to end: *ended = 1 then, with *reason
+ * (vllm_ext_pull_server_end) and the message (NUL-terminated, message_len bytes at most). */
+VLLM_EXT_API int vllm_ext_pull_server_wait(vllm_ext_pull_server* server, int64_t timeout_us, int32_t* ended,
+                              int32_t* reason, char* message, int32_t message_len);
+/* Stops, joins the thread, closes fd and frees the server (once, by its owner). */
+VLLM_EXT_API int vllm_ext_pull_server_destroy(vllm_ext_pull_server* server);
 
 /* Baseline (what vLLM's swap_blocks and Llumnix do): one cudaMemcpyAsync per (block, layer,
  * component) on the copy engines. Here layer_ptrs and block_ids of both sides are [host]; host

@@ -12,7 +12,7 @@ _DIR = Path(__file__).resolve().parent
 # VLLM_EXT_LIBRARY loads another build of the library (tests use it for arch checks).
 LIBRARY_PATH = Path(os.environ.get("VLLM_EXT_LIBRARY") or _DIR / "libvllm_ext.so")
 BUILD_INFO_PATH = _DIR / "_build_info.json"
-ABI_VERSION = 3
+ABI_VERSION = 4
 IPC_HANDLE_BYTES = 64
 
 # vllm_ext_status
@@ -64,6 +64,12 @@ class Staging(ctypes.Structure):
     ]
 
 
+# The pull server's wire format and outcomes (see vllm_ext_pull_server_start).
+PULL_REQUEST_MAGIC, PULL_REPLY_MAGIC = 0x31505856, 0x31525856
+PULL_MAX_IDS = 1 << 24
+PULL_ACCEPTED, PULL_REFUSED, PULL_FAILED = 0, 1, 2
+SERVER_PEER_CLOSED, SERVER_STOPPED, SERVER_FAILED, SERVER_DEADLINE = range(4)
+
 _i32, _i64, _u64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
 _side_p, _i32_p, _u64_p = ctypes.POINTER(Side), ctypes.POINTER(_i32), ctypes.POINTER(_u64)
 _staging_p = ctypes.POINTER(Staging)
@@ -86,6 +92,18 @@ _FUNCTIONS = {
     #     int32 num_components, int64 chunk_nbytes, int32 alignment, int32 device)
     "vllm_ext_staged_transfer": (_i32, [_side_p, _staging_p, _ptr, _ptr, _i32, _i32, _i32, _i32, _i64, _i32,
                                         _i32]),
+    # int vllm_ext_pull_server_start(int32 fd, const side* cache, const staging* staging,
+    #     int32 num_layers, int32 num_components, int64 chunk_nbytes, int32 alignment,
+    #     int32 device, void* done_event, const int64* stall, pull_server** server)
+    "vllm_ext_pull_server_start": (_i32, [_i32, _side_p, _staging_p, _i32, _i32, _i64, _i32, _i32, _ptr, _ptr,
+                                          ctypes.POINTER(_ptr)]),
+    # int vllm_ext_pull_server_stop(pull_server* server)
+    "vllm_ext_pull_server_stop": (_i32, [_ptr]),
+    # int vllm_ext_pull_server_wait(pull_server* server, int64 timeout_us, int32* ended,
+    #     int32* reason, char* message, int32 message_len)
+    "vllm_ext_pull_server_wait": (_i32, [_ptr, _i64, _i32_p, _i32_p, ctypes.c_char_p, _i32]),
+    # int vllm_ext_pull_server_destroy(pull_server* server)
+    "vllm_ext_pull_server_destroy": (_i32, [_ptr]),
     # int vllm_ext_copy_blocks_memcpy(const side* src, const side* dst, int64 num_ids,
     #     int32 num_layers, int32 num_components, int64 chunk_nbytes, int32 device, void* stream)
     "vllm_ext_copy_blocks_memcpy": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i32, _ptr]),
@@ -280,6 +298,47 @@ def staged_transfer(cache, staging, ids, bounds, first_chunk, num_chunks, num_la
     check(lib().vllm_ext_staged_transfer(ctypes.byref(cache), ctypes.byref(staging), ids, bounds, first_chunk,
                                          num_chunks, num_layers, num_components, chunk_nbytes, alignment, device),
           "vllm_ext_staged_transfer")
+
+
+class PullServer:
+    """A library thread serving the source side of staged pulls on a socket (see
+    vllm_ext_pull_server_start in csrc/vllm_ext.h). The owner (one thread) calls wait() until
+    the server ends, then destroy(); stop() may come from any thread before destroy()."""
+
+    def __init__(self, fd, cache, staging, num_layers, num_components, chunk_nbytes, alignment, device,
+                 done_event, stall):
+        """fd: a socket descriptor the server takes over (closed by destroy, or here on
+        failure); cache (Side), staging (Staging) and stall (c_int64 * 2) are kept alive."""
+        handle = ctypes.c_void_p()
+        self._keep = (cache, staging, stall)
+        self._lock = threading.Lock()
+        status = lib().vllm_ext_pull_server_start(fd, ctypes.byref(cache), ctypes.byref(staging), num_layers,
+                                                  num_components, chunk_nbytes, alignment, device, done_event,
+                                                  ctypes.addressof(stall), ctypes.byref(handle))
+        if status != OK:
+            os.close(fd)
+        check(status, "vllm_ext_pull_server_start")
+        self._handle = handle
+
+    def stop(self):
+        with self._lock:
+            if self._handle is not None:
+                lib().vllm_ext_pull_server_stop(self._handle)
+
+    def wait(self, timeout_s):
+        """(reason, message) once the server has ended, else None after timeout_s."""
+        ended, reason = _i32(0), _i32(0)
+        message = ctypes.create_string_buffer(4096)
+        check(lib().vllm_ext_pull_server_wait(self._handle, int(timeout_s * 1e6), ctypes.byref(ended),
+                                              ctypes.byref(reason), message, len(message)),
+              "vllm_ext_pull_server_wait")
+        return (reason.value, message.value.decode(errors="replace")) if ended.value else None
+
+    def destroy(self):
+        with self._lock:
+            if self._handle is not None:
+                lib().vllm_ext_pull_server_destroy(self._handle)
+                self._handle = None
 
 
 def copy_blocks_memcpy(src, dst, num_ids, num_layers, num_components, chunk_nbytes, device, stream):

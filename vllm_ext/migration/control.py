@@ -98,6 +98,14 @@ class Connection:
         except OSError as e:
             raise MigrationError(f"control channel to {self.peer}: send failed: {e}") from e
 
+    def send_bytes(self, data: bytes) -> None:
+        """Raw bytes, no frame (a backend's own wire format after a hand-over)."""
+        try:
+            self.sock.settimeout(None)
+            self.sock.sendall(data)
+        except OSError as e:
+            raise MigrationError(f"control channel to {self.peer}: send failed: {e}") from e
+
     def reply_ok(self, **fields) -> None:
         fields["ok"] = True
         self.send(fields)
@@ -129,6 +137,10 @@ class Connection:
         header, _ = self.recv(deadline)
         check_reply(header, self.peer, what)
         return header
+
+    def recv_bytes(self, n: int, deadline: Deadline) -> bytes:
+        """Exactly n raw bytes; MigrationError on EOF, a broken connection or the deadline."""
+        return self._recv_exact(n, deadline)
 
     def readable(self) -> bool:
         """True when a message (or EOF) is waiting: never blocks."""

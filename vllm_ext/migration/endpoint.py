@@ -10,6 +10,7 @@ once; pulls from one peer are serialised). Serving runs on the control server's 
 per connected peer, so a stalled peer never delays the others.
 """
 
+import ctypes
 import logging
 import os
 import socket
@@ -29,7 +30,8 @@ __all__ = ["MigrationEndpoint", "PeerLink", "PROTOCOL"]
 # The version of what the two sides of a pair must agree on (request formats, chunking). A
 # destination and a source of different versions are refused at hello, never half-understood.
 # 2: nccl chunks ramp 1, 2, 4, ... blocks; the nccl connect carries copy_ctas.
-PROTOCOL = 2
+# 3: after nccl.connect, the connection carries binary pulls to the library's pull server.
+PROTOCOL = 3
 # After serving a pull, the server polls this long for the next request before it blocks
 # (the stages of a migration come in bursts; other requests are rare and wait as usual).
 _SERVE_SPIN_S = 2e-3
@@ -92,7 +94,9 @@ class MigrationEndpoint:
         self._links: Dict[str, PeerLink] = {}
         self._links_lock = threading.Lock()
         self._closed = False
-        # Tests only: (chunk index, seconds) makes the source pause while serving.
+        # Tests only: (chunk index, seconds) makes the source pause while serving; the library's
+        # pull server (nccl) reads {chunk, microseconds} from test_stall_native.
+        self.test_stall_native = (ctypes.c_int64 * 2)(-1, 0)
         self.test_stall: Optional[tuple] = None
         self._server = ControlServer(host, port, self._serve_connection,
                                      name=f"migration-{backend}",
@@ -239,7 +243,13 @@ class MigrationEndpoint:
                         raise ValueError(f"request {op!r} before hello")
                     else:
                         self.backend.serve(conn, op, header, payload)
+                        if conn.state.get("handed_off"):
+                            return  # the backend served the connection to its end
                 except Exception as e:  # noqa: BLE001 - reported to the peer
+                    if conn.state.get("handed_off"):  # the peer no longer reads JSON here
+                        logger.warning("serving %s: %s: %s", conn.peer, type(e).__name__, e,
+                                       exc_info=True)
+                        return
                     # Refused input is the peer's mistake (one line); anything else is ours and
                     # gets its traceback on this side's stderr.
                     refused = isinstance(e, (ValueError, TypeError)) and conn.sent == sent_before
@@ -279,6 +289,17 @@ class MigrationEndpoint:
             raise ValueError(f"hello: cache geometry differs ({diff})")
         conn.peer_id = str(header.get("peer_id"))
         conn.reply_ok(num_blocks=self.cache.num_blocks, endpoint_id=self.endpoint_id)
+
+    @property
+    def test_stall(self) -> Optional[tuple]:
+        return self._test_stall
+
+    @test_stall.setter
+    def test_stall(self, value: Optional[tuple]) -> None:
+        self._test_stall = value
+        chunk = value[0] if value is not None and isinstance(value[0], int) else -1
+        self.test_stall_native[1] = int(value[1] * 1e6) if chunk >= 0 else 0
+        self.test_stall_native[0] = chunk
 
     def test_pause(self, chunk) -> None:
         """Source side, tests only: pause at chunk `chunk` (or at a named step, such as nccl's

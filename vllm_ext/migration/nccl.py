@@ -25,6 +25,15 @@ its communicator (ncclCommAbort ends the kernels), drains its streams, discards 
 the next pull builds a new one. Communicator set-up runs on a helper thread joined with the
 deadline; a set-up that never completes is abandoned.
 
+The source side of pulls runs without Python: once the pair is built, its control connection
+carries binary pull requests (ids and a deadline), which a thread of vllm_ext's library reads,
+checks, enqueues and answers (vllm_ext_pull_server_*). A source process whose Python is busy
+would otherwise hand every request to its server thread through the GIL: 5 ms per hand-over
+with a busy loop (the switch interval), seconds when that loop also releases the GIL often.
+The connection's Python thread only waits for the library thread to end (the destination
+closed the connection, a pull failed or passed its deadline, the endpoint closes), then
+aborts the communicator.
+
 The gathers and scatters run with a capped grid (`copy_ctas`, default one CTA per 2 SMs):
 still far faster than the link, and the NCCL kernel of the neighbouring chunk keeps SM room
 and memory bandwidth (measured on two H200s with a diagnostic script, the pipeline without
@@ -39,6 +48,8 @@ memory per pair), copy_ctas (None = one per 2 SMs, 0 = the whole GPU).
 import array
 import ctypes
 import logging
+import os
+import struct
 import threading
 import time
 from typing import Any, Dict, List, Optional
@@ -55,6 +66,7 @@ from .base import (
     blocks_per_chunk,
     chunk_ranges,
     follow_current_stream,
+    poll_until,
     wait_cuda_event,
 )
 from .control import encode_ids
@@ -67,6 +79,10 @@ _MAX_CTAS = (1 << 31) - 1  # the C ABI's int32
 _DST_RANK, _SRC_RANK = 0, 1
 _DRAIN_GRACE_S = 5.0
 _WARMUP_BYTES = 4096
+# The pull server's frames (vllm_ext.h): request magic, count, timeout_s; reply magic, kind,
+# message length, 0.
+_REQUEST = struct.Struct("<IId")
+_REPLY = struct.Struct("<IIII")
 
 
 def _lib_nccl():
@@ -100,7 +116,7 @@ class _Pair:
         self.moved = [torch.cuda.Event() for _ in range(2)]
         self.entry = torch.cuda.Event()  # the caller's stream, when a pull starts
         self.done = torch.cuda.Event()  # the pull's last stage
-        for event in self.copied + self.moved:
+        for event in self.copied + self.moved + [self.done]:
             event.record(self.copy_stream)  # torch creates an event's CUDA handle lazily
         lib = _lib_nccl()
         self.staging = _lib.Staging(
@@ -116,6 +132,9 @@ class _Pair:
         self.side = ops._cache_side(cache, None, cache.device)
         self.alignment = min([cache.alignment] + [ops._buffer_alignment(s, cache) for s in self.slots])
         self.aborted = False
+        self._abort_lock = threading.Lock()
+        self.server: Optional[_lib.PullServer] = None  # source side: the library thread serving pulls
+        self.server_ended = threading.Event()  # set by the server's owner after destroying it
 
     def chunks(self, n: int):
         """The pull's chunks; both sides derive them from n alone (protocol 2: ramped)."""
@@ -132,11 +151,42 @@ class _Pair:
                              first, len(chunks) - first, cache.num_layers, cache.num_components,
                              cache.chunk_nbytes, self.alignment, self.device.index)
 
+    def serve(self, conn, stall) -> None:
+        """Source side: hands the connection's further requests (binary pulls) to a library
+        thread, and returns when that thread has ended and is destroyed."""
+        cache = self.cache
+        conn.sock.setblocking(True)
+        self.server = _lib.PullServer(os.dup(conn.sock.fileno()), self.side, self.staging, cache.num_layers,
+                                      cache.num_components, cache.chunk_nbytes, self.alignment,
+                                      self.device.index, self.done.cuda_event, stall)
+        try:
+            while True:
+                ended = self.server.wait(1.0)
+                if ended is not None:
+                    break
+            reason, message = ended
+            if reason in (_lib.SERVER_FAILED, _lib.SERVER_DEADLINE):
+                logger.warning("nccl: serving %s ended: %s", conn.peer, message)
+        finally:
+            self.server.destroy()
+            self.server_ended.set()
+
+    def stop_server(self) -> None:
+        """Source side, any thread: ends the pull server and waits (bounded) until it is gone,
+        so that the communicator is no longer used when it is aborted."""
+        if self.server is None or self.server_ended.is_set():
+            return
+        self.server.stop()
+        if not self.server_ended.wait(_DRAIN_GRACE_S):
+            logger.error("nccl: the pull server of %s still runs %g s after stop", self.device,
+                         _DRAIN_GRACE_S)
+
     def abort(self) -> None:
         """Ends the communicator's kernels, then waits (bounded) for the streams to drain."""
         end = time.monotonic() + _DRAIN_GRACE_S
-        if not self.aborted:
-            self.aborted = True
+        with self._abort_lock:
+            first, self.aborted = not self.aborted, True
+        if first:
 
             def abort():
                 try:
@@ -271,20 +321,19 @@ class NcclBackend(PairedBackend):
         link.state["pair"] = _Pair(comm, cache, chunk_blocks, copy_ctas, _lib.STAGE_RECV)
 
     def pull(self, link, src_ids, dst_ids, deadline: Deadline) -> PullStats:
-        from .endpoint import wait_for_data
-
         pair: _Pair = link.state["pair"]
         cache = self.endpoint.cache
         n = len(src_ids)
         chunks = pair.chunks(n)
-        # The request goes first: the source gathers while this side queues its receives.
-        link.request({"op": "nccl.pull", "n": n, "timeout": deadline.remaining()},
-                     encode_ids(src_ids))
+        # The request goes first (to the source's pull server): the source gathers while this
+        # side queues its receives.
+        link.conn.send_bytes(_REQUEST.pack(_lib.PULL_REQUEST_MAGIC, n, max(deadline.remaining(), 0.0))
+                             + encode_ids(src_ids))
         try:
             follow_current_stream(pair.copy_stream, pair.entry, pair.device)
             pair.enqueue(dst_ids, chunks)
             pair.done.record(pair.copy_stream)
-            wait_for_data(link, pair.done.query, deadline, "nccl pull")
+            _wait_for_pull(link.conn, pair.done.query, deadline)
             # The caller's streams see the blocks: the pull returns after `done` completed.
         except BaseException:
             pair.abort()
@@ -303,36 +352,48 @@ class NcclBackend(PairedBackend):
         conn.reply_ok()
         self.endpoint.test_pause("connect")  # tests: a source that joins late
         comm = _join(cache, uid, _SRC_RANK, deadline)
-        self.adopt(conn, _Pair(comm, cache, chunk_blocks, copy_ctas, _lib.STAGE_SEND))
+        pair = _Pair(comm, cache, chunk_blocks, copy_ctas, _lib.STAGE_SEND)
+        self.adopt(conn, pair)
+        # From here on this connection carries binary pulls, served by the library's thread;
+        # this thread waits for it to end, then the pair is released and the connection closes.
+        conn.state["handed_off"] = True
+        try:
+            pair.serve(conn, self.endpoint.test_stall_native)
+        finally:
+            self.release(conn)
 
     def _serve_pull(self, conn, header, payload) -> None:
-        deadline, src_ids, pair = self.pull_request(conn, header, payload)
-        chunks = pair.chunks(len(src_ids))
-        try:
-            # No wait for other streams: like ipc, a source offers blocks whose writes are
-            # complete (the engine's stream belongs to another thread anyway).
-            stall = self.endpoint.test_stall
-            if stall is not None and isinstance(stall[0], int) and 0 <= stall[0] < len(chunks):
-                # tests: pause before a chunk
-                if stall[0]:
-                    pair.enqueue(src_ids, chunks[:stall[0]])
-                self.endpoint.test_pause(stall[0])
-                pair.enqueue(src_ids, chunks, first=stall[0])
-            else:
-                pair.enqueue(src_ids, chunks)
-            pair.done.record(pair.comm_stream)
-            # Accepted: said after the launches, so the reply is off the data's path.
-            conn.reply_ok()
-
-            def check() -> None:
-                if conn.closed_by_peer():
-                    raise MigrationError("nccl send: the destination closed the connection")
-
-            wait_cuda_event(pair.done, deadline, "nccl send", check)
-        except BaseException:
-            self.release(conn)
-            raise
+        raise ValueError("nccl pulls are binary requests to the pair's pull server, sent after "
+                         "nccl.connect on the same connection")
 
     def retire(self, pair) -> None:
+        pair.stop_server()
         pair.abort()
+
+
+def _wait_for_pull(conn, done, deadline: Deadline) -> None:
+    """Destination side: waits until done() and the source's pull server accepted the request;
+    MigrationError when it refuses, reports a failure, the connection closes (the source
+    exited) or the deadline passes."""
+    accepted = []
+
+    def check() -> None:
+        if not conn.readable():
+            return
+        magic, kind, length, _ = _REPLY.unpack(conn.recv_bytes(_REPLY.size, deadline))
+        if magic != _lib.PULL_REPLY_MAGIC:
+            raise MigrationError(f"nccl pull: a malformed reply from {conn.peer}")
+        message = conn.recv_bytes(length, deadline).decode(errors="replace") if length else ""
+        if kind == _lib.PULL_ACCEPTED and not accepted:
+            accepted.append(True)
+        elif kind == _lib.PULL_REFUSED:
+            raise MigrationError(f"nccl pull: the peer ({conn.peer}) refused: ValueError: {message}",
+                                 remote_type="ValueError")
+        elif kind == _lib.PULL_FAILED:
+            raise MigrationError(f"nccl pull: the peer ({conn.peer}) failed: {message}",
+                                 remote_type="MigrationError")
+        else:
+            raise MigrationError(f"nccl pull: an unexpected reply (kind {kind}) from {conn.peer}")
+
+    poll_until(lambda: bool(accepted) and done(), deadline, "nccl pull", check)
 

@@ -1,0 +1,315 @@
+// The source side of staged (nccl) pulls, served by a library thread: requests are read,
+// checked and enqueued with no Python and no GIL on the way (see vllm_ext.h).
+#include <cuda_runtime.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common.h"
+
+using vllm_ext::fail;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct RequestHeader {
+  uint32_t magic;
+  uint32_t count;
+  double timeout_s;
+};
+struct ReplyHeader {
+  uint32_t magic;
+  uint32_t kind;
+  uint32_t message_len;
+  uint32_t reserved;
+};
+static_assert(sizeof(RequestHeader) == 16 && sizeof(ReplyHeader) == 16, "wire headers are 16 bytes");
+
+constexpr double kSpinS = 2e-3;          // after a pull: poll without sleeping this long
+constexpr int kIdlePollMs = 100;         // between requests: wake up this often to see `stop`
+constexpr uint32_t kMaxMessage = 4096;   // bytes of a reply's message
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+bool send_all(int fd, const void* data, size_t n) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) return false;
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+// 1: n bytes read; 0: the peer closed the connection before the first byte; -1: error or EOF
+// inside the frame.
+int recv_exact(int fd, void* data, size_t n) {
+  char* p = static_cast<char*>(data);
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t k = ::recv(fd, p + got, n - got, 0);
+    if (k < 0 && errno == EINTR) continue;
+    if (k == 0) return got == 0 ? 0 : -1;
+    if (k < 0) return -1;
+    got += static_cast<size_t>(k);
+  }
+  return 1;
+}
+
+// True when the peer closed its end (or the socket broke); leaves waiting data in place.
+bool peer_closed(int fd) {
+  pollfd p = {fd, POLLIN | POLLRDHUP, 0};
+  if (::poll(&p, 1, 0) <= 0) return false;
+  if (p.revents & (POLLHUP | POLLERR | POLLRDHUP | POLLNVAL)) return true;
+  char c;
+  const ssize_t k = ::recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  return k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
+}  // namespace
+
+struct vllm_ext_pull_server {
+  int fd = -1;
+  vllm_ext_side cache{};
+  vllm_ext_staging staging{};
+  int32_t num_layers = 0, num_components = 0, alignment = 1, device = 0;
+  int64_t chunk_nbytes = 0;
+  cudaEvent_t done = nullptr;
+  const volatile int64_t* stall = nullptr;  // tests: {chunk, microseconds}, read at every pull
+  std::atomic<bool> stop{false};
+  std::mutex mutex;
+  std::condition_variable ended_cv;
+  bool ended = false;
+  int32_t reason = VLLM_EXT_PULL_SERVER_PEER_CLOSED;
+  std::string message;
+  std::thread thread;
+  bool device_bound = false;
+
+  void reply(uint32_t kind, const std::string& text) {
+    const std::string body = text.substr(0, kMaxMessage);
+    const ReplyHeader head = {VLLM_EXT_PULL_REPLY_MAGIC, kind, static_cast<uint32_t>(body.size()), 0};
+    std::string frame(reinterpret_cast<const char*>(&head), sizeof head);
+    frame += body;
+    send_all(fd, frame.data(), frame.size());  // a peer that is gone learns nothing either way
+  }
+
+  // Sleeps `seconds`, in steps that notice `stop`.
+  void pause(double seconds) {
+    const auto until = Clock::now() + std::chrono::duration<double>(seconds);
+    while (!stop.load() && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+
+  // Waits until a request (or EOF) is readable; false when stopped. After a pull it spins a
+  // little: the stages of a migration come in bursts.
+  bool wait_readable(bool spin) {
+    const auto start = Clock::now();
+    while (!stop.load()) {
+      pollfd p = {fd, POLLIN | POLLRDHUP, 0};
+      const int timeout = spin && seconds_since(start) < kSpinS ? 0 : kIdlePollMs;
+      const int r = ::poll(&p, 1, timeout);
+      if (r > 0) return true;
+      if (r < 0 && errno != EINTR) return true;  // the read that follows reports the error
+    }
+    return false;
+  }
+
+  // One request; returns false when the server must end (reason and message set).
+  bool serve_one() {
+    RequestHeader head;
+    const int got = recv_exact(fd, &head, sizeof head);
+    if (got == 0) return end(stop.load() ? VLLM_EXT_PULL_SERVER_STOPPED : VLLM_EXT_PULL_SERVER_PEER_CLOSED, "");
+    if (got < 0) return end(VLLM_EXT_PULL_SERVER_PEER_CLOSED, "the connection broke inside a request");
+    if (head.magic != VLLM_EXT_PULL_REQUEST_MAGIC || head.count > VLLM_EXT_PULL_MAX_IDS) {
+      reply(VLLM_EXT_PULL_FAILED, "malformed pull request");
+      return end(VLLM_EXT_PULL_SERVER_FAILED, "a malformed pull request (magic or count)");
+    }
+    std::vector<int64_t> ids(head.count);
+    if (head.count && recv_exact(fd, ids.data(), ids.size() * sizeof(int64_t)) != 1)
+      return end(VLLM_EXT_PULL_SERVER_PEER_CLOSED, "the connection broke inside a request");
+    // Refused requests move nothing and leave the pair usable.
+    if (!(head.timeout_s > 0)) {
+      reply(VLLM_EXT_PULL_REFUSED, "timeout: must be a positive number of seconds");
+      return true;
+    }
+    for (int64_t id : ids) {
+      if (id < 0 || id >= cache.num_blocks) {
+        reply(VLLM_EXT_PULL_REFUSED, "src_block_ids: id " + std::to_string(id) + " out of range for a cache of " +
+                                         std::to_string(cache.num_blocks) + " blocks");
+        return true;
+      }
+    }
+    // Chunks ramp 1, 2, 4, ... blocks up to a slot (the destination derives the same bounds).
+    std::vector<int64_t> bounds = {0};
+    for (int64_t size = 1; bounds.back() < static_cast<int64_t>(ids.size());
+         size = std::min(size * 2, staging.slot_blocks))
+      bounds.push_back(std::min(bounds.back() + size, static_cast<int64_t>(ids.size())));
+    const int32_t chunks = static_cast<int32_t>(bounds.size() - 1);
+    const int64_t stall_chunk = stall ? stall[0] : -1;
+    int status = VLLM_EXT_OK;
+    if (!device_bound) {  // at the first pull: requests can be refused on a host without a GPU
+      const cudaError_t e = cudaSetDevice(device);
+      if (e == cudaSuccess)
+        device_bound = true;
+      else
+        status = fail(VLLM_EXT_ERR_CUDA, std::string("cudaSetDevice: ") + cudaGetErrorString(e));
+    }
+    if (status != VLLM_EXT_OK) {
+      // reported below
+    } else if (stall_chunk >= 0 && stall_chunk < chunks) {  // tests: a source that pauses before a chunk
+      const int32_t first = static_cast<int32_t>(stall_chunk);
+      if (first > 0) status = enqueue(ids, bounds.data(), 0, first);
+      pause(static_cast<double>(stall[1]) * 1e-6);
+      if (status == VLLM_EXT_OK) status = enqueue(ids, bounds.data() + first, first, chunks - first);
+    } else {
+      status = enqueue(ids, bounds.data(), 0, chunks);
+    }
+    if (status == VLLM_EXT_OK) {
+      const cudaError_t e = cudaEventRecord(done, static_cast<cudaStream_t>(staging.comm_stream));
+      if (e != cudaSuccess) status = fail(VLLM_EXT_ERR_CUDA, std::string("cudaEventRecord: ") + cudaGetErrorString(e));
+    }
+    if (status != VLLM_EXT_OK) {
+      const std::string what = std::string("nccl send: ") + vllm_ext_last_error();
+      reply(VLLM_EXT_PULL_FAILED, what);
+      return end(VLLM_EXT_PULL_SERVER_FAILED, what);
+    }
+    reply(VLLM_EXT_PULL_ACCEPTED, "");  // said after the launches: off the data's path
+    return wait_done(head.timeout_s);
+  }
+
+  int enqueue(const std::vector<int64_t>& ids, const int64_t* bounds, int32_t first, int32_t count) {
+    return vllm_ext_staged_transfer(&cache, &staging, ids.data(), bounds, first, count, num_layers, num_components,
+                                    chunk_nbytes, alignment, device);
+  }
+
+  // Waits for the pull's last send against its deadline, watching the connection.
+  bool wait_done(double timeout_s) {
+    const auto start = Clock::now();
+    while (true) {
+      const cudaError_t e = cudaEventQuery(done);
+      if (e == cudaSuccess) return true;
+      if (e != cudaErrorNotReady) {
+        const std::string what = std::string("nccl send: ") + cudaGetErrorString(e);
+        reply(VLLM_EXT_PULL_FAILED, what);
+        return end(VLLM_EXT_PULL_SERVER_FAILED, what);
+      }
+      if (stop.load()) return end(VLLM_EXT_PULL_SERVER_STOPPED, "");
+      if (peer_closed(fd))
+        return end(VLLM_EXT_PULL_SERVER_PEER_CLOSED, "the destination closed the connection during a pull");
+      const double waited = seconds_since(start);
+      if (waited >= timeout_s) {
+        char what[160];
+        std::snprintf(what, sizeof what, "nccl send: not complete at the deadline of %g s", timeout_s);
+        reply(VLLM_EXT_PULL_FAILED, what);
+        return end(VLLM_EXT_PULL_SERVER_DEADLINE, what);
+      }
+      if (waited > kSpinS)  // then sleep 2% of the time waited: completion noticed ~2% late
+        std::this_thread::sleep_for(std::chrono::duration<double>(std::min(std::max(0.02 * waited, 20e-6), 1e-3)));
+    }
+  }
+
+  bool end(int32_t why, const std::string& text) {
+    std::lock_guard<std::mutex> lock(mutex);
+    reason = why;
+    message = text;
+    return false;
+  }
+
+  void run() {
+    bool after_pull = false;
+    while (true) {
+      if (!wait_readable(after_pull)) {
+        end(VLLM_EXT_PULL_SERVER_STOPPED, "");
+        break;
+      }
+      if (!serve_one()) break;
+      after_pull = true;
+    }
+    ::shutdown(fd, SHUT_RDWR);  // the peer sees the end at once (the fd is closed by destroy)
+    std::lock_guard<std::mutex> lock(mutex);
+    ended = true;
+    ended_cv.notify_all();
+  }
+};
+
+extern "C" {
+
+int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cache, const vllm_ext_staging* staging,
+                               int32_t num_layers, int32_t num_components, int64_t chunk_nbytes, int32_t alignment,
+                               int32_t device, void* done_event, const int64_t* stall, vllm_ext_pull_server** server) {
+  if (server == nullptr || cache == nullptr || staging == nullptr || done_event == nullptr || fd < 0)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "null argument or negative fd to vllm_ext_pull_server_start");
+  *server = nullptr;
+  if (staging->direction != VLLM_EXT_STAGE_SEND || staging->slot_blocks <= 0 || staging->transfer == nullptr)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "pull server: the staging must be a SEND side with slots");
+  auto* s = new vllm_ext_pull_server();
+  s->fd = fd;
+  s->cache = *cache;
+  s->staging = *staging;
+  s->num_layers = num_layers;
+  s->num_components = num_components;
+  s->chunk_nbytes = chunk_nbytes;
+  s->alignment = alignment;
+  s->device = device;
+  s->done = static_cast<cudaEvent_t>(done_event);
+  s->stall = stall;
+  try {
+    s->thread = std::thread([s] { s->run(); });
+  } catch (const std::exception& e) {
+    delete s;
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, std::string("pull server: no thread: ") + e.what());
+  }
+  *server = s;
+  return VLLM_EXT_OK;
+}
+
+int vllm_ext_pull_server_stop(vllm_ext_pull_server* server) {
+  if (server == nullptr) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "server is NULL");
+  server->stop.store(true);
+  ::shutdown(server->fd, SHUT_RDWR);  // wakes a blocking read; the peer sees the end
+  return VLLM_EXT_OK;
+}
+
+int vllm_ext_pull_server_wait(vllm_ext_pull_server* server, int64_t timeout_us, int32_t* ended, int32_t* reason,
+                              char* message, int32_t message_len) {
+  if (server == nullptr || ended == nullptr) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "server/ended is NULL");
+  std::unique_lock<std::mutex> lock(server->mutex);
+  server->ended_cv.wait_for(lock, std::chrono::microseconds(std::max<int64_t>(timeout_us, 0)),
+                            [server] { return server->ended; });
+  *ended = server->ended ? 1 : 0;
+  if (server->ended) {
+    if (reason) *reason = server->reason;
+    if (message && message_len > 0) {
+      const size_t n = std::min(server->message.size(), static_cast<size_t>(message_len - 1));
+      std::memcpy(message, server->message.data(), n);
+      message[n] = '\0';
+    }
+  }
+  return VLLM_EXT_OK;
+}
+
+int vllm_ext_pull_server_destroy(vllm_ext_pull_server* server) {
+  if (server == nullptr) return VLLM_EXT_OK;
+  vllm_ext_pull_server_stop(server);
+  if (server->thread.joinable()) server->thread.join();
+  ::close(server->fd);
+  delete server;
+  return VLLM_EXT_OK;
+}
+
+}  // extern "C"

@@ -1,0 +1,140 @@
+"""The library's pull server (the source side of nccl pulls) through its socket protocol, on
+any host: a CUDA build of the library runs it without a GPU, so what it refuses, how it ends
+and what it answers are tested here; the GPU suite moves data through it
+(test_migration_gpu.py)."""
+
+import ctypes
+import socket
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_ext import _lib
+
+REQUEST = struct.Struct("<IId")
+REPLY = struct.Struct("<IIII")
+NUM_BLOCKS = 10
+
+pytestmark = pytest.mark.skipif(not _lib.built_with_cuda(),
+                                reason="the pull server is part of a CUDA build of the library")
+
+_TRANSFER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int32, ctypes.c_int32,
+                             ctypes.c_void_p, ctypes.c_void_p)
+_NEVER_CALLED = _TRANSFER(lambda *args: 1)
+
+
+@pytest.fixture
+def server():
+    """(the destination's socket, the PullServer, its stall array) over a socket pair. The
+    sides and events are placeholders: no request here reaches the GPU."""
+    ours, theirs = socket.socketpair()
+    side = _lib.Side(layer_ptrs=0x1000, base=0, layer_stride=0, block_stride=64, component_stride=0,
+                     num_blocks=NUM_BLOCKS, block_ids=None)
+    staging = _lib.Staging(direction=_lib.STAGE_SEND, max_ctas=0, slots=(ctypes.c_uint64 * 2)(0x2000, 0x3000),
+                           slot_blocks=4, transfer=ctypes.cast(_NEVER_CALLED, ctypes.c_void_p).value,
+                           peer=0, datatype=0)
+    stall = (ctypes.c_int64 * 2)(-1, 0)
+    srv = _lib.PullServer(theirs.detach(), side, staging, 1, 1, 64, 16, 0, 0x4000, stall)
+    ours.settimeout(10)
+    yield ours, srv, stall
+    srv.stop()
+    srv.destroy()
+    ours.close()
+
+
+def request(sock, ids, timeout=5.0, magic=_lib.PULL_REQUEST_MAGIC):
+    sock.sendall(REQUEST.pack(magic, len(ids), timeout) + struct.pack(f"<{len(ids)}q", *ids))
+
+
+def reply(sock):
+    head = b""
+    while len(head) < REPLY.size:
+        chunk = sock.recv(REPLY.size - len(head))
+        assert chunk, "the server closed the connection instead of replying"
+        head += chunk
+    magic, kind, length, _ = REPLY.unpack(head)
+    assert magic == _lib.PULL_REPLY_MAGIC
+    message = b""
+    while len(message) < length:
+        message += sock.recv(length - len(message))
+    return kind, message.decode()
+
+
+def ended(srv, within=10.0):
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        out = srv.wait(0.1)
+        if out is not None:
+            return out
+    raise AssertionError("the pull server did not end")
+
+
+def test_refuses_bad_requests_and_keeps_serving(server):
+    sock, srv, _ = server
+    for ids, timeout, expected in (([3, NUM_BLOCKS], 5.0, f"src_block_ids: id {NUM_BLOCKS} out of range for a "
+                                    f"cache of {NUM_BLOCKS} blocks"),
+                                   ([-1], 5.0, "src_block_ids: id -1 out of range"),
+                                   ([1], 0.0, "timeout: must be a positive number"),
+                                   ([1], float("nan"), "timeout: must be a positive number")):
+        request(sock, ids, timeout)
+        kind, message = reply(sock)
+        assert kind == _lib.PULL_REFUSED
+        assert expected in message
+    assert srv.wait(0.05) is None  # still serving
+    sock.shutdown(socket.SHUT_WR)  # the destination leaves
+    assert ended(srv) == (_lib.SERVER_PEER_CLOSED, "")
+
+
+def test_a_malformed_request_ends_the_server(server):
+    sock, srv, _ = server
+    request(sock, [1], magic=0x12345678)
+    kind, message = reply(sock)
+    assert kind == _lib.PULL_FAILED and "malformed" in message
+    reason, why = ended(srv)
+    assert reason == _lib.SERVER_FAILED and "malformed" in why
+    assert sock.recv(1) == b""  # and it closed the connection
+
+
+def test_too_many_ids_is_malformed(server):
+    sock, srv, _ = server
+    sock.sendall(REQUEST.pack(_lib.PULL_REQUEST_MAGIC, _lib.PULL_MAX_IDS + 1, 5.0))
+    assert reply(sock)[0] == _lib.PULL_FAILED
+    assert ended(srv)[0] == _lib.SERVER_FAILED
+
+
+def test_stop_ends_an_idle_server_and_the_peer_sees_it(server):
+    sock, srv, _ = server
+    assert srv.wait(0.05) is None
+    srv.stop()
+    assert ended(srv)[0] == _lib.SERVER_STOPPED
+    assert sock.recv(1) == b""
+    srv.stop()  # again: harmless
+
+
+def test_a_frame_cut_short_ends_the_server(server):
+    sock, srv, _ = server
+    sock.sendall(REQUEST.pack(_lib.PULL_REQUEST_MAGIC, 3, 5.0) + struct.pack("<q", 1))
+    sock.shutdown(socket.SHUT_WR)
+    reason, why = ended(srv)
+    assert reason == _lib.SERVER_PEER_CLOSED and "inside a request" in why
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a valid request would reach the GPU")
+def test_a_valid_request_without_a_gpu_fails_cleanly(server):
+    sock, srv, stall = server
+    stall[0], stall[1] = 0, 1000  # the pause comes after the device check: not reached
+    request(sock, [1, 2, 3])
+    kind, message = reply(sock)
+    assert kind == _lib.PULL_FAILED and "cudaSetDevice" in message
+    reason, why = ended(srv)
+    assert reason == _lib.SERVER_FAILED and "cudaSetDevice" in why
+
+
+def test_the_wire_constants_match_the_header():
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "vllm_ext.h").read_text().lower()
+    assert f"vllm_ext_pull_request_magic 0x{_lib.PULL_REQUEST_MAGIC:08x}u" in header
+    assert f"vllm_ext_pull_reply_magic 0x{_lib.PULL_REPLY_MAGIC:08x}u" in header
+    assert "vllm_ext_pull_max_ids (1u << 24)" in header and _lib.PULL_MAX_IDS == 1 << 24
