@@ -157,12 +157,8 @@ def markdown(report):
 
 
 def plot(report, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = common.pyplot()
+    if plt is None:
         return False
     backends = list(report["results"])
     fig, ax = plt.subplots(figsize=(8, 5))

@@ -645,13 +645,21 @@ def markdown(report):
     return "\n".join(text) + "\n"
 
 
-def plot(report, path):
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None where matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot(report, path):
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(10, 6))
     for row, entries in report["results"].items():
