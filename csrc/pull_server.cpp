@@ -109,10 +109,30 @@ struct vllm_ext_pull_server {
     send_all(fd, frame.data(), frame.size());  // a peer that is gone learns nothing either way
   }
 
-  // Sleeps `seconds`, in steps that notice `stop`.
-  void pause(double seconds) {
-    const auto until = Clock::now() + std::chrono::duration<double>(seconds);
-    while (!stop.load() && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  // Sleeps `seconds` (tests), in steps that notice `stop`, the peer leaving and the deadline.
+  void pause(double seconds, Clock::time_point deadline) {
+    const auto until = std::min(Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                   std::chrono::duration<double>(seconds)),
+                                deadline);
+    while (!stop.load() && Clock::now() < until && !peer_closed(fd))
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+
+  // The end of a pull that cannot go on (stopped, the peer left, past the deadline), or
+  // nothing (true) when it can.
+  bool interrupted(Clock::time_point deadline, double timeout_s) {
+    if (stop.load()) {
+      reply(VLLM_EXT_PULL_FAILED, "nccl send: the source endpoint stopped serving (closing)");
+      return !end(VLLM_EXT_PULL_SERVER_STOPPED, "stopped during a pull");
+    }
+    if (peer_closed(fd)) return !end(VLLM_EXT_PULL_SERVER_PEER_CLOSED, "the connection closed during a pull");
+    if (Clock::now() >= deadline) {
+      char what[160];
+      std::snprintf(what, sizeof what, "nccl send: not complete at the deadline of %g s", timeout_s);
+      reply(VLLM_EXT_PULL_FAILED, what);
+      return !end(VLLM_EXT_PULL_SERVER_DEADLINE, what);
+    }
+    return false;
   }
 
   // Waits until a request (or EOF) is readable; false when stopped. After a pull it spins a
@@ -134,7 +154,7 @@ struct vllm_ext_pull_server {
     RequestHeader head;
     const int got = recv_exact(fd, &head, sizeof head);
     if (got == 0) return end(stop.load() ? VLLM_EXT_PULL_SERVER_STOPPED : VLLM_EXT_PULL_SERVER_PEER_CLOSED, "");
-    if (got < 0) return end(VLLM_EXT_PULL_SERVER_PEER_CLOSED, "the connection broke inside a request");
+    if (got < 0) return end(VLLM_EXT_PULL_SERVER_PEER_CLOSED, "the connection broke");
     if (head.magic != VLLM_EXT_PULL_REQUEST_MAGIC || head.count > VLLM_EXT_PULL_MAX_IDS) {
       reply(VLLM_EXT_PULL_FAILED, "malformed pull request");
       return end(VLLM_EXT_PULL_SERVER_FAILED, "a malformed pull request (magic or count)");
@@ -143,10 +163,13 @@ struct vllm_ext_pull_server {
     if (head.count && recv_exact(fd, ids.data(), ids.size() * sizeof(int64_t)) != 1)
       return end(VLLM_EXT_PULL_SERVER_PEER_CLOSED, "the connection broke inside a request");
     // Refused requests move nothing and leave the pair usable.
-    if (!(head.timeout_s > 0)) {
+    if (!(head.timeout_s > 0) || !(head.timeout_s < 1e9)) {
       reply(VLLM_EXT_PULL_REFUSED, "timeout: must be a positive number of seconds");
       return true;
     }
+    // The deadline counts from the request's arrival, as the destination's counts from its send.
+    const auto deadline =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(head.timeout_s));
     for (int64_t id : ids) {
       if (id < 0 || id >= cache.num_blocks) {
         reply(VLLM_EXT_PULL_REFUSED, "src_block_ids: id " + std::to_string(id) + " out of range for a cache of " +
@@ -174,8 +197,11 @@ struct vllm_ext_pull_server {
     } else if (stall_chunk >= 0 && stall_chunk < chunks) {  // tests: a source that pauses before a chunk
       const int32_t first = static_cast<int32_t>(stall_chunk);
       if (first > 0) status = enqueue(ids, bounds.data(), 0, first);
-      pause(static_cast<double>(stall[1]) * 1e-6);
-      if (status == VLLM_EXT_OK) status = enqueue(ids, bounds.data() + first, first, chunks - first);
+      if (status == VLLM_EXT_OK) {
+        pause(static_cast<double>(stall[1]) * 1e-6, deadline);
+        if (interrupted(deadline, head.timeout_s)) return false;  // the rest is not enqueued
+        status = enqueue(ids, bounds.data() + first, first, chunks - first);
+      }
     } else {
       status = enqueue(ids, bounds.data(), 0, chunks);
     }
@@ -189,7 +215,7 @@ struct vllm_ext_pull_server {
       return end(VLLM_EXT_PULL_SERVER_FAILED, what);
     }
     reply(VLLM_EXT_PULL_ACCEPTED, "");  // said after the launches: off the data's path
-    return wait_done(head.timeout_s);
+    return wait_done(deadline, head.timeout_s);
   }
 
   int enqueue(const std::vector<int64_t>& ids, const int64_t* bounds, int32_t first, int32_t count) {
@@ -198,7 +224,7 @@ struct vllm_ext_pull_server {
   }
 
   // Waits for the pull's last send against its deadline, watching the connection.
-  bool wait_done(double timeout_s) {
+  bool wait_done(Clock::time_point deadline, double timeout_s) {
     const auto start = Clock::now();
     while (true) {
       const cudaError_t e = cudaEventQuery(done);
@@ -208,16 +234,8 @@ struct vllm_ext_pull_server {
         reply(VLLM_EXT_PULL_FAILED, what);
         return end(VLLM_EXT_PULL_SERVER_FAILED, what);
       }
-      if (stop.load()) return end(VLLM_EXT_PULL_SERVER_STOPPED, "");
-      if (peer_closed(fd))
-        return end(VLLM_EXT_PULL_SERVER_PEER_CLOSED, "the destination closed the connection during a pull");
+      if (interrupted(deadline, timeout_s)) return false;
       const double waited = seconds_since(start);
-      if (waited >= timeout_s) {
-        char what[160];
-        std::snprintf(what, sizeof what, "nccl send: not complete at the deadline of %g s", timeout_s);
-        reply(VLLM_EXT_PULL_FAILED, what);
-        return end(VLLM_EXT_PULL_SERVER_DEADLINE, what);
-      }
       if (waited > kSpinS)  // then sleep 2% of the time waited: completion noticed ~2% late
         std::this_thread::sleep_for(std::chrono::duration<double>(std::min(std::max(0.02 * waited, 20e-6), 1e-3)));
     }
@@ -237,7 +255,12 @@ struct vllm_ext_pull_server {
         end(VLLM_EXT_PULL_SERVER_STOPPED, "");
         break;
       }
-      if (!serve_one()) break;
+      try {
+        if (!serve_one()) break;
+      } catch (const std::exception& e) {  // an allocation: end this server, not the process
+        end(VLLM_EXT_PULL_SERVER_FAILED, std::string("pull server: ") + e.what());
+        break;
+      }
       after_pull = true;
     }
     ::shutdown(fd, SHUT_RDWR);  // the peer sees the end at once (the fd is closed by destroy)
@@ -281,7 +304,7 @@ int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cache, const vll
 int vllm_ext_pull_server_stop(vllm_ext_pull_server* server) {
   if (server == nullptr) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "server is NULL");
   server->stop.store(true);
-  ::shutdown(server->fd, SHUT_RDWR);  // wakes a blocking read; the peer sees the end
+  ::shutdown(server->fd, SHUT_RD);  // wakes a blocking read; the thread can still answer
   return VLLM_EXT_OK;
 }
 

@@ -139,12 +139,14 @@ VLLM_EXT_API int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm
  * A request with an id outside the cache or a bad timeout is REFUSED (nothing moves). Otherwise
  * its chunks (1, 2, 4, ... blocks up to staging->slot_blocks) are enqueued as
  * vllm_ext_staged_transfer does, `done_event` is recorded on the comm stream, the reply is
- * ACCEPTED, and the thread waits for done_event against timeout_s: past it, it sends FAILED
- * and ends (as it does after a failed enqueue); a peer that closes the connection ends it too.
- * After the thread ends, the caller must end the communicator (ncclCommAbort) before reusing
- * the slots: a pull may be half enqueued. `stall` ([host], may be NULL; tests only) holds
- * {chunk, microseconds}: the thread pauses that long before enqueueing that chunk, read at
- * every request. `cache`, `staging` and `stall` must stay valid until destroy.
+ * ACCEPTED, and the thread waits for done_event until timeout_s after the request arrived:
+ * past it, it sends FAILED and ends (as it does after a failed enqueue, or on a stop during a
+ * pull); a peer that closes the connection ends it too. After the thread ends, the caller must
+ * end the communicator (ncclCommAbort) before reusing the slots: a pull may be half enqueued.
+ * `stall` ([host], may be NULL; tests only) holds {chunk, microseconds}: the thread pauses that
+ * long (bounded by the deadline, ended by a stop or the peer leaving) before enqueueing that
+ * chunk, read at every request. `cache` and `staging` are copied; `stall`, done_event and the
+ * streams, events, slots and communicator that `staging` names must stay valid until destroy.
  */
 #define VLLM_EXT_PULL_REQUEST_MAGIC 0x31505856u /* "VXP1" */
 #define VLLM_EXT_PULL_REPLY_MAGIC 0x31525856u   /* "VXR1" */
@@ -161,7 +163,8 @@ VLLM_EXT_API int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cac
                                int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
                                int32_t alignment, int32_t device, void* done_event, const int64_t* stall,
                                vllm_ext_pull_server** server);
-/* Asks the thread to end (shuts the socket down); returns at once; any thread may call it. */
+/* Asks the thread to end (shuts the socket down for reading; a pull in flight is answered
+ * FAILED); returns at once. Any thread may call it until destroy (callers serialise the two). */
 VLLM_EXT_API int vllm_ext_pull_server_stop(vllm_ext_pull_server* server);
 /* Waits up to timeout_us for the thread to end: *ended = 1 then, with *reason
  * (vllm_ext_pull_server_end) and the message (NUL-terminated, message_len bytes at most). */

@@ -59,7 +59,9 @@ def reply(sock):
     assert magic == _lib.PULL_REPLY_MAGIC
     message = b""
     while len(message) < length:
-        message += sock.recv(length - len(message))
+        chunk = sock.recv(length - len(message))
+        assert chunk, "the server closed the connection inside a reply"
+        message += chunk
     return kind, message.decode()
 
 

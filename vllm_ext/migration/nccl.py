@@ -135,6 +135,8 @@ class _Pair:
         self._abort_lock = threading.Lock()
         self.server: Optional[_lib.PullServer] = None  # source side: the library thread serving pulls
         self.server_ended = threading.Event()  # set by the server's owner after destroying it
+        self._server_lock = threading.Lock()
+        self.retired = False  # no server may start any more
 
     def chunks(self, n: int):
         """The pull's chunks; both sides derive them from n alone (protocol 2: ramped)."""
@@ -155,10 +157,14 @@ class _Pair:
         """Source side: hands the connection's further requests (binary pulls) to a library
         thread, and returns when that thread has ended and is destroyed."""
         cache = self.cache
-        conn.sock.setblocking(True)
-        self.server = _lib.PullServer(os.dup(conn.sock.fileno()), self.side, self.staging, cache.num_layers,
-                                      cache.num_components, cache.chunk_nbytes, self.alignment,
-                                      self.device.index, self.done.cuda_event, stall)
+        with self._server_lock:
+            if self.retired:  # retired (the endpoint closing) before its server started
+                self.server_ended.set()
+                return
+            conn.sock.setblocking(True)
+            self.server = _lib.PullServer(os.dup(conn.sock.fileno()), self.side, self.staging,
+                                          cache.num_layers, cache.num_components, cache.chunk_nbytes,
+                                          self.alignment, self.device.index, self.done.cuda_event, stall)
         try:
             while True:
                 ended = self.server.wait(1.0)
@@ -171,15 +177,21 @@ class _Pair:
             self.server.destroy()
             self.server_ended.set()
 
-    def stop_server(self) -> None:
-        """Source side, any thread: ends the pull server and waits (bounded) until it is gone,
-        so that the communicator is no longer used when it is aborted."""
-        if self.server is None or self.server_ended.is_set():
-            return
-        self.server.stop()
-        if not self.server_ended.wait(_DRAIN_GRACE_S):
-            logger.error("nccl: the pull server of %s still runs %g s after stop", self.device,
-                         _DRAIN_GRACE_S)
+    def stop_server(self) -> bool:
+        """Any thread: ends the pull server (none may start after this) and waits, bounded,
+        until it is gone. True when no server thread can use the communicator any more; False
+        when it still runs, and its owner aborts the communicator once it has ended."""
+        with self._server_lock:
+            self.retired = True
+            server = self.server
+        if server is None or self.server_ended.is_set():
+            return True
+        server.stop()
+        if self.server_ended.wait(_DRAIN_GRACE_S):
+            return True
+        logger.error("nccl: the pull server of %s still runs %g s after stop; its owner aborts "
+                     "the communicator when it ends", self.device, _DRAIN_GRACE_S)
+        return False
 
     def abort(self) -> None:
         """Ends the communicator's kernels, then waits (bounded) for the streams to drain."""
@@ -325,10 +337,13 @@ class NcclBackend(PairedBackend):
         cache = self.endpoint.cache
         n = len(src_ids)
         chunks = pair.chunks(n)
+        remaining = deadline.remaining()
+        if remaining <= 0:
+            raise MigrationError(f"nccl pull: not started, the deadline of {deadline.timeout:g} s "
+                                 "passed while connecting")
         # The request goes first (to the source's pull server): the source gathers while this
         # side queues its receives.
-        link.conn.send_bytes(_REQUEST.pack(_lib.PULL_REQUEST_MAGIC, n, max(deadline.remaining(), 0.0))
-                             + encode_ids(src_ids))
+        link.conn.send_bytes(_REQUEST.pack(_lib.PULL_REQUEST_MAGIC, n, remaining) + encode_ids(src_ids))
         try:
             follow_current_stream(pair.copy_stream, pair.entry, pair.device)
             pair.enqueue(dst_ids, chunks)
@@ -350,13 +365,21 @@ class NcclBackend(PairedBackend):
                              f"copy_ctas {copy_ctas}")
         cache = self.endpoint.cache
         conn.reply_ok()
-        self.endpoint.test_pause("connect")  # tests: a source that joins late
-        comm = _join(cache, uid, _SRC_RANK, deadline)
-        pair = _Pair(comm, cache, chunk_blocks, copy_ctas, _lib.STAGE_SEND)
-        self.adopt(conn, pair)
         # From here on this connection carries binary pulls, served by the library's thread;
         # this thread waits for it to end, then the pair is released and the connection closes.
+        # A failure is reported in the binary format the destination now reads.
         conn.state["handed_off"] = True
+        comm = None
+        try:
+            self.endpoint.test_pause("connect")  # tests: a source that joins late
+            comm = _join(cache, uid, _SRC_RANK, deadline)
+            pair = _Pair(comm, cache, chunk_blocks, copy_ctas, _lib.STAGE_SEND)
+        except BaseException as e:
+            if comm is not None:
+                _lib_nccl().abort(comm)
+            _send_failed(conn, f"nccl connect: {e}")
+            raise
+        self.adopt(conn, pair)
         try:
             pair.serve(conn, self.endpoint.test_stall_native)
         finally:
@@ -367,8 +390,17 @@ class NcclBackend(PairedBackend):
                          "nccl.connect on the same connection")
 
     def retire(self, pair) -> None:
-        pair.stop_server()
-        pair.abort()
+        if pair.stop_server():
+            pair.abort()
+
+
+def _send_failed(conn, message: str) -> None:
+    """A FAILED reply in the pull server's format (the peer may be gone: nothing raised)."""
+    body = message.encode()[:4096]
+    try:
+        conn.send_bytes(_REPLY.pack(_lib.PULL_REPLY_MAGIC, _lib.PULL_FAILED, len(body), 0) + body)
+    except MigrationError:
+        pass
 
 
 def _wait_for_pull(conn, done, deadline: Deadline) -> None:
