@@ -136,7 +136,10 @@ def test_a_valid_request_without_a_gpu_fails_cleanly(server):
 
 
 def test_the_wire_constants_match_the_header():
-    header = (Path(__file__).resolve().parents[1] / "csrc" / "vllm_ext.h").read_text().lower()
+    path = Path(__file__).resolve().parents[1] / "csrc" / "vllm_ext.h"
+    if not path.exists():
+        pytest.skip("no csrc/ here (the tests of an installed wheel)")
+    header = path.read_text().lower()
     assert f"vllm_ext_pull_request_magic 0x{_lib.PULL_REQUEST_MAGIC:08x}u" in header
     assert f"vllm_ext_pull_reply_magic 0x{_lib.PULL_REPLY_MAGIC:08x}u" in header
     assert "vllm_ext_pull_max_ids (1u << 24)" in header and _lib.PULL_MAX_IDS == 1 << 24
