@@ -17,7 +17,9 @@ it drives) and the *source* (it serves its blocks). Each endpoint runs a small c
                                    one request from a peer's destination side; answers on
                                    `conn` and moves the data of its half of the transfer.
                                    Per-pair state lives in `conn.state` (a destination that
-                                   reconnects gets a new connection and fresh state).
+                                   reconnects gets a new connection and fresh state). A backend
+                                   that sets conn.state["handed_off"] has served the connection
+                                   to its end when serve returns (nccl's pull server).
     connection_closed(conn)        the peer's control connection ended: free conn.state.
   Either side:
     close()                        the endpoint is closing.

@@ -11,7 +11,9 @@ A message is a frame `!II` (header length, payload length), a UTF-8 JSON header 
 an "op" for requests, "ok" for replies) and an optional binary payload (block ids as int64).
 JSON rather than pickle: a server must never execute what a peer sends. Requests on one
 connection are answered in order; a source that fails after accepting a request sends one
-unsolicited error message, which the destination sees while it waits for its data.
+unsolicited error message, which the destination sees while it waits for its data. A backend
+may take a connection over once its pair is built (nccl: binary pulls answered by a thread of
+the library, see nccl.py); the endpoint's thread then stops reading it.
 
 The destination never waits for a reply before it starts receiving data.
 """
