@@ -1,7 +1,7 @@
 """The library's pull server (the source side of nccl pulls) through its socket protocol, on
 any host: a CUDA build of the library runs it without a GPU, so what it refuses, how it ends
-and what it answers are tested here; the GPU suite moves data through it
-(test_migration_gpu.py)."""
+and what it answers are tested here, and so is how the destination reads each answer; the GPU
+suite moves data through it (test_migration_gpu.py)."""
 
 import ctypes
 import socket
@@ -18,9 +18,6 @@ REQUEST = struct.Struct("<IId")
 REPLY = struct.Struct("<IIII")
 NUM_BLOCKS = 10
 
-pytestmark = pytest.mark.skipif(not _lib.built_with_cuda(),
-                                reason="the pull server is part of a CUDA build of the library")
-
 _TRANSFER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int32, ctypes.c_int32,
                              ctypes.c_void_p, ctypes.c_void_p)
 _NEVER_CALLED = _TRANSFER(lambda *args: 1)
@@ -30,6 +27,8 @@ _NEVER_CALLED = _TRANSFER(lambda *args: 1)
 def server():
     """(the destination's socket, the PullServer, its stall array) over a socket pair. The
     sides and events are placeholders: no request here reaches the GPU."""
+    if not _lib.built_with_cuda():
+        pytest.skip("the pull server is part of a CUDA build of the library")
     ours, theirs = socket.socketpair()
     side = _lib.Side(layer_ptrs=0x1000, base=0, layer_stride=0, block_stride=64, component_stride=0,
                      num_blocks=NUM_BLOCKS, block_ids=None)
@@ -143,3 +142,92 @@ def test_the_wire_constants_match_the_header():
     assert f"vllm_ext_pull_request_magic 0x{_lib.PULL_REQUEST_MAGIC:08x}u" in header
     assert f"vllm_ext_pull_reply_magic 0x{_lib.PULL_REPLY_MAGIC:08x}u" in header
     assert "vllm_ext_pull_max_ids (1u << 24)" in header and _lib.PULL_MAX_IDS == 1 << 24
+
+
+# ---- the destination's side of the protocol (no GPU: `done` is a flag) ------------------------
+def _destination():
+    from vllm_ext.migration.control import Connection
+
+    ours, theirs = socket.socketpair()
+    return Connection(ours, "test peer"), theirs
+
+
+def _server_reply(sock, kind, message=""):
+    body = message.encode()
+    sock.sendall(REPLY.pack(_lib.PULL_REPLY_MAGIC, kind, len(body), 0) + body)
+
+
+@pytest.mark.parametrize("case", ["accepted", "refused", "failed", "closed", "malformed", "silent",
+                                  "not done"])
+def test_the_destination_reads_every_outcome(case):
+    from vllm_ext.migration.base import Deadline, MigrationError
+    from vllm_ext.migration.nccl import _wait_for_pull
+
+    conn, server = _destination()
+    done = case != "not done"
+    if case in ("accepted", "not done"):
+        _server_reply(server, _lib.PULL_ACCEPTED)
+    elif case == "refused":
+        _server_reply(server, _lib.PULL_REFUSED, "src_block_ids: id 9 out of range")
+    elif case == "failed":
+        _server_reply(server, _lib.PULL_FAILED, "nccl send: not complete at the deadline of 1 s")
+    elif case == "closed":
+        server.close()
+    elif case == "malformed":
+        server.sendall(b"\0" * REPLY.size)
+    start = time.monotonic()
+    try:
+        if case == "accepted":
+            _wait_for_pull(conn, lambda: done, Deadline(5))
+            return
+        with pytest.raises(MigrationError) as info:
+            _wait_for_pull(conn, lambda: done, Deadline(0.5))
+        message, remote = str(info.value), info.value.remote_type
+        expected = {"refused": ("refused: ValueError: src_block_ids: id 9 out of range", "ValueError"),
+                    "failed": ("failed: nccl send: not complete at the deadline", "MigrationError"),
+                    "closed": ("connection closed by the peer", None),
+                    "malformed": ("malformed reply", None),
+                    "silent": ("not complete at the deadline", None),
+                    "not done": ("not complete at the deadline", None)}[case]
+        assert expected[0] in message and remote == expected[1]
+        assert time.monotonic() - start < 4
+    finally:
+        conn.close()
+        server.close()
+
+
+def test_a_failed_connect_reaches_the_destination_in_the_binary_format():
+    from vllm_ext.migration.base import Deadline, MigrationError
+    from vllm_ext.migration.control import Connection
+    from vllm_ext.migration.nccl import _send_failed, _wait_for_pull
+
+    conn, server = _destination()
+    source = Connection(server, "test destination")
+    try:
+        _send_failed(source, "nccl connect: CUDA out of memory")
+        with pytest.raises(MigrationError, match="failed: nccl connect: CUDA out of memory"):
+            _wait_for_pull(conn, lambda: True, Deadline(5))
+        source.close()
+        _send_failed(source, "to nobody")  # the peer or the socket is gone: nothing raised
+    finally:
+        conn.close()
+
+
+def test_the_stall_hook_reaches_the_library():
+    from test_migration_harness import make_cache
+
+    from vllm_ext.migration import MigrationEndpoint
+
+    ep = MigrationEndpoint(make_cache({"num_layers": 1, "num_blocks": 4, "block_size": 2, "num_kv_heads": 1,
+                                       "head_size": 8, "dtype": "bfloat16", "layout": "flash", "seed": 1}),
+                           backend="gloo", stripes=1)
+    try:
+        assert list(ep.test_stall_native) == [-1, 0]
+        ep.test_stall = (3, 0.25)
+        assert list(ep.test_stall_native) == [3, 250000]
+        ep.test_stall = ("connect", 4.0)  # a named step: Python's, not the library's
+        assert list(ep.test_stall_native) == [-1, 0]
+        ep.test_stall = None
+        assert ep.test_stall is None and list(ep.test_stall_native) == [-1, 0]
+    finally:
+        ep.close()
