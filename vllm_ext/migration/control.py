@@ -93,12 +93,8 @@ class Connection:
     # ---- sending ---------------------------------------------------------------------------
     def send(self, header: Dict[str, Any], payload: bytes = b"") -> None:
         data = json.dumps(header, separators=(",", ":")).encode()
-        try:
-            self.sock.settimeout(None)
-            self.sock.sendall(_FRAME.pack(len(data), len(payload)) + data + payload)
-            self.sent += 1
-        except OSError as e:
-            raise MigrationError(f"control channel to {self.peer}: send failed: {e}") from e
+        self.send_bytes(_FRAME.pack(len(data), len(payload)) + data + payload)
+        self.sent += 1
 
     def send_bytes(self, data: bytes) -> None:
         """Raw bytes, no frame (a backend's own wire format after a hand-over)."""
