@@ -173,9 +173,7 @@ def plot(report, path):
     ax.set_title(f"Pulls from a busy source, {report['meta']['mode']}")
     ax.grid(True, axis="y", which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save_figure(plt, fig, path)
     return True
 
 

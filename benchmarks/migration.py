@@ -657,6 +657,13 @@ def pyplot():
     return plt
 
 
+def save_figure(plt, fig, path):
+    """Writes `fig` as a PNG at `path` and frees it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot(report, path):
     plt = pyplot()
     if plt is None:
@@ -677,9 +684,7 @@ def plot(report, path):
     ax.set_title(f"KV migration, {report['meta']['mode']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path)
     return True
 
 
