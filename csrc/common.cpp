@@ -1,4 +1,6 @@
 // Status strings, the per-thread error message and argument checks shared by CPU and CUDA.
+#include <algorithm>
+
 #include "common.h"
 
 namespace vllm_ext {
@@ -49,5 +51,20 @@ const char* vllm_ext_status_string(int status) {
 const char* vllm_ext_last_error(void) { return vllm_ext::last_error_message.c_str(); }
 
 int32_t vllm_ext_abi_version(void) { return VLLM_EXT_ABI_VERSION; }
+
+int64_t vllm_ext_ramp_bounds(int64_t n, int64_t slot_blocks, int64_t* bounds, int64_t capacity) {
+  if (n < 0 || slot_blocks < 1) return -1;
+  int64_t chunks = 0;
+  for (int64_t lo = 0, size = 1; lo < n; size = size > slot_blocks / 2 ? slot_blocks : size * 2) {
+    lo += std::min(size, n - lo);
+    ++chunks;
+  }
+  if (bounds != nullptr && capacity >= chunks + 1) {
+    bounds[0] = 0;
+    for (int64_t c = 0, size = 1; c < chunks; ++c, size = size > slot_blocks / 2 ? slot_blocks : size * 2)
+      bounds[c + 1] = std::min(bounds[c] + size, n);
+  }
+  return chunks;
+}
 
 }  // extern "C"

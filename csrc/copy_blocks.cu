@@ -164,7 +164,7 @@ struct InlineIds {
 constexpr size_t kInlineParamBytes = 2 * sizeof(vllm_ext_side) + 2 * sizeof(int32_t) + 3 * sizeof(int64_t) +
                                      sizeof(InlineIds);
 static_assert(kInlineParamBytes <= 4096, "inline ids: kernel parameters over 4 KB (VLLM_EXT_MAX_INLINE_IDS)");
-static_assert(sizeof(vllm_ext_staging) == 104, "vllm_ext_staging: the layout vllm_ext/_lib.py mirrors");
+static_assert(sizeof(vllm_ext_staging) == 112, "vllm_ext_staging: the layout vllm_ext/_lib.py mirrors");
 
 template <int kVecBytes, int kUnroll, typename Ids>
 __global__ void __launch_bounds__(kThreads, VLLM_EXT_MIN_CTAS_PER_SM)
@@ -360,74 +360,124 @@ int vllm_ext_copy_blocks_cuda_inline(const vllm_ext_side* src, const vllm_ext_si
                        device, static_cast<cudaStream_t>(stream), max_ctas);
 }
 
-int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging* staging, const int64_t* ids,
-                             const int64_t* bounds, int32_t first_chunk, int32_t num_chunks, int32_t num_layers,
-                             int32_t num_components, int64_t chunk_nbytes, int32_t alignment, int32_t device) {
-  if (cache == nullptr || staging == nullptr || bounds == nullptr || staging->transfer == nullptr)
+int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging* lanes, int32_t num_lanes,
+                             const int64_t* ids, const int64_t* bounds, int32_t first_chunk, int32_t num_chunks,
+                             int32_t num_layers, int32_t num_components, int64_t chunk_nbytes, int32_t alignment,
+                             int32_t device, void* after_stream, void* after_event, void* done) {
+  if (cache == nullptr || lanes == nullptr || bounds == nullptr)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "null argument to vllm_ext_staged_transfer");
   if (cache->block_ids != nullptr)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "cache->block_ids must be NULL (ids go in `ids`)");
-  const vllm_ext_staging& st = *staging;
-  if ((st.direction != VLLM_EXT_STAGE_SEND && st.direction != VLLM_EXT_STAGE_RECV) || first_chunk < 0 ||
-      num_chunks < 0 || st.slot_blocks <= 0 || st.slots[0] == 0 || st.slots[1] == 0)
-    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "staged transfer: bad direction, chunk range or slots");
-  if (st.copied[0] == nullptr || st.copied[1] == nullptr || st.moved[0] == nullptr || st.moved[1] == nullptr)
-    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "staged transfer: a NULL event (every slot needs copied and moved)");
+  if (num_lanes < 1 || num_lanes > VLLM_EXT_MAX_LANES || first_chunk < 0 || num_chunks < 0)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "staged transfer: bad lane count or chunk range");
+  if (after_stream != nullptr && after_event == nullptr)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "staged transfer: after_stream without after_event");
+  const int32_t direction = lanes[0].direction;
+  const int64_t slot_blocks = lanes[0].slot_blocks;
+  for (int32_t i = 0; i < num_lanes; ++i) {
+    const vllm_ext_staging& st = lanes[i];
+    if (st.transfer == nullptr) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "null argument to vllm_ext_staged_transfer");
+    if ((st.direction != VLLM_EXT_STAGE_SEND && st.direction != VLLM_EXT_STAGE_RECV) || st.direction != direction ||
+        st.slot_blocks <= 0 || st.slot_blocks != slot_blocks || st.slots[0] == 0 || st.slots[1] == 0)
+      return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "staged transfer: bad direction or slots (lane " + std::to_string(i) + ")");
+    if (st.copied[0] == nullptr || st.copied[1] == nullptr || st.moved[0] == nullptr || st.moved[1] == nullptr ||
+        st.tail == nullptr)
+      return fail(VLLM_EXT_ERR_INVALID_ARGUMENT,
+                  "staged transfer: a NULL event (every slot needs copied and moved, every lane a tail)");
+  }
   for (int32_t c = 0; c < num_chunks; ++c) {
     const int64_t n = bounds[c + 1] - bounds[c];
-    if (bounds[c] < 0 || n < 0 || n > st.slot_blocks)
+    if (bounds[c] < 0 || n < 0 || n > slot_blocks)
       return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "staged transfer: chunk " + std::to_string(c) + " holds " +
                                                      std::to_string(n) + " blocks, a slot " +
-                                                     std::to_string(st.slot_blocks));
+                                                     std::to_string(slot_blocks));
   }
   const int64_t rows_total = bounds[num_chunks] - bounds[0];
   if (rows_total > 0 && ids == nullptr) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "ids is NULL");
   int status = check_alignment(alignment, chunk_nbytes);
-  if (status == VLLM_EXT_OK) {
-    vllm_ext_side probe = {nullptr, st.slots[0], 0, 0, 0, st.slot_blocks, nullptr};
-    status = vllm_ext::check_copy_args(cache, &probe, 0, num_layers, num_components, chunk_nbytes);
+  for (int32_t i = 0; i < num_lanes && status == VLLM_EXT_OK; ++i) {
+    for (int slot = 0; slot < 2 && status == VLLM_EXT_OK; ++slot) {
+      vllm_ext_side probe = {nullptr, lanes[i].slots[slot], 0, 0, 0, slot_blocks, nullptr};
+      status = vllm_ext::check_copy_args(cache, &probe, 0, num_layers, num_components, chunk_nbytes);
+    }
   }
   if (status != VLLM_EXT_OK) return status;
   if (num_layers == 0 || chunk_nbytes == 0) return VLLM_EXT_OK;  // blocks of no bytes: nothing moves
   DeviceGuard guard(device, /*bind=*/true);  // the transfer function may need the context current
   if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
-  auto copy = static_cast<cudaStream_t>(st.copy_stream);
-  auto comm = static_cast<cudaStream_t>(st.comm_stream);
+  const bool send = direction == VLLM_EXT_STAGE_SEND;
   const int64_t row_nbytes = int64_t{num_layers} * num_components * chunk_nbytes;
-  const bool send = st.direction == VLLM_EXT_STAGE_SEND;
-  for (int32_t c = 0; c < num_chunks; ++c) {
+  auto stream_of = [](void* s) { return static_cast<cudaStream_t>(s); };
+  auto event_of = [](void* e) { return static_cast<cudaEvent_t>(e); };
+  if (after_stream != nullptr) {
+    VLLM_EXT_CUDA_TRY(cudaEventRecord(event_of(after_event), stream_of(after_stream)));
+    for (int32_t i = 0; i < num_lanes; ++i)
+      VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(stream_of(lanes[i].copy_stream), event_of(after_event), 0));
+  }
+  // Chunk c's lane, slot and the slot as a buffer side of its rows (the wire format of gather/scatter).
+  struct Stage {
+    const vllm_ext_staging* lane;
+    int slot;
+    int64_t lane_chunk;
+    vllm_ext_side rows;
+  };
+  auto stage = [&](int32_t c) {
     const int64_t k = int64_t{first_chunk} + c;
-    const int slot = static_cast<int>(k % 2);
-    const int64_t lo = bounds[c], n = bounds[c + 1] - bounds[c];
-    auto copied = static_cast<cudaEvent_t>(st.copied[slot]);
-    auto moved = static_cast<cudaEvent_t>(st.moved[slot]);
-    // The slot as a buffer side of n rows (the wire format of gather/scatter).
-    const vllm_ext_side rows = {nullptr, st.slots[slot], num_components * chunk_nbytes, row_nbytes, chunk_nbytes,
-                                n, nullptr};
-    void* buf = reinterpret_cast<void*>(st.slots[slot]);
-    const size_t nbytes = static_cast<size_t>(n * row_nbytes);
-    if (send) {
-      if (k >= 2) VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(copy, moved, 0));  // the slot's last send is done
-      status = launch_inline(*cache, rows, ids + lo, nullptr, n, num_layers, num_components, chunk_nbytes,
-                             alignment, device, copy, st.max_ctas);
-      if (status != VLLM_EXT_OK) return status;
-      VLLM_EXT_CUDA_TRY(cudaEventRecord(copied, copy));
-      VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(comm, copied, 0));
-    } else if (k >= 2) {
-      VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(comm, copied, 0));  // the slot's last scatter is done
-    }
-    const int rc = st.transfer(buf, nbytes, st.datatype, st.peer, st.comm, st.comm_stream);
+    Stage g;
+    g.lane = &lanes[k % num_lanes];
+    g.lane_chunk = k / num_lanes;
+    g.slot = static_cast<int>(g.lane_chunk % 2);
+    g.rows = {nullptr, g.lane->slots[g.slot], num_components * chunk_nbytes, row_nbytes, chunk_nbytes,
+              bounds[c + 1] - bounds[c], nullptr};
+    return g;
+  };
+  auto transfer = [&](int32_t c, const Stage& g) -> int {
+    const int rc = g.lane->transfer(reinterpret_cast<void*>(g.lane->slots[g.slot]),
+                                    static_cast<size_t>(g.rows.num_blocks * row_nbytes), g.lane->datatype,
+                                    g.lane->peer, g.lane->comm, g.lane->comm_stream);
     if (rc != 0)
-      return fail(VLLM_EXT_ERR_TRANSFER, std::string(send ? "send" : "receive") + " of chunk " + std::to_string(k) +
-                                             " returned " + std::to_string(rc));
-    VLLM_EXT_CUDA_TRY(cudaEventRecord(moved, comm));
-    if (!send) {
-      VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(copy, moved, 0));
-      status = launch_inline(rows, *cache, nullptr, ids + lo, n, num_layers, num_components, chunk_nbytes,
-                             alignment, device, copy, st.max_ctas);
+      return fail(VLLM_EXT_ERR_TRANSFER, std::string(send ? "send" : "receive") + " of chunk " +
+                                             std::to_string(int64_t{first_chunk} + c) + " returned " +
+                                             std::to_string(rc));
+    VLLM_EXT_CUDA_TRY(cudaEventRecord(event_of(g.lane->moved[g.slot]), stream_of(g.lane->comm_stream)));
+    return VLLM_EXT_OK;
+  };
+  auto scatter = [&](int32_t c) -> int {
+    const Stage g = stage(c);
+    auto copy = stream_of(g.lane->copy_stream);
+    VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(copy, event_of(g.lane->moved[g.slot]), 0));
+    const int rc = launch_inline(g.rows, *cache, nullptr, ids + bounds[c], g.rows.num_blocks, num_layers,
+                                 num_components, chunk_nbytes, alignment, device, copy, g.lane->max_ctas);
+    if (rc != VLLM_EXT_OK) return rc;
+    VLLM_EXT_CUDA_TRY(cudaEventRecord(event_of(g.lane->copied[g.slot]), copy));
+    return VLLM_EXT_OK;
+  };
+  for (int32_t c = 0; c < num_chunks; ++c) {
+    const Stage g = stage(c);
+    auto copy = stream_of(g.lane->copy_stream), comm = stream_of(g.lane->comm_stream);
+    if (send) {
+      if (g.lane_chunk >= 2) VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(copy, event_of(g.lane->moved[g.slot]), 0));
+      status = launch_inline(*cache, g.rows, ids + bounds[c], nullptr, g.rows.num_blocks, num_layers, num_components,
+                             chunk_nbytes, alignment, device, copy, g.lane->max_ctas);
       if (status != VLLM_EXT_OK) return status;
-      VLLM_EXT_CUDA_TRY(cudaEventRecord(copied, copy));
+      VLLM_EXT_CUDA_TRY(cudaEventRecord(event_of(g.lane->copied[g.slot]), copy));
+      VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(comm, event_of(g.lane->copied[g.slot]), 0));
+      if ((status = transfer(c, g)) != VLLM_EXT_OK) return status;
+    } else {
+      // The slot's previous scatter (this lane's chunk j - 2) was enqueued: scatters trail by one chunk.
+      if (g.lane_chunk >= 2) VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(comm, event_of(g.lane->copied[g.slot]), 0));
+      if ((status = transfer(c, g)) != VLLM_EXT_OK) return status;
+      if (c >= 1 && (status = scatter(c - 1)) != VLLM_EXT_OK) return status;
     }
+  }
+  if (!send && num_chunks > 0 && (status = scatter(num_chunks - 1)) != VLLM_EXT_OK) return status;
+  for (int32_t i = 0; i < num_lanes; ++i)
+    VLLM_EXT_CUDA_TRY(cudaEventRecord(event_of(lanes[i].tail), stream_of(send ? lanes[i].comm_stream
+                                                                               : lanes[i].copy_stream)));
+  if (done != nullptr) {
+    auto last = stream_of(send ? lanes[0].comm_stream : lanes[0].copy_stream);
+    for (int32_t i = 1; i < num_lanes; ++i) VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(last, event_of(lanes[i].tail), 0));
+    VLLM_EXT_CUDA_TRY(cudaEventRecord(event_of(done), last));
   }
   return VLLM_EXT_OK;
 }

@@ -87,7 +87,7 @@ bool peer_closed(int fd) {
 struct vllm_ext_pull_server {
   int fd = -1;
   vllm_ext_side cache{};
-  vllm_ext_staging staging{};
+  std::vector<vllm_ext_staging> lanes;
   int32_t num_layers = 0, num_components = 0, alignment = 1, device = 0;
   int64_t chunk_nbytes = 0;
   cudaEvent_t done = nullptr;
@@ -177,11 +177,12 @@ struct vllm_ext_pull_server {
         return true;
       }
     }
-    // Chunks ramp 1, 2, 4, ... blocks up to a slot (the destination derives the same bounds).
-    std::vector<int64_t> bounds = {0};
-    for (int64_t size = 1; bounds.back() < static_cast<int64_t>(ids.size());
-         size = std::min(size * 2, staging.slot_blocks))
-      bounds.push_back(std::min(bounds.back() + size, static_cast<int64_t>(ids.size())));
+    // The chunks the destination derives from n as well.
+    const int64_t slot_blocks = lanes[0].slot_blocks;
+    std::vector<int64_t> bounds(static_cast<size_t>(vllm_ext_ramp_bounds(static_cast<int64_t>(ids.size()), slot_blocks,
+                                                                         nullptr, 0) + 1));
+    vllm_ext_ramp_bounds(static_cast<int64_t>(ids.size()), slot_blocks, bounds.data(),
+                         static_cast<int64_t>(bounds.size()));
     const int32_t chunks = static_cast<int32_t>(bounds.size() - 1);
     const int64_t stall_chunk = stall ? stall[0] : -1;
     int status = VLLM_EXT_OK;
@@ -196,18 +197,14 @@ struct vllm_ext_pull_server {
       // reported below
     } else if (stall_chunk >= 0 && stall_chunk < chunks) {  // tests: a source that pauses before a chunk
       const int32_t first = static_cast<int32_t>(stall_chunk);
-      if (first > 0) status = enqueue(ids, bounds.data(), 0, first);
+      if (first > 0) status = enqueue(ids, bounds.data(), 0, first, nullptr);
       if (status == VLLM_EXT_OK) {
         pause(static_cast<double>(stall[1]) * 1e-6, deadline);
         if (interrupted(deadline, head.timeout_s)) return false;  // the rest is not enqueued
-        status = enqueue(ids, bounds.data() + first, first, chunks - first);
+        status = enqueue(ids, bounds.data() + first, first, chunks - first, done);
       }
     } else {
-      status = enqueue(ids, bounds.data(), 0, chunks);
-    }
-    if (status == VLLM_EXT_OK) {
-      const cudaError_t e = cudaEventRecord(done, static_cast<cudaStream_t>(staging.comm_stream));
-      if (e != cudaSuccess) status = fail(VLLM_EXT_ERR_CUDA, std::string("cudaEventRecord: ") + cudaGetErrorString(e));
+      status = enqueue(ids, bounds.data(), 0, chunks, done);  // records `done` after the last send
     }
     if (status != VLLM_EXT_OK) {
       const std::string what = std::string("nccl send: ") + vllm_ext_last_error();
@@ -218,9 +215,10 @@ struct vllm_ext_pull_server {
     return wait_done(deadline, head.timeout_s);
   }
 
-  int enqueue(const std::vector<int64_t>& ids, const int64_t* bounds, int32_t first, int32_t count) {
-    return vllm_ext_staged_transfer(&cache, &staging, ids.data(), bounds, first, count, num_layers, num_components,
-                                    chunk_nbytes, alignment, device);
+  int enqueue(const std::vector<int64_t>& ids, const int64_t* bounds, int32_t first, int32_t count, cudaEvent_t last) {
+    return vllm_ext_staged_transfer(&cache, lanes.data(), static_cast<int32_t>(lanes.size()), ids.data(), bounds, first,
+                                    count, num_layers, num_components, chunk_nbytes, alignment, device, nullptr,
+                                    nullptr, last);
   }
 
   // Waits for the pull's last send against its deadline, watching the connection.
@@ -272,18 +270,23 @@ struct vllm_ext_pull_server {
 
 extern "C" {
 
-int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cache, const vllm_ext_staging* staging,
-                               int32_t num_layers, int32_t num_components, int64_t chunk_nbytes, int32_t alignment,
-                               int32_t device, void* done_event, const int64_t* stall, vllm_ext_pull_server** server) {
-  if (server == nullptr || cache == nullptr || staging == nullptr || done_event == nullptr || fd < 0)
+int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cache, const vllm_ext_staging* lanes,
+                               int32_t num_lanes, int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
+                               int32_t alignment, int32_t device, void* done_event, const int64_t* stall,
+                               vllm_ext_pull_server** server) {
+  if (server == nullptr || cache == nullptr || lanes == nullptr || done_event == nullptr || fd < 0)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "null argument or negative fd to vllm_ext_pull_server_start");
   *server = nullptr;
-  if (staging->direction != VLLM_EXT_STAGE_SEND || staging->slot_blocks <= 0 || staging->transfer == nullptr)
-    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "pull server: the staging must be a SEND side with slots");
+  if (num_lanes < 1 || num_lanes > VLLM_EXT_MAX_LANES)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "pull server: 1 to VLLM_EXT_MAX_LANES lanes");
+  for (int32_t i = 0; i < num_lanes; ++i)
+    if (lanes[i].direction != VLLM_EXT_STAGE_SEND || lanes[i].slot_blocks <= 0 ||
+        lanes[i].slot_blocks != lanes[0].slot_blocks || lanes[i].transfer == nullptr)
+      return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "pull server: every lane must be a SEND side with equal slots");
   auto* s = new vllm_ext_pull_server();
   s->fd = fd;
   s->cache = *cache;
-  s->staging = *staging;
+  s->lanes.assign(lanes, lanes + num_lanes);
   s->num_layers = num_layers;
   s->num_components = num_components;
   s->chunk_nbytes = chunk_nbytes;

@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define VLLM_EXT_ABI_VERSION 4
+#define VLLM_EXT_ABI_VERSION 5
 
 /* The library is built with hidden visibility; only these functions are exported. */
 #if defined(__GNUC__)
@@ -90,29 +90,39 @@ VLLM_EXT_API int vllm_ext_copy_blocks_cuda_inline(const vllm_ext_side* src, cons
 /*
  * Staged transfer: the enqueue sequence of one side of a pipelined pull, in one call.
  * `transfer` has the signature of ncclSend / ncclRecv; the caller passes their address, so the
- * library never links NCCL. Chunk c (0 <= c < num_chunks) moves the blocks ids[bounds[c] ..
- * bounds[c+1]) of `cache` through staging slot k % 2, k = first_chunk + c:
- *   SEND: copy_stream waits moved[k%2] (k >= 2), gathers the blocks into the slot, records
- *         copied[k%2]; comm_stream waits for it, transfers the slot out, records moved[k%2].
- *   RECV: comm_stream waits copied[k%2] (k >= 2), transfers into the slot, records moved[k%2];
- *         copy_stream waits for it, scatters the slot into the blocks, records copied[k%2].
- * Everything is enqueued, nothing waited for. The caller orders the streams against its own
- * work before the call and waits for the last stage after it. On a failure the streams hold
- * a prefix of the sequence (a transfer that failed is not enqueued), so the caller must end
- * its communicator (ncclCommAbort) before reusing the slots.
+ * library never links NCCL. A side has num_lanes lanes (1 .. VLLM_EXT_MAX_LANES), each with its
+ * own communicator, streams, two slots and events: chunk k goes through lane k % num_lanes, in
+ * its slot (k / num_lanes) % 2. The lanes run concurrently, so one chunk's transfer starts
+ * while its neighbour's ends (and NCCL moves a lane's chunk on that lane's own channels).
+ * Chunk c (0 <= c < num_chunks) moves the blocks ids[bounds[c] .. bounds[c+1]) of `cache`,
+ * k = first_chunk + c, j = k / num_lanes (the lane's own count), s = j % 2:
+ *   SEND: copy_stream waits moved[s] (j >= 2), gathers the blocks into the slot, records
+ *         copied[s]; comm_stream waits for it, transfers the slot out, records moved[s].
+ *   RECV: comm_stream waits copied[s] (j >= 2), transfers into the slot, records moved[s];
+ *         copy_stream waits for it, scatters the slot into the blocks, records copied[s].
+ *         (A chunk's transfer is enqueued before the previous chunk's scatter.)
+ * `after_stream` (may be NULL): every lane's copy stream first waits for the work queued on it
+ * (recorded in `after_event`). At the end every lane records `tail` on its last stream (comm
+ * for SEND, copy for RECV) and, when `done` is not NULL, lane 0's last stream waits for every
+ * tail and records `done`: the whole side's work, this call's and earlier calls'.
+ * Everything is enqueued, nothing waited for. On a failure the streams hold a prefix of the
+ * sequence (a transfer that failed is not enqueued), so the caller must end its communicators
+ * (ncclCommAbort) before reusing the slots.
  */
 typedef int (*vllm_ext_transfer_fn)(void* buf, size_t count, int32_t datatype, int32_t peer,
                                     void* comm, void* stream);
 typedef enum { VLLM_EXT_STAGE_SEND = 0, VLLM_EXT_STAGE_RECV = 1 } vllm_ext_stage_direction;
-typedef struct {
-  int32_t direction;          /* vllm_ext_stage_direction */
+#define VLLM_EXT_MAX_LANES 8
+typedef struct {              /* one lane */
+  int32_t direction;          /* vllm_ext_stage_direction (the same for every lane) */
   int32_t max_ctas;           /* grid cap of the gathers / scatters (0 = the whole GPU) */
   uint64_t slots[2];          /* [device] two staging buffers of slot_blocks rows */
-  int64_t slot_blocks;        /* rows of one slot (a chunk holds at most this many blocks) */
+  int64_t slot_blocks;        /* rows of one slot (the same for every lane) */
   void* copy_stream;          /* cudaStream_t of the gathers / scatters */
   void* comm_stream;          /* cudaStream_t of the transfers */
   void* copied[2];            /* cudaEvent_t per slot: its copy is done */
   void* moved[2];             /* cudaEvent_t per slot: its transfer is done */
+  void* tail;                 /* cudaEvent_t: the lane's last stage (see above) */
   vllm_ext_transfer_fn transfer;
   void* comm;                 /* passed to transfer */
   int32_t peer;               /* passed to transfer */
@@ -122,10 +132,18 @@ typedef struct {
 /* `cache` describes the paged cache (its block_ids must be NULL); ids and bounds are [host];
  * rows of a slot are num_layers * num_components * chunk_nbytes bytes (the buffer wire
  * format); alignment divides the cache's and the slots' addresses and strides. */
-VLLM_EXT_API int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging* staging,
-                             const int64_t* ids, const int64_t* bounds, int32_t first_chunk,
-                             int32_t num_chunks, int32_t num_layers, int32_t num_components,
-                             int64_t chunk_nbytes, int32_t alignment, int32_t device);
+VLLM_EXT_API int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging* lanes,
+                             int32_t num_lanes, const int64_t* ids, const int64_t* bounds,
+                             int32_t first_chunk, int32_t num_chunks, int32_t num_layers,
+                             int32_t num_components, int64_t chunk_nbytes, int32_t alignment,
+                             int32_t device, void* after_stream, void* after_event, void* done);
+
+/* The chunks of a staged pull of n blocks, which both sides derive from n alone: they grow
+ * 1, 2, 4, ... blocks up to slot_blocks, so the first transfer starts after one block's copy
+ * and long pulls need few transfers. Writes bounds[0 .. chunks] (bounds[0] = 0, the last = n)
+ * when `capacity` holds chunks + 1 values (bounds may be NULL to count) and returns the number
+ * of chunks; -1 for n < 0 or slot_blocks < 1. In every build, CUDA or not. */
+VLLM_EXT_API int64_t vllm_ext_ramp_bounds(int64_t n, int64_t slot_blocks, int64_t* bounds, int64_t capacity);
 
 /*
  * Pull server: the source side of staged pulls, run by a library thread, so that serving a
@@ -137,16 +155,15 @@ VLLM_EXT_API int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm
  *   reply:   uint32 magic VLLM_EXT_PULL_REPLY_MAGIC, uint32 kind (vllm_ext_pull_reply),
  *            uint32 message_len, uint32 0, then message_len bytes of UTF-8
  * A request with an id outside the cache or a bad timeout is REFUSED (nothing moves). Otherwise
- * its chunks (1, 2, 4, ... blocks up to staging->slot_blocks) are enqueued as
- * vllm_ext_staged_transfer does, `done_event` is recorded on the comm stream, the reply is
- * ACCEPTED, and the thread waits for done_event until timeout_s after the request arrived:
+ * its chunks (vllm_ext_ramp_bounds) are enqueued over the lanes as vllm_ext_staged_transfer
+ * does, with `done_event` as its done, the reply is ACCEPTED, and the thread waits for done_event until timeout_s after the request arrived:
  * past it, it sends FAILED and ends (as it does after a failed enqueue, or on a stop during a
  * pull); a peer that closes the connection ends it too. After the thread ends, the caller must
  * end the communicator (ncclCommAbort) before reusing the slots: a pull may be half enqueued.
  * `stall` ([host], may be NULL; tests only) holds {chunk, microseconds}: the thread pauses that
  * long (bounded by the deadline, ended by a stop or the peer leaving) before enqueueing that
- * chunk, read at every request. `cache` and `staging` are copied; `stall`, done_event and the
- * streams, events, slots and communicator that `staging` names must stay valid until destroy.
+ * chunk, read at every request. `cache` and the lanes are copied; `stall`, done_event and the
+ * streams, events, slots and communicators that the lanes name must stay valid until destroy.
  */
 #define VLLM_EXT_PULL_REQUEST_MAGIC 0x31505856u /* "VXP1" */
 #define VLLM_EXT_PULL_REPLY_MAGIC 0x31525856u   /* "VXR1" */
@@ -159,8 +176,8 @@ typedef enum {
   VLLM_EXT_PULL_SERVER_DEADLINE = 3,    /* a pull was not complete at its deadline */
 } vllm_ext_pull_server_end;
 typedef struct vllm_ext_pull_server vllm_ext_pull_server;
-VLLM_EXT_API int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cache, const vllm_ext_staging* staging,
-                               int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
+VLLM_EXT_API int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cache, const vllm_ext_staging* lanes,
+                               int32_t num_lanes, int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
                                int32_t alignment, int32_t device, void* done_event, const int64_t* stall,
                                vllm_ext_pull_server** server);
 /* Asks the thread to end (shuts the socket down for reading; a pull in flight is answered

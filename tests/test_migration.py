@@ -451,16 +451,31 @@ def test_chunk_ranges_cover_the_ids_in_order():
 
     for n in range(0, 40):
         for per_chunk in (1, 3, 4, 8):
-            for ramp in (False, True):
-                ranges = chunk_ranges(n, per_chunk, ramp=ramp)
-                assert [i for lo, hi in ranges for i in range(lo, hi)] == list(range(n))
-                assert all(0 < hi - lo <= per_chunk for lo, hi in ranges)
-                if ramp and n:
-                    sizes = [hi - lo for lo, hi in ranges]
-                    assert sizes[0] == 1
-                    assert all(b == min(2 * a, per_chunk) for a, b in zip(sizes, sizes[1:-1]))
-                elif n:
-                    assert all(hi - lo == per_chunk for lo, hi in ranges[:-1])
+            ranges = chunk_ranges(n, per_chunk)
+            assert [i for lo, hi in ranges for i in range(lo, hi)] == list(range(n))
+            assert all(0 < hi - lo <= per_chunk for lo, hi in ranges)
+            assert all(hi - lo == per_chunk for lo, hi in ranges[:-1])
+
+
+def test_ramp_bounds_grow_from_one_block_to_a_slot():
+    """The staged pull's chunks (the library's rule, which the source's pull server and the
+    destination both use): they cover the ids in order, 1, 2, 4, ... blocks up to a slot."""
+    from vllm_ext import _lib
+
+    for n in range(0, 70):
+        for slot_blocks in (1, 2, 3, 4, 5, 8, 64, 1 << 62):
+            bounds = list(_lib.ramp_bounds(n, slot_blocks))
+            assert bounds[0] == 0 and bounds[-1] == n
+            sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+            assert all(0 < size <= slot_blocks for size in sizes)
+            if n:
+                assert sizes[0] == 1
+                assert all(b == min(2 * a, slot_blocks) for a, b in zip(sizes, sizes[1:-1]))
+    assert list(_lib.ramp_bounds(8, 4)) == [0, 1, 3, 7, 8]
+    assert list(_lib.ramp_bounds(29, 4)) == [0, 1, 3, 7, 11, 15, 19, 23, 27, 29]
+    for n, slot_blocks in ((-1, 4), (4, 0)):
+        with pytest.raises(ValueError, match="ramp_bounds"):
+            _lib.ramp_bounds(n, slot_blocks)
 
 
 @pytest.mark.parametrize("contiguous", [True, False])

@@ -4,6 +4,7 @@ and what it answers are tested here, and so is how the destination reads each an
 suite moves data through it (test_migration_gpu.py)."""
 
 import ctypes
+import os
 import socket
 import struct
 import time
@@ -23,6 +24,13 @@ _TRANSFER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, cty
 _NEVER_CALLED = _TRANSFER(lambda *args: 1)
 
 
+def lanes(count=2, **changes):
+    """Placeholder SEND lanes (never enqueued here)."""
+    fields = dict(direction=_lib.STAGE_SEND, max_ctas=0, slots=(ctypes.c_uint64 * 2)(0x2000, 0x3000),
+                  slot_blocks=4, transfer=ctypes.cast(_NEVER_CALLED, ctypes.c_void_p).value, peer=0, datatype=0)
+    return (_lib.Staging * count)(*[_lib.Staging(**dict(fields, **(changes if i else {}))) for i in range(count)])
+
+
 @pytest.fixture
 def server():
     """(the destination's socket, the PullServer, its stall array) over a socket pair. The
@@ -32,11 +40,8 @@ def server():
     ours, theirs = socket.socketpair()
     side = _lib.Side(layer_ptrs=0x1000, base=0, layer_stride=0, block_stride=64, component_stride=0,
                      num_blocks=NUM_BLOCKS, block_ids=None)
-    staging = _lib.Staging(direction=_lib.STAGE_SEND, max_ctas=0, slots=(ctypes.c_uint64 * 2)(0x2000, 0x3000),
-                           slot_blocks=4, transfer=ctypes.cast(_NEVER_CALLED, ctypes.c_void_p).value,
-                           peer=0, datatype=0)
     stall = (ctypes.c_int64 * 2)(-1, 0)
-    srv = _lib.PullServer(theirs.detach(), side, staging, 1, 1, 64, 16, 0, 0x4000, stall)
+    srv = _lib.PullServer(theirs.detach(), side, lanes(), 1, 1, 64, 16, 0, 0x4000, stall)
     ours.settimeout(10)
     yield ours, srv, stall
     srv.stop()
@@ -132,6 +137,24 @@ def test_a_valid_request_without_a_gpu_fails_cleanly(server):
     assert kind == _lib.PULL_FAILED and "cudaSetDevice" in message
     reason, why = ended(srv)
     assert reason == _lib.SERVER_FAILED and "cudaSetDevice" in why
+
+
+@pytest.mark.parametrize("bad", ["no lanes", "too many lanes", "a RECV lane", "unequal slots"])
+def test_start_refuses_bad_lanes(bad):
+    if not _lib.built_with_cuda():
+        pytest.skip("the pull server is part of a CUDA build of the library")
+    given = {"no lanes": lanes(0), "too many lanes": lanes(_lib.MAX_LANES + 1),
+             "a RECV lane": lanes(direction=_lib.STAGE_RECV), "unequal slots": lanes(slot_blocks=2)}[bad]
+    ours, theirs = socket.socketpair()
+    side = _lib.Side(layer_ptrs=0x1000, base=0, layer_stride=0, block_stride=64, component_stride=0,
+                     num_blocks=NUM_BLOCKS, block_ids=None)
+    fd = theirs.detach()
+    with pytest.raises(_lib.VllmExtError, match="lane") as info:
+        _lib.PullServer(fd, side, given, 1, 1, 64, 16, 0, 0x4000, (ctypes.c_int64 * 2)(-1, 0))
+    assert info.value.status == _lib.ERR_INVALID_ARGUMENT
+    with pytest.raises(OSError):  # the refused server's fd was closed
+        os.fstat(fd)
+    ours.close()
 
 
 def test_the_wire_constants_match_the_header():

@@ -1,6 +1,7 @@
 """The only module that knows about ctypes: loads libvllm_ext.so once, declares its C ABI
 (csrc/vllm_ext.h) as a table, and sends every return code through one check."""
 
+import array
 import ctypes
 import functools
 import json
@@ -12,7 +13,7 @@ _DIR = Path(__file__).resolve().parent
 # VLLM_EXT_LIBRARY loads another build of the library (tests use it for arch checks).
 LIBRARY_PATH = Path(os.environ.get("VLLM_EXT_LIBRARY") or _DIR / "libvllm_ext.so")
 BUILD_INFO_PATH = _DIR / "_build_info.json"
-ABI_VERSION = 4
+ABI_VERSION = 5
 IPC_HANDLE_BYTES = 64
 
 # vllm_ext_status
@@ -43,10 +44,12 @@ class Side(ctypes.Structure):
 
 MAX_INLINE_IDS = 448  # VLLM_EXT_MAX_INLINE_IDS: ids one inline launch carries
 STAGE_SEND, STAGE_RECV = 0, 1
+MAX_LANES = 8  # VLLM_EXT_MAX_LANES
 
 
 class Staging(ctypes.Structure):
-    """vllm_ext_staging: the slots, streams, events and transfer function of a staged pull."""
+    """vllm_ext_staging: one lane of a staged pull (its slots, streams, events, communicator
+    and transfer function)."""
 
     _fields_ = [
         ("direction", ctypes.c_int32),
@@ -57,6 +60,7 @@ class Staging(ctypes.Structure):
         ("comm_stream", ctypes.c_void_p),
         ("copied", ctypes.c_void_p * 2),
         ("moved", ctypes.c_void_p * 2),
+        ("tail", ctypes.c_void_p),
         ("transfer", ctypes.c_void_p),
         ("comm", ctypes.c_void_p),
         ("peer", ctypes.c_int32),
@@ -87,16 +91,20 @@ _FUNCTIONS = {
     #     int32 max_ctas)
     "vllm_ext_copy_blocks_cuda_inline": (_i32, [_side_p, _side_p, _ptr, _ptr, _i64, _i32, _i32, _i64, _i32,
                                                 _i32, _ptr, _i32]),
-    # int vllm_ext_staged_transfer(const side* cache, const staging* staging, const int64* ids,
-    #     const int64* bounds, int32 first_chunk, int32 num_chunks, int32 num_layers,
-    #     int32 num_components, int64 chunk_nbytes, int32 alignment, int32 device)
-    "vllm_ext_staged_transfer": (_i32, [_side_p, _staging_p, _ptr, _ptr, _i32, _i32, _i32, _i32, _i64, _i32,
-                                        _i32]),
-    # int vllm_ext_pull_server_start(int32 fd, const side* cache, const staging* staging,
+    # int vllm_ext_staged_transfer(const side* cache, const staging* lanes, int32 num_lanes,
+    #     const int64* ids, const int64* bounds, int32 first_chunk, int32 num_chunks,
     #     int32 num_layers, int32 num_components, int64 chunk_nbytes, int32 alignment,
-    #     int32 device, void* done_event, const int64* stall, pull_server** server)
-    "vllm_ext_pull_server_start": (_i32, [_i32, _side_p, _staging_p, _i32, _i32, _i64, _i32, _i32, _ptr, _ptr,
-                                          ctypes.POINTER(_ptr)]),
+    #     int32 device, void* after_stream, void* after_event, void* done)
+    "vllm_ext_staged_transfer": (_i32, [_side_p, _staging_p, _i32, _ptr, _ptr, _i32, _i32, _i32, _i32, _i64,
+                                        _i32, _i32, _ptr, _ptr, _ptr]),
+    # int64 vllm_ext_ramp_bounds(int64 n, int64 slot_blocks, int64* bounds, int64 capacity)
+    "vllm_ext_ramp_bounds": (_i64, [_i64, _i64, _ptr, _i64]),
+    # int vllm_ext_pull_server_start(int32 fd, const side* cache, const staging* lanes,
+    #     int32 num_lanes, int32 num_layers, int32 num_components, int64 chunk_nbytes,
+    #     int32 alignment, int32 device, void* done_event, const int64* stall,
+    #     pull_server** server)
+    "vllm_ext_pull_server_start": (_i32, [_i32, _side_p, _staging_p, _i32, _i32, _i32, _i64, _i32, _i32, _ptr,
+                                          _ptr, ctypes.POINTER(_ptr)]),
     # int vllm_ext_pull_server_stop(pull_server* server)
     "vllm_ext_pull_server_stop": (_i32, [_ptr]),
     # int vllm_ext_pull_server_wait(pull_server* server, int64 timeout_us, int32* ended,
@@ -292,12 +300,25 @@ def copy_blocks_cuda_inline(src, dst, src_ids, dst_ids, num_ids, num_layers, num
           "vllm_ext_copy_blocks_cuda_inline")
 
 
-def staged_transfer(cache, staging, ids, bounds, first_chunk, num_chunks, num_layers, num_components,
-                    chunk_nbytes, alignment, device):
-    """ids / bounds: addresses of [host] int64 arrays (see vllm_ext_staged_transfer)."""
-    check(lib().vllm_ext_staged_transfer(ctypes.byref(cache), ctypes.byref(staging), ids, bounds, first_chunk,
-                                         num_chunks, num_layers, num_components, chunk_nbytes, alignment, device),
+def staged_transfer(cache, lanes, ids, bounds, first_chunk, num_chunks, num_layers, num_components,
+                    chunk_nbytes, alignment, device, after_stream=None, after_event=None, done=None):
+    """lanes: a ctypes array of Staging; ids / bounds: addresses of [host] int64 arrays; the
+    streams and events are raw CUDA handles (see vllm_ext_staged_transfer)."""
+    check(lib().vllm_ext_staged_transfer(ctypes.byref(cache), lanes, len(lanes), ids, bounds, first_chunk,
+                                         num_chunks, num_layers, num_components, chunk_nbytes, alignment, device,
+                                         after_stream, after_event, done),
           "vllm_ext_staged_transfer")
+
+
+def ramp_bounds(n, slot_blocks):
+    """The chunk bounds of a staged pull of n blocks, [0, ..., n] (vllm_ext_ramp_bounds): the
+    rule both sides of a pull share."""
+    count = lib().vllm_ext_ramp_bounds(n, slot_blocks, None, 0)
+    if count < 0:
+        raise ValueError(f"ramp_bounds: n {n} and slot_blocks {slot_blocks} (n >= 0, slot_blocks >= 1)")
+    bounds = array.array("q", bytes(8 * (count + 1)))
+    lib().vllm_ext_ramp_bounds(n, slot_blocks, bounds.buffer_info()[0], count + 1)
+    return bounds
 
 
 class PullServer:
@@ -305,14 +326,15 @@ class PullServer:
     vllm_ext_pull_server_start in csrc/vllm_ext.h). The owner (one thread) calls wait() until
     the server ends, then destroy(); stop() may come from any thread before destroy()."""
 
-    def __init__(self, fd, cache, staging, num_layers, num_components, chunk_nbytes, alignment, device,
+    def __init__(self, fd, cache, lanes, num_layers, num_components, chunk_nbytes, alignment, device,
                  done_event, stall):
         """fd: a socket descriptor the server takes over (closed by destroy, or here on
-        failure); cache (Side), staging (Staging) and stall (c_int64 * 2) are kept alive."""
+        failure); cache (Side), lanes (a ctypes array of Staging) and stall (c_int64 * 2) are
+        kept alive."""
         handle = ctypes.c_void_p()
-        self._keep = (cache, staging, stall)
+        self._keep = (cache, lanes, stall)
         self._lock = threading.Lock()
-        status = lib().vllm_ext_pull_server_start(fd, ctypes.byref(cache), ctypes.byref(staging), num_layers,
+        status = lib().vllm_ext_pull_server_start(fd, ctypes.byref(cache), lanes, len(lanes), num_layers,
                                                   num_components, chunk_nbytes, alignment, device, done_event,
                                                   ctypes.addressof(stall), ctypes.byref(handle))
         if status != OK:

@@ -314,17 +314,11 @@ class PairedBackend(MigrationBackend):
             self.retire(pair)
 
 
-def chunk_ranges(n: int, per_chunk: int, ramp: bool = False) -> List[Tuple[int, int]]:
-    """[(lo, hi)] covering range(n) in order, in pieces of at most per_chunk. With `ramp`, the
-    pieces grow 1, 2, 4, ... up to per_chunk: a pipeline's first stage starts after one block
-    instead of a full chunk, and long pulls still use few, large pieces."""
+def chunk_ranges(n: int, per_chunk: int) -> List[Tuple[int, int]]:
+    """[(lo, hi)] covering range(n) in order, in pieces of per_chunk (the last may be
+    shorter). The staged (nccl) pulls ramp their chunks instead: vllm_ext._lib.ramp_bounds."""
     per_chunk = max(1, int(per_chunk))
-    ranges, lo, size = [], 0, 1 if ramp else per_chunk
-    while lo < n:
-        hi = min(lo + size, n)
-        ranges.append((lo, hi))
-        lo, size = hi, min(size * 2, per_chunk)
-    return ranges
+    return [(lo, min(lo + per_chunk, n)) for lo in range(0, n, per_chunk)]
 
 
 def blocks_per_chunk(chunk_bytes: int, block_nbytes: int) -> int:

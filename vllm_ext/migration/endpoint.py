@@ -31,7 +31,9 @@ __all__ = ["MigrationEndpoint", "PeerLink", "PROTOCOL"]
 # destination and a source of different versions are refused at hello, never half-understood.
 # 2: nccl chunks ramp 1, 2, 4, ... blocks; the nccl connect carries copy_ctas.
 # 3: after nccl.connect, the connection carries binary pulls to the library's pull server.
-PROTOCOL = 3
+# 4: an nccl pair has lanes, one communicator each (connect carries their uids); chunks follow
+#    vllm_ext_ramp_bounds and alternate between the lanes.
+PROTOCOL = 4
 # After serving a pull, the server polls this long for the next request before it blocks
 # (the stages of a migration come in bursts; other requests are rare and wait as usual).
 _SERVE_SPIN_S = 2e-3

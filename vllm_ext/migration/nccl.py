@@ -1,27 +1,36 @@
 """nccl: blocks cross GPU-to-GPU (NVLink, PCIe or the network) through NCCL send/recv, staged in
 GPU memory.
 
-Pairwise communicators: the destination makes an NCCL unique id and sends it over the control
-channel; both sides join a two-rank communicator (rank 0 = destination, 1 = source) used for
+Pairwise communicators: the destination makes NCCL unique ids and sends them over the control
+channel; both sides join two-rank communicators (rank 0 = destination, 1 = source) used for
 pulls in that direction only, cached per peer. No third instance and no global group are ever
 involved, so instances join and leave freely (each communicator costs NCCL buffers, tens of
 MB of GPU memory).
 
-Pipeline, in chunks that grow 1, 2, 4, ... blocks up to `chunk_bytes` (so the first send
-starts after one block's gather, and long pulls need few NCCL calls), two staging slots per
-side, two streams per side besides the caller's:
+Pipeline: a pair has `lanes` (default 2), each its own communicator with two staging slots, a
+copy stream and a comm stream. Chunks grow 1, 2, 4, ... blocks up to `chunk_bytes`
+(vllm_ext_ramp_bounds: the first send starts after one block's gather, long pulls need few
+NCCL calls) and alternate between the lanes:
 
     source:       gather c+1 (copy stream)     | ncclSend c (comm stream)
     destination:  ncclRecv c+1 (comm stream)   | scatter c (copy stream)
 
-The destination's copy stream first waits for the work queued on the caller's current stream;
+Neighbouring chunks travel on different communicators at once, so one send's start-up and
+tail overlap the next one's transfer instead of adding to it, and NCCL drives each lane
+with its own channels. Measured on two H200s with a diagnostic script (the pipeline without
+its control messages, source posted first), against one raw NCCL send/recv of the same bytes
+at 64 MiB / 128 MiB / 544 MiB / 1.6 GiB: one lane with 64 MiB chunks 80 / 92 / 86 / 84%, two
+lanes with 32 MiB chunks 87 / 108 / 107 / 97%. Two lanes with 32 MiB chunks hold the same
+staging memory (128 MiB per side and pair) as one lane with 64 MiB chunks.
+
+The destination's copy streams first wait for the work queued on the caller's current stream;
 the source reads its blocks at once (it offers blocks whose writes are complete, as for ipc).
 Everything is enqueued up front with events between the streams, by one call into vllm_ext's
 library per pull side (it calls ncclSend/ncclRecv through their addresses, and the copies
 carry their block ids in the kernel parameters: no id upload); the host then polls one
 event against the deadline. NCCL kernels wait forever for a peer that is gone, so on the
 deadline (or when the control connection reports the peer's failure or exit) the side aborts
-its communicator (ncclCommAbort ends the kernels), drains its streams, discards the pair, and
+its communicators (ncclCommAbort ends the kernels), drains its streams, discards the pair, and
 the next pull builds a new one. Communicator set-up runs on a helper thread joined with the
 deadline; a set-up that never completes is abandoned.
 
@@ -32,17 +41,17 @@ would otherwise hand every request to its server thread through the GIL: 5 ms pe
 with a busy loop (the switch interval), seconds when that loop also releases the GIL often.
 The connection's Python thread only waits for the library thread to end (the destination
 closed the connection, a pull failed or passed its deadline, the endpoint closes), then
-aborts the communicator.
+aborts the communicators.
 
 The gathers and scatters run with a capped grid (`copy_ctas`, default one CTA per 2 SMs):
-still far faster than the link, and the NCCL kernel of the neighbouring chunk keeps SM room
-and memory bandwidth (measured on two H200s with a diagnostic script, the pipeline without
-its control messages, enqueued from Python, at 544 MiB / 1.6 GiB: 257 / 266 GiB/s with a
-full grid, 270 / 285 with 66 CTAs, 249 / 278 with 16).
+still far faster than the link, and the NCCL kernels of neighbouring chunks keep SM room and
+memory bandwidth (one lane, 544 MiB / 1.6 GiB: 257 / 266 GiB/s with a full grid, 270 / 285
+with 66 CTAs, 249 / 278 with 16).
 
 The destination chooses the pair's parameters and sends them to the source at connect.
-Options: chunk_bytes (largest chunk, default 64 MiB: two slots per side are 128 MiB of GPU
-memory per pair), copy_ctas (None = one per 2 SMs, 0 = the whole GPU).
+Options: chunk_bytes (largest chunk, default 32 MiB), lanes (communicators per pair, 1 to 8,
+default 2; staging memory per side and pair is lanes x 2 x chunk_bytes), copy_ctas (None =
+one per 2 SMs, 0 = the whole GPU).
 """
 
 import array
@@ -64,8 +73,6 @@ from .base import (
     PairedBackend,
     PullStats,
     blocks_per_chunk,
-    chunk_ranges,
-    follow_current_stream,
     poll_until,
     wait_cuda_event,
 )
@@ -73,7 +80,8 @@ from .control import encode_ids
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_CHUNK_BYTES = 32 << 20
+DEFAULT_LANES = 2
 _COPY_SMS_PER_CTA = 2  # default grid of a staging copy: one CTA per 2 SMs
 _MAX_CTAS = (1 << 31) - 1  # the C ABI's int32
 _DST_RANK, _SRC_RANK = 0, 1
@@ -92,45 +100,58 @@ def _lib_nccl():
 
 
 class _Pair:
-    """One side of a two-rank communicator plus its staging slots, streams and events. The
-    whole per-chunk enqueue sequence of a pull (gathers or scatters, sends or receives, the
-    events between them) is one call into vllm_ext's library (vllm_ext_staged_transfer),
-    which calls NCCL through the function's address: a few microseconds per chunk instead of
-    tens in Python."""
+    """One side of a pair: its lanes (each a two-rank communicator with two staging slots,
+    a copy stream, a comm stream and their events) and the pull's entry and done events. The
+    whole enqueue sequence of a pull (gathers or scatters, sends or receives, the events
+    between them, over every lane) is one call into vllm_ext's library
+    (vllm_ext_staged_transfer), which calls NCCL through the function's address: a few
+    microseconds per chunk instead of tens in Python."""
 
-    def __init__(self, comm: int, cache, chunk_blocks: int, copy_ctas: int, direction: int):
+    def __init__(self, comms: List[int], cache, chunk_blocks: int, copy_ctas: int, direction: int):
         from .. import ops
 
-        self.comm = comm
+        self.comms = list(comms)
         self.cache = cache
         self.device = cache.device
         self.chunk_blocks = chunk_blocks
-        self.slots = [torch.empty((chunk_blocks, cache.block_nbytes), dtype=torch.uint8,
-                                  device=cache.device) for _ in range(2)]
-        self.copy_stream = torch.cuda.Stream(cache.device)  # gather or scatter
-        # send or recv. High priority: when a chunk's transfer and the previous chunk's copy
-        # become ready together, the GPU places the transfer's blocks first (the copy kernel
-        # would otherwise fill every SM and the transfer would wait for it).
-        self.comm_stream = torch.cuda.Stream(cache.device, priority=-1)
-        self.copied = [torch.cuda.Event() for _ in range(2)]
-        self.moved = [torch.cuda.Event() for _ in range(2)]
-        self.entry = torch.cuda.Event()  # the caller's stream, when a pull starts
-        self.done = torch.cuda.Event()  # the pull's last stage
-        for event in self.copied + self.moved + [self.done]:
-            event.record(self.copy_stream)  # torch creates an event's CUDA handle lazily
         lib = _lib_nccl()
-        self.staging = _lib.Staging(
-            direction=direction, max_ctas=copy_ctas,  # grid cap of the copies (0 = whole GPU)
-            slots=(ctypes.c_uint64 * 2)(*(slot.data_ptr() for slot in self.slots)),
-            slot_blocks=chunk_blocks, copy_stream=self.copy_stream.cuda_stream,
-            comm_stream=self.comm_stream.cuda_stream,
-            copied=(ctypes.c_void_p * 2)(*(e.cuda_event for e in self.copied)),
-            moved=(ctypes.c_void_p * 2)(*(e.cuda_event for e in self.moved)),
-            transfer=lib.address("ncclSend" if direction == _lib.STAGE_SEND else "ncclRecv"),
-            comm=comm, peer=_DST_RANK if direction == _lib.STAGE_SEND else _SRC_RANK,
-            datatype=NCCL_UINT8)
+        transfer = lib.address("ncclSend" if direction == _lib.STAGE_SEND else "ncclRecv")
+        peer = _DST_RANK if direction == _lib.STAGE_SEND else _SRC_RANK
+        self.entry = torch.cuda.Event()  # the caller's stream, when a pull starts
+        self.done = torch.cuda.Event()  # the pull's last stage, over every lane
+        self.slots: List[torch.Tensor] = []
+        self.streams: List[torch.cuda.Stream] = []
+        built = []  # per lane: slots, copy stream, comm stream, copied, moved, tail
+        for _ in self.comms:
+            slots = [torch.empty((chunk_blocks, cache.block_nbytes), dtype=torch.uint8, device=cache.device)
+                     for _ in range(2)]
+            copy_stream = torch.cuda.Stream(cache.device)  # gathers or scatters
+            # Sends or receives. High priority: when a chunk's transfer and another chunk's copy
+            # become ready together, the GPU places the transfer's blocks first (the copy
+            # kernel would otherwise fill every SM and the transfer would wait for it).
+            comm_stream = torch.cuda.Stream(cache.device, priority=-1)
+            built.append((slots, copy_stream, comm_stream, [torch.cuda.Event() for _ in range(2)],
+                          [torch.cuda.Event() for _ in range(2)], torch.cuda.Event()))
+        events = [self.entry, self.done] + [e for b in built for e in b[3] + b[4] + [b[5]]]
+        for event in events:
+            event.record(built[0][1])  # torch creates an event's CUDA handle lazily
+        lanes = []
+        for comm, (slots, copy_stream, comm_stream, copied, moved, tail) in zip(self.comms, built):
+            self.slots += slots
+            self.streams += [copy_stream, comm_stream]
+            lanes.append(_lib.Staging(
+                direction=direction, max_ctas=copy_ctas,  # grid cap of the copies (0 = whole GPU)
+                slots=(ctypes.c_uint64 * 2)(*(slot.data_ptr() for slot in slots)),
+                slot_blocks=chunk_blocks, copy_stream=copy_stream.cuda_stream,
+                comm_stream=comm_stream.cuda_stream,
+                copied=(ctypes.c_void_p * 2)(*(e.cuda_event for e in copied)),
+                moved=(ctypes.c_void_p * 2)(*(e.cuda_event for e in moved)),
+                tail=tail.cuda_event, transfer=transfer, comm=comm, peer=peer, datatype=NCCL_UINT8))
+        self._events = events
+        self.lanes = (_lib.Staging * len(lanes))(*lanes)
         self.side = ops._cache_side(cache, None, cache.device)
         self.alignment = min([cache.alignment] + [ops._buffer_alignment(s, cache) for s in self.slots])
+        self._current_stream = ops._current_raw_stream
         self.aborted = False
         self._abort_lock = threading.Lock()
         self.server: Optional[_lib.PullServer] = None  # source side: the library thread serving pulls
@@ -138,20 +159,19 @@ class _Pair:
         self._server_lock = threading.Lock()
         self.retired = False  # no server may start any more
 
-    def chunks(self, n: int):
-        """The pull's chunks; both sides derive them from n alone (protocol 2: ramped)."""
-        return chunk_ranges(n, self.chunk_blocks, ramp=True)
-
-    def enqueue(self, ids: List[int], chunks, first: int = 0) -> None:
-        """Enqueues chunks[first:] of a pull of blocks `ids` on the pair's streams."""
-        if first >= len(chunks):
-            return
+    def enqueue(self, ids: List[int]) -> int:
+        """Destination side: enqueues the whole pull of blocks `ids` over the lanes, after the
+        work queued on the caller's current stream, with `done` recorded at its end. Returns
+        the number of chunks (vllm_ext_ramp_bounds: the source derives the same from n)."""
+        bounds = _lib.ramp_bounds(len(ids), self.chunk_blocks)
         values = array.array("q", ids)
-        bounds = array.array("q", [lo for lo, _ in chunks[first:]] + [chunks[-1][1]])
         cache = self.cache
-        _lib.staged_transfer(self.side, self.staging, values.buffer_info()[0], bounds.buffer_info()[0],
-                             first, len(chunks) - first, cache.num_layers, cache.num_components,
-                             cache.chunk_nbytes, self.alignment, self.device.index)
+        _lib.staged_transfer(self.side, self.lanes, values.buffer_info()[0], bounds.buffer_info()[0], 0,
+                             len(bounds) - 1, cache.num_layers, cache.num_components, cache.chunk_nbytes,
+                             self.alignment, self.device.index,
+                             after_stream=self._current_stream(self.device.index),
+                             after_event=self.entry.cuda_event, done=self.done.cuda_event)
+        return len(bounds) - 1
 
     def serve(self, conn, stall) -> None:
         """Source side: hands the connection's further requests (binary pulls) to a library
@@ -162,7 +182,7 @@ class _Pair:
                 self.server_ended.set()
                 return
             conn.sock.setblocking(True)
-            self.server = _lib.PullServer(os.dup(conn.sock.fileno()), self.side, self.staging,
+            self.server = _lib.PullServer(os.dup(conn.sock.fileno()), self.side, self.lanes,
                                           cache.num_layers, cache.num_components, cache.chunk_nbytes,
                                           self.alignment, self.device.index, self.done.cuda_event, stall)
         try:
@@ -194,33 +214,44 @@ class _Pair:
         return False
 
     def abort(self) -> None:
-        """Ends the communicator's kernels, then waits (bounded) for the streams to drain."""
+        """Ends the communicators' kernels, then waits (bounded) for the streams to drain."""
         end = time.monotonic() + _DRAIN_GRACE_S
         with self._abort_lock:
             first, self.aborted = not self.aborted, True
         if first:
-
-            def abort():
-                try:
-                    _lib_nccl().abort(self.comm)
-                except Exception:  # noqa: BLE001
-                    logger.exception("ncclCommAbort failed")
-
-            # An abort that waits on a dead peer must not hold the caller past its deadline.
-            thread = threading.Thread(target=abort, name="nccl-abort", daemon=True)
-            thread.start()
-            thread.join(_DRAIN_GRACE_S)
-            if thread.is_alive():
+            if not _abort_bounded(self.comms):
                 logger.error("nccl: ncclCommAbort on %s still runs after %g s; abandoned",
                              self.device, _DRAIN_GRACE_S)
                 return
-        for stream in (self.comm_stream, self.copy_stream):
+        for stream in self.streams:
             while not stream.query():
                 if time.monotonic() > end:
                     logger.error("nccl: a stream of %s still runs %g s after the abort",
                                  self.device, _DRAIN_GRACE_S)
                     return
                 time.sleep(1e-4)
+
+
+def _abort_bounded(comms: List[int]) -> bool:
+    """Aborts the communicators, each on its own helper thread, all at once: an abort may
+    synchronise the device (freeing its buffers), which waits for the kernels of the other
+    communicators too, so aborting them one after another would wait for a kernel that only
+    the next abort ends. The helpers also keep an abort that waits on a dead peer from holding
+    the caller past its deadline. False when one still runs after the grace period."""
+
+    def abort(comm):
+        try:
+            _lib_nccl().abort(comm)
+        except Exception:  # noqa: BLE001
+            logger.exception("ncclCommAbort failed")
+
+    threads = [threading.Thread(target=abort, args=(comm,), name="nccl-abort", daemon=True) for comm in comms]
+    for thread in threads:
+        thread.start()
+    end = time.monotonic() + _DRAIN_GRACE_S
+    for thread in threads:
+        thread.join(max(end - time.monotonic(), 0))
+    return not any(thread.is_alive() for thread in threads)
 
 
 def _run_bounded(fn, deadline: Deadline, what: str, on_abandoned=None):
@@ -260,6 +291,19 @@ def _run_bounded(fn, deadline: Deadline, what: str, on_abandoned=None):
     return result["value"]
 
 
+def _join_lanes(cache, uids: List[bytes], rank: int, deadline: Deadline) -> List[int]:
+    """Joins one communicator per lane, in order (the peer joins them in the same order);
+    on a failure the ones already joined are aborted."""
+    comms: List[int] = []
+    try:
+        for uid in uids:
+            comms.append(_join(cache, uid, rank, deadline))
+    except BaseException:
+        _abort_bounded(comms)
+        raise
+    return comms
+
+
 def _join(cache, uid: bytes, rank: int, deadline: Deadline) -> int:
     """Joins the two-rank communicator and moves a few bytes source -> destination, so the
     connections exist before the first pull. Returns the comm."""
@@ -292,10 +336,13 @@ class NcclBackend(PairedBackend):
     name = "nccl"
 
     def __init__(self, endpoint, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 copy_ctas: Optional[int] = None):
+                 copy_ctas: Optional[int] = None, lanes: int = DEFAULT_LANES):
         super().__init__(endpoint)
         if int(chunk_bytes) <= 0:
             raise ValueError(f"chunk_bytes: must be positive, got {chunk_bytes!r}")
+        if not 1 <= int(lanes) <= _lib.MAX_LANES:
+            raise ValueError(f"lanes: must be 1 to {_lib.MAX_LANES}, got {lanes!r}")
+        self.lanes = int(lanes)
         if copy_ctas is not None and not 0 <= int(copy_ctas) <= _MAX_CTAS:
             raise ValueError(f"copy_ctas: must be 0 (the whole GPU) to {_MAX_CTAS}, got {copy_ctas!r}")
         self.chunk_bytes = int(chunk_bytes)
@@ -319,24 +366,27 @@ class NcclBackend(PairedBackend):
     # ---- destination side ----------------------------------------------------------------
     def connect(self, link, deadline: Deadline) -> None:
         cache = self.endpoint.cache
-        uid = _lib_nccl().unique_id()
+        uids = [_lib_nccl().unique_id() for _ in range(self.lanes)]
         chunk_blocks = blocks_per_chunk(self.chunk_bytes, cache.block_nbytes)
         copy_ctas = self.copy_ctas
         if copy_ctas is None:
             sms = torch.cuda.get_device_properties(cache.device).multi_processor_count
             copy_ctas = max(1, sms // _COPY_SMS_PER_CTA)
-        link.request({"op": "nccl.connect", "uid": uid.hex(), "chunk_blocks": chunk_blocks,
+        link.request({"op": "nccl.connect", "uids": [uid.hex() for uid in uids], "chunk_blocks": chunk_blocks,
                       "copy_ctas": copy_ctas,
                       "timeout": deadline.remaining()})
         link.conn.recv_reply(deadline, "nccl connect")
-        comm = _join(cache, uid, _DST_RANK, deadline)
-        link.state["pair"] = _Pair(comm, cache, chunk_blocks, copy_ctas, _lib.STAGE_RECV)
+        comms = _join_lanes(cache, uids, _DST_RANK, deadline)
+        try:
+            link.state["pair"] = _Pair(comms, cache, chunk_blocks, copy_ctas, _lib.STAGE_RECV)
+        except BaseException:
+            _abort_bounded(comms)
+            raise
 
     def pull(self, link, src_ids, dst_ids, deadline: Deadline) -> PullStats:
         pair: _Pair = link.state["pair"]
         cache = self.endpoint.cache
         n = len(src_ids)
-        chunks = pair.chunks(n)
         remaining = deadline.remaining()
         if remaining <= 0:
             raise MigrationError(f"nccl pull: not started, the deadline of {deadline.timeout:g} s "
@@ -345,38 +395,36 @@ class NcclBackend(PairedBackend):
         # side queues its receives.
         link.conn.send_bytes(_REQUEST.pack(_lib.PULL_REQUEST_MAGIC, n, remaining) + encode_ids(src_ids))
         try:
-            follow_current_stream(pair.copy_stream, pair.entry, pair.device)
-            pair.enqueue(dst_ids, chunks)
-            pair.done.record(pair.copy_stream)
+            chunks = pair.enqueue(dst_ids)
             _wait_for_pull(link.conn, pair.done.query, deadline)
             # The caller's streams see the blocks: the pull returns after `done` completed.
         except BaseException:
             pair.abort()
             raise
-        return PullStats(self.name, n, n * cache.block_nbytes, 0.0, chunks=len(chunks))
+        return PullStats(self.name, n, n * cache.block_nbytes, 0.0, chunks=chunks)
 
     # ---- source side ---------------------------------------------------------------------
     def _serve_connect(self, conn, header) -> None:
         deadline = Deadline(float(header["timeout"]))
-        uid = bytes.fromhex(str(header["uid"]))
+        uids = [bytes.fromhex(str(uid)) for uid in header["uids"]]
         chunk_blocks, copy_ctas = int(header["chunk_blocks"]), int(header["copy_ctas"])
-        if len(uid) != 128 or chunk_blocks < 1 or not 0 <= copy_ctas <= _MAX_CTAS:
-            raise ValueError(f"nccl connect: uid of {len(uid)} bytes, chunk_blocks {chunk_blocks}, "
-                             f"copy_ctas {copy_ctas}")
+        if (not 1 <= len(uids) <= _lib.MAX_LANES or any(len(uid) != 128 for uid in uids) or chunk_blocks < 1
+                or not 0 <= copy_ctas <= _MAX_CTAS):
+            raise ValueError(f"nccl connect: {len(uids)} uids of {[len(uid) for uid in uids]} bytes, "
+                             f"chunk_blocks {chunk_blocks}, copy_ctas {copy_ctas}")
         cache = self.endpoint.cache
         conn.reply_ok()
         # From here on this connection carries binary pulls, served by the library's thread;
         # this thread waits for it to end, then the pair is released and the connection closes.
         # A failure is reported in the binary format the destination now reads.
         conn.state["handed_off"] = True
-        comm = None
+        comms: List[int] = []
         try:
             self.endpoint.test_pause("connect")  # tests: a source that joins late
-            comm = _join(cache, uid, _SRC_RANK, deadline)
-            pair = _Pair(comm, cache, chunk_blocks, copy_ctas, _lib.STAGE_SEND)
+            comms = _join_lanes(cache, uids, _SRC_RANK, deadline)
+            pair = _Pair(comms, cache, chunk_blocks, copy_ctas, _lib.STAGE_SEND)
         except BaseException as e:
-            if comm is not None:
-                _lib_nccl().abort(comm)
+            _abort_bounded(comms)
             _send_failed(conn, f"nccl connect: {e}")
             raise
         self.adopt(conn, pair)
