@@ -24,6 +24,12 @@ _TRANSFER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, cty
 _NEVER_CALLED = _TRANSFER(lambda *args: 1)
 
 
+def _side():
+    """A placeholder cache side (no request here reaches it)."""
+    return _lib.Side(layer_ptrs=0x1000, base=0, layer_stride=0, block_stride=64, component_stride=0,
+                     num_blocks=NUM_BLOCKS, block_ids=None)
+
+
 def lanes(count=2, **changes):
     """Placeholder SEND lanes (never enqueued here)."""
     fields = dict(direction=_lib.STAGE_SEND, max_ctas=0, slots=(ctypes.c_uint64 * 2)(0x2000, 0x3000),
@@ -38,10 +44,8 @@ def server():
     if not _lib.built_with_cuda():
         pytest.skip("the pull server is part of a CUDA build of the library")
     ours, theirs = socket.socketpair()
-    side = _lib.Side(layer_ptrs=0x1000, base=0, layer_stride=0, block_stride=64, component_stride=0,
-                     num_blocks=NUM_BLOCKS, block_ids=None)
     stall = (ctypes.c_int64 * 2)(-1, 0)
-    srv = _lib.PullServer(theirs.detach(), side, lanes(), 1, 1, 64, 16, 0, 0x4000, stall)
+    srv = _lib.PullServer(theirs.detach(), _side(), lanes(), 1, 1, 64, 16, 0, 0x4000, stall)
     ours.settimeout(10)
     yield ours, srv, stall
     srv.stop()
@@ -146,11 +150,9 @@ def test_start_refuses_bad_lanes(bad):
     given = {"no lanes": lanes(0), "too many lanes": lanes(_lib.MAX_LANES + 1),
              "a RECV lane": lanes(direction=_lib.STAGE_RECV), "unequal slots": lanes(slot_blocks=2)}[bad]
     ours, theirs = socket.socketpair()
-    side = _lib.Side(layer_ptrs=0x1000, base=0, layer_stride=0, block_stride=64, component_stride=0,
-                     num_blocks=NUM_BLOCKS, block_ids=None)
     fd = theirs.detach()
     with pytest.raises(_lib.VllmExtError, match="lane") as info:
-        _lib.PullServer(fd, side, given, 1, 1, 64, 16, 0, 0x4000, (ctypes.c_int64 * 2)(-1, 0))
+        _lib.PullServer(fd, _side(), given, 1, 1, 64, 16, 0, 0x4000, (ctypes.c_int64 * 2)(-1, 0))
     assert info.value.status == _lib.ERR_INVALID_ARGUMENT
     with pytest.raises(OSError):  # the refused server's fd was closed
         os.fstat(fd)
