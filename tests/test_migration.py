@@ -367,6 +367,13 @@ def test_other_rejections(local_pair):
         MigrationEndpoint(a.cache, backend="gloo", stripe=2)
     with pytest.raises(ValueError, match="stripes: must be in 1..64"):
         MigrationEndpoint(a.cache, backend="gloo", stripes=0)
+    from vllm_ext.migration.nccl import NcclBackend  # its options are checked before any GPU use
+
+    for bad, message in (({"lanes": 0}, "lanes: must be 1 to 8"), ({"lanes": 9}, "lanes: must be 1 to 8"),
+                         ({"chunk_bytes": 0}, "chunk_bytes: must be positive"),
+                         ({"copy_ctas": -1}, "copy_ctas: must be 0")):
+        with pytest.raises(ValueError, match=message):
+            NcclBackend(None, **bad)
     for backend in ("ipc", "nccl"):
         ok, _ = get_backend_class(backend).is_available()
         if ok:  # with a GPU: a CPU cache is refused

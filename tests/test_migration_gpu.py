@@ -73,9 +73,12 @@ def test_gpu_pull_both_directions(gpu_workers, backend, case):
     spec_b = dict(same_geometry(spec_a, layout_b, 50 + case, rng.choice([23, 64, 100])),
                   device=devices[1])
     name = f"{backend}{case}"
+    options = dict(OPTIONS[backend])
+    if backend == "nccl":  # 1 to 4 lanes: chunks alternate over an even and an odd count
+        options["lanes"] = case + 1
     try:
-        desc_a = a.call("endpoint", name, spec_a, backend, OPTIONS[backend])
-        desc_b = b.call("endpoint", name, spec_b, backend, OPTIONS[backend])
+        desc_a = a.call("endpoint", name, spec_a, backend, options)
+        desc_b = b.call("endpoint", name, spec_b, backend, options)
         for dst_w, dst_spec, src_w, src_desc, src_spec in ((a, spec_a, b, desc_b, spec_b),
                                                            (b, spec_b, a, desc_a, spec_a)):
             for _ in range(2):  # the second pull reuses the pair
