@@ -183,6 +183,12 @@ struct vllm_ext_pull_server {
                                                                          nullptr, 0) + 1));
     vllm_ext_ramp_bounds(static_cast<int64_t>(ids.size()), slot_blocks, bounds.data(),
                          static_cast<int64_t>(bounds.size()));
+    if (bounds.size() - 1 > VLLM_EXT_PULL_MAX_CHUNKS) {
+      reply(VLLM_EXT_PULL_REFUSED, "src_block_ids: " + std::to_string(ids.size()) + " blocks make " +
+                                       std::to_string(bounds.size() - 1) + " chunks, more than " +
+                                       std::to_string(VLLM_EXT_PULL_MAX_CHUNKS) + " per request");
+      return true;
+    }
     const int32_t chunks = static_cast<int32_t>(bounds.size() - 1);
     const int64_t stall_chunk = stall ? stall[0] : -1;
     int status = VLLM_EXT_OK;

@@ -154,7 +154,9 @@ VLLM_EXT_API int64_t vllm_ext_ramp_bounds(int64_t n, int64_t slot_blocks, int64_
  *            count int64 block ids of `cache` (little endian)
  *   reply:   uint32 magic VLLM_EXT_PULL_REPLY_MAGIC, uint32 kind (vllm_ext_pull_reply),
  *            uint32 message_len, uint32 0, then message_len bytes of UTF-8
- * A request with an id outside the cache or a bad timeout is REFUSED (nothing moves). Otherwise
+ * A request with an id outside the cache, a bad timeout or more than VLLM_EXT_PULL_MAX_CHUNKS
+ * chunks is REFUSED (nothing moves; a destination splits longer pulls into requests: a full
+ * launch queue would block the thread where no deadline reaches it). Otherwise
  * its chunks (vllm_ext_ramp_bounds) are enqueued over the lanes as vllm_ext_staged_transfer
  * does, with `done_event` as its done, the reply is ACCEPTED, and the thread waits for done_event until timeout_s after the request arrived:
  * past it, it sends FAILED and ends (as it does after a failed enqueue, or on a stop during a
@@ -168,6 +170,7 @@ VLLM_EXT_API int64_t vllm_ext_ramp_bounds(int64_t n, int64_t slot_blocks, int64_
 #define VLLM_EXT_PULL_REQUEST_MAGIC 0x31505856u /* "VXP1" */
 #define VLLM_EXT_PULL_REPLY_MAGIC 0x31525856u   /* "VXR1" */
 #define VLLM_EXT_PULL_MAX_IDS (1u << 24)
+#define VLLM_EXT_PULL_MAX_CHUNKS 256 /* per request: bounds the launches queued at once */
 typedef enum { VLLM_EXT_PULL_ACCEPTED = 0, VLLM_EXT_PULL_REFUSED = 1, VLLM_EXT_PULL_FAILED = 2 } vllm_ext_pull_reply;
 typedef enum {
   VLLM_EXT_PULL_SERVER_PEER_CLOSED = 0, /* the peer closed the connection (between or during pulls) */

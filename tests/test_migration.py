@@ -464,6 +464,21 @@ def test_chunk_ranges_cover_the_ids_in_order():
             assert all(hi - lo == per_chunk for lo, hi in ranges[:-1])
 
 
+def test_long_nccl_pulls_split_into_requests_the_pull_server_takes():
+    """A pull is sent as requests of at most 128 full slots, whose chunks (ramp included) stay
+    within the pull server's limit, so no side ever queues more than that many chunks."""
+    from vllm_ext import _lib
+    from vllm_ext.migration.nccl import request_segments
+
+    for slot_blocks in (1, 2, 3, 4, 7, 64, 1000, 1 << 40):
+        for n in (0, 1, 127 * slot_blocks, 128 * slot_blocks, 128 * slot_blocks + 1, 300 * slot_blocks + 5):
+            segments = request_segments(n, slot_blocks)
+            assert segments == [(lo, min(lo + 128 * slot_blocks, n)) for lo in range(0, n, 128 * slot_blocks)]
+            for lo, hi in segments:
+                assert len(_lib.ramp_bounds(hi - lo, slot_blocks)) - 1 <= _lib.PULL_MAX_CHUNKS
+    assert len(request_segments(128 * 4, 4)) == 1  # one request up to 128 slots (4 GiB of 8 MiB blocks)
+
+
 def test_ramp_bounds_grow_from_one_block_to_a_slot():
     """The staged pull's chunks (the library's rule, which the source's pull server and the
     destination both use): they cover the ids in order, 1, 2, 4, ... blocks up to a slot."""
@@ -479,6 +494,7 @@ def test_ramp_bounds_grow_from_one_block_to_a_slot():
                 assert sizes[0] == 1
                 assert all(b == min(2 * a, slot_blocks) for a, b in zip(sizes, sizes[1:-1]))
     assert list(_lib.ramp_bounds(8, 4)) == [0, 1, 3, 7, 8]
+    assert len(_lib.ramp_bounds(1024, 4)) - 1 == 258  # 1, 2 and 4 blocks, 254 slots of 4, then 1
     assert list(_lib.ramp_bounds(29, 4)) == [0, 1, 3, 7, 11, 15, 19, 23, 27, 29]
     for n, slot_blocks in ((-1, 4), (4, 0)):
         with pytest.raises(ValueError, match="ramp_bounds"):

@@ -343,6 +343,35 @@ def test_gpu_pulls_of_more_ids_than_one_launch_carries(gpu_workers, backend):
         close_quietly(src_w, "many")
 
 
+@pytest.mark.multi_gpu
+def test_gpu_nccl_pull_longer_than_one_request(gpu_workers):
+    """With one-block slots, a pull of 300 blocks goes to the source as three requests (at most
+    128 slots each, so neither side queues more than the pull server's chunk limit): every
+    block lands, nothing else changes, and the pull counts every chunk."""
+    dst_w, src_w, _ = gpu_workers(("cuda:0", "cuda:1"))
+    spec = {"num_layers": 2, "num_blocks": 400, "block_size": 2, "num_kv_heads": 2,
+            "head_size": 8, "dtype": "bfloat16", "layout": "flash"}
+    options = {"chunk_bytes": 1}  # one block per slot: a chunk per block after the ramp
+    rng = random.Random(78)
+    try:
+        desc = src_w.call("endpoint", "long", dict(spec, seed=3, device="cuda:1"), "nccl", options)
+        dst_w.call("endpoint", "long", dict(spec, seed=4, device="cuda:0"), "nccl", options)
+        all_ids = list(range(spec["num_blocks"]))
+        src_before = src_w.call("blocks", "long", all_ids)
+        src = [rng.randrange(spec["num_blocks"]) for _ in range(300)]
+        dst = rng.sample(all_ids, 300)
+        others = sorted(set(all_ids) - set(dst))
+        before = dst_w.call("blocks", "long", others)
+        stats = dst_w.call("pull", "long", desc, src, dst, PULL_TIMEOUT_S, timeout=CALL_TIMEOUT_S)
+        assert stats.chunks == 300
+        assert torch.equal(dst_w.call("blocks", "long", dst), src_before[src])
+        assert torch.equal(dst_w.call("blocks", "long", others), before)
+        assert torch.equal(src_w.call("blocks", "long", all_ids), src_before)
+    finally:
+        close_quietly(dst_w, "long")
+        close_quietly(src_w, "long")
+
+
 @pytest.mark.gpu
 def test_id_staging_reuses_and_grows_its_buffers():
     """Every pull's ids go through one pinned and one device buffer per pair: reused while they

@@ -88,7 +88,11 @@ def test_refuses_bad_requests_and_keeps_serving(server):
                                     f"cache of {NUM_BLOCKS} blocks"),
                                    ([-1], 5.0, "src_block_ids: id -1 out of range"),
                                    ([1], 0.0, "timeout: must be a positive number"),
-                                   ([1], float("nan"), "timeout: must be a positive number")):
+                                   ([1], float("nan"), "timeout: must be a positive number"),
+                                   # slots of 4 blocks: 4 * 256 blocks make more than 256 chunks
+                                   ([2] * (4 * _lib.PULL_MAX_CHUNKS), 5.0,
+                                    f"{4 * _lib.PULL_MAX_CHUNKS} blocks make 258 chunks, more than "
+                                    f"{_lib.PULL_MAX_CHUNKS} per request")):
         request(sock, ids, timeout)
         kind, message = reply(sock)
         assert kind == _lib.PULL_REFUSED
@@ -167,6 +171,7 @@ def test_the_wire_constants_match_the_header():
     assert f"vllm_ext_pull_request_magic 0x{_lib.PULL_REQUEST_MAGIC:08x}u" in header
     assert f"vllm_ext_pull_reply_magic 0x{_lib.PULL_REPLY_MAGIC:08x}u" in header
     assert "vllm_ext_pull_max_ids (1u << 24)" in header and _lib.PULL_MAX_IDS == 1 << 24
+    assert f"vllm_ext_pull_max_chunks {_lib.PULL_MAX_CHUNKS} " in header
 
 
 # ---- the destination's side of the protocol (no GPU: `done` is a flag) ------------------------

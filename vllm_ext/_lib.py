@@ -71,6 +71,7 @@ class Staging(ctypes.Structure):
 # The pull server's wire format and outcomes (see vllm_ext_pull_server_start).
 PULL_REQUEST_MAGIC, PULL_REPLY_MAGIC = 0x31505856, 0x31525856
 PULL_MAX_IDS = 1 << 24
+PULL_MAX_CHUNKS = 256  # per request
 PULL_ACCEPTED, PULL_REFUSED, PULL_FAILED = 0, 1, 2
 SERVER_PEER_CLOSED, SERVER_STOPPED, SERVER_FAILED, SERVER_DEADLINE = range(4)
 

@@ -23,6 +23,11 @@ at 64 MiB / 128 MiB / 544 MiB / 1.6 GiB: one lane with 64 MiB chunks 80 / 92 / 8
 lanes with 32 MiB chunks 87 / 108 / 107 / 97%. Two lanes with 32 MiB chunks hold the same
 staging memory (128 MiB per side and pair) as one lane with 64 MiB chunks.
 
+A pull of more than 128 slots' worth of blocks goes as several requests, one after the other
+(request_segments), so that neither side ever has more than the pull server's 256 chunks
+queued: a full CUDA launch queue would block a thread inside a launch, out of any deadline's
+reach.
+
 The destination's copy streams first wait for the work queued on the caller's current stream;
 the source reads its blocks at once (it offers blocks whose writes are complete, as for ipc).
 Everything is enqueued up front with events between the streams, by one call into vllm_ext's
@@ -61,7 +66,7 @@ import os
 import struct
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -73,6 +78,7 @@ from .base import (
     PairedBackend,
     PullStats,
     blocks_per_chunk,
+    chunk_ranges,
     poll_until,
     wait_cuda_event,
 )
@@ -86,6 +92,7 @@ _COPY_SMS_PER_CTA = 2  # default grid of a staging copy: one CTA per 2 SMs
 _MAX_CTAS = (1 << 31) - 1  # the C ABI's int32
 _DST_RANK, _SRC_RANK = 0, 1
 _DRAIN_GRACE_S = 5.0
+_SEGMENT_SLOTS = 128  # full slots per request: ramp chunks + 128 stay under PULL_MAX_CHUNKS
 _WARMUP_BYTES = 4096
 # The pull server's frames (vllm_ext.h): request magic, count, timeout_s; reply magic, kind,
 # message length, 0.
@@ -387,20 +394,23 @@ class NcclBackend(PairedBackend):
         pair: _Pair = link.state["pair"]
         cache = self.endpoint.cache
         n = len(src_ids)
-        remaining = deadline.remaining()
-        if remaining <= 0:
-            raise MigrationError(f"nccl pull: not started, the deadline of {deadline.timeout:g} s "
-                                 "passed while connecting")
-        # The request goes first (to the source's pull server): the source gathers while this
-        # side queues its receives.
-        link.conn.send_bytes(_REQUEST.pack(_lib.PULL_REQUEST_MAGIC, n, remaining) + encode_ids(src_ids))
-        try:
-            chunks = pair.enqueue(dst_ids)
-            _wait_for_pull(link.conn, pair.done.query, deadline)
-            # The caller's streams see the blocks: the pull returns after `done` completed.
-        except BaseException:
-            pair.abort()
-            raise
+        chunks = 0
+        for lo, hi in request_segments(n, pair.chunk_blocks):  # one request unless very long
+            remaining = deadline.remaining()
+            if remaining <= 0:
+                raise MigrationError(f"nccl pull: not started, the deadline of {deadline.timeout:g} s "
+                                     "passed while connecting")
+            # The request goes first (to the source's pull server): the source gathers while
+            # this side queues its receives.
+            link.conn.send_bytes(_REQUEST.pack(_lib.PULL_REQUEST_MAGIC, hi - lo, remaining)
+                                 + encode_ids(src_ids[lo:hi]))
+            try:
+                chunks += pair.enqueue(dst_ids[lo:hi])
+                _wait_for_pull(link.conn, pair.done.query, deadline)
+                # The caller's streams see the blocks: the pull returns after `done` completed.
+            except BaseException:
+                pair.abort()
+                raise
         return PullStats(self.name, n, n * cache.block_nbytes, 0.0, chunks=chunks)
 
     # ---- source side ---------------------------------------------------------------------
@@ -440,6 +450,15 @@ class NcclBackend(PairedBackend):
     def retire(self, pair) -> None:
         if pair.stop_server():
             pair.abort()
+
+
+def request_segments(n: int, chunk_blocks: int) -> List[Tuple[int, int]]:
+    """[(lo, hi)]: the requests a pull of n blocks is sent as. Each holds at most
+    _SEGMENT_SLOTS full slots, so that its chunks, ramp included, stay within the pull
+    server's PULL_MAX_CHUNKS: a side never has more than that many chunks' launches queued (a
+    full CUDA launch queue would block its thread inside a launch, where no deadline reaches
+    it). Only pulls of more than 128 slots (4 GiB with the defaults and 8 MiB blocks) split."""
+    return chunk_ranges(n, chunk_blocks * _SEGMENT_SLOTS)
 
 
 def _send_failed(conn, message: str) -> None:
