@@ -370,13 +370,12 @@ int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging*
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "cache->block_ids must be NULL (ids go in `ids`)");
   if (num_lanes < 1 || num_lanes > VLLM_EXT_MAX_LANES || first_chunk < 0 || num_chunks < 0)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "staged transfer: bad lane count or chunk range");
-  if (after_stream != nullptr && after_event == nullptr)
-    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "staged transfer: after_stream without after_event");
   const int32_t direction = lanes[0].direction;
   const int64_t slot_blocks = lanes[0].slot_blocks;
   for (int32_t i = 0; i < num_lanes; ++i) {
     const vllm_ext_staging& st = lanes[i];
-    if (st.transfer == nullptr) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "null argument to vllm_ext_staged_transfer");
+    if (st.transfer == nullptr)
+      return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "staged transfer: a NULL transfer function (lane " + std::to_string(i) + ")");
     if ((st.direction != VLLM_EXT_STAGE_SEND && st.direction != VLLM_EXT_STAGE_RECV) || st.direction != direction ||
         st.slot_blocks <= 0 || st.slot_blocks != slot_blocks || st.slots[0] == 0 || st.slots[1] == 0)
       return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "staged transfer: bad direction or slots (lane " + std::to_string(i) + ")");
@@ -409,7 +408,7 @@ int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging*
   const int64_t row_nbytes = int64_t{num_layers} * num_components * chunk_nbytes;
   auto stream_of = [](void* s) { return static_cast<cudaStream_t>(s); };
   auto event_of = [](void* e) { return static_cast<cudaEvent_t>(e); };
-  if (after_stream != nullptr) {
+  if (after_event != nullptr) {  // after_stream NULL: the legacy default stream, as everywhere
     VLLM_EXT_CUDA_TRY(cudaEventRecord(event_of(after_event), stream_of(after_stream)));
     for (int32_t i = 0; i < num_lanes; ++i)
       VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(stream_of(lanes[i].copy_stream), event_of(after_event), 0));

@@ -177,18 +177,19 @@ struct vllm_ext_pull_server {
         return true;
       }
     }
-    // The chunks the destination derives from n as well.
-    const int64_t slot_blocks = lanes[0].slot_blocks;
-    std::vector<int64_t> bounds(static_cast<size_t>(vllm_ext_ramp_bounds(static_cast<int64_t>(ids.size()), slot_blocks,
-                                                                         nullptr, 0) + 1));
-    vllm_ext_ramp_bounds(static_cast<int64_t>(ids.size()), slot_blocks, bounds.data(),
-                         static_cast<int64_t>(bounds.size()));
-    if (bounds.size() - 1 > VLLM_EXT_PULL_MAX_CHUNKS) {
-      reply(VLLM_EXT_PULL_REFUSED, "src_block_ids: " + std::to_string(ids.size()) + " blocks make " +
-                                       std::to_string(bounds.size() - 1) + " chunks, more than " +
-                                       std::to_string(VLLM_EXT_PULL_MAX_CHUNKS) + " per request");
+    // The chunks the destination derives from n as well; a request that would queue too many
+    // launches is refused before anything is allocated for it.
+    const int64_t n = static_cast<int64_t>(ids.size());
+    const int64_t count = vllm_ext_ramp_bounds(n, lanes[0].slot_blocks, nullptr, 0);
+    if (count > VLLM_EXT_PULL_MAX_CHUNKS || n > VLLM_EXT_PULL_MAX_REQUEST_IDS) {
+      reply(VLLM_EXT_PULL_REFUSED, "src_block_ids: " + std::to_string(n) + " blocks make " + std::to_string(count) +
+                                       " chunks; a request holds at most " +
+                                       std::to_string(VLLM_EXT_PULL_MAX_CHUNKS) + " chunks and " +
+                                       std::to_string(VLLM_EXT_PULL_MAX_REQUEST_IDS) + " ids");
       return true;
     }
+    std::vector<int64_t> bounds(static_cast<size_t>(count + 1));
+    vllm_ext_ramp_bounds(n, lanes[0].slot_blocks, bounds.data(), count + 1);
     const int32_t chunks = static_cast<int32_t>(bounds.size() - 1);
     const int64_t stall_chunk = stall ? stall[0] : -1;
     int status = VLLM_EXT_OK;
@@ -284,7 +285,8 @@ int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cache, const vll
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "null argument or negative fd to vllm_ext_pull_server_start");
   *server = nullptr;
   if (num_lanes < 1 || num_lanes > VLLM_EXT_MAX_LANES)
-    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "pull server: 1 to VLLM_EXT_MAX_LANES lanes");
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "pull server: " + std::to_string(num_lanes) + " lanes (1 to " +
+                                                   std::to_string(VLLM_EXT_MAX_LANES) + ")");
   for (int32_t i = 0; i < num_lanes; ++i)
     if (lanes[i].direction != VLLM_EXT_STAGE_SEND || lanes[i].slot_blocks <= 0 ||
         lanes[i].slot_blocks != lanes[0].slot_blocks || lanes[i].transfer == nullptr)

@@ -101,8 +101,9 @@ VLLM_EXT_API int vllm_ext_copy_blocks_cuda_inline(const vllm_ext_side* src, cons
  *   RECV: comm_stream waits copied[s] (j >= 2), transfers into the slot, records moved[s];
  *         copy_stream waits for it, scatters the slot into the blocks, records copied[s].
  *         (A chunk's transfer is enqueued before the previous chunk's scatter.)
- * `after_stream` (may be NULL): every lane's copy stream first waits for the work queued on it
- * (recorded in `after_event`). At the end every lane records `tail` on its last stream (comm
+ * When `after_event` is not NULL, it is recorded on `after_stream` (NULL: the legacy default
+ * stream) and every lane's copy stream first waits for it: the copies follow the work the
+ * caller queued there. At the end every lane records `tail` on its last stream (comm
  * for SEND, copy for RECV) and, when `done` is not NULL, lane 0's last stream waits for every
  * tail and records `done`: the whole side's work, this call's and earlier calls'.
  * Everything is enqueued, nothing waited for. On a failure the streams hold a prefix of the
@@ -154,8 +155,8 @@ VLLM_EXT_API int64_t vllm_ext_ramp_bounds(int64_t n, int64_t slot_blocks, int64_
  *            count int64 block ids of `cache` (little endian)
  *   reply:   uint32 magic VLLM_EXT_PULL_REPLY_MAGIC, uint32 kind (vllm_ext_pull_reply),
  *            uint32 message_len, uint32 0, then message_len bytes of UTF-8
- * A request with an id outside the cache, a bad timeout or more than VLLM_EXT_PULL_MAX_CHUNKS
- * chunks is REFUSED (nothing moves; a destination splits longer pulls into requests: a full
+ * A request with an id outside the cache, a bad timeout, more than VLLM_EXT_PULL_MAX_CHUNKS
+ * chunks or more than VLLM_EXT_PULL_MAX_REQUEST_IDS ids is REFUSED (nothing moves; a destination splits longer pulls into requests: a full
  * launch queue would block the thread where no deadline reaches it). Otherwise
  * its chunks (vllm_ext_ramp_bounds) are enqueued over the lanes as vllm_ext_staged_transfer
  * does, with `done_event` as its done, the reply is ACCEPTED, and the thread waits for done_event until timeout_s after the request arrived:
@@ -171,6 +172,8 @@ VLLM_EXT_API int64_t vllm_ext_ramp_bounds(int64_t n, int64_t slot_blocks, int64_
 #define VLLM_EXT_PULL_REPLY_MAGIC 0x31525856u   /* "VXR1" */
 #define VLLM_EXT_PULL_MAX_IDS (1u << 24)
 #define VLLM_EXT_PULL_MAX_CHUNKS 256 /* per request: bounds the launches queued at once */
+/* ids per request: at most this many launches of inline ids (VLLM_EXT_MAX_INLINE_IDS each) */
+#define VLLM_EXT_PULL_MAX_REQUEST_IDS (VLLM_EXT_PULL_MAX_CHUNKS * VLLM_EXT_MAX_INLINE_IDS)
 typedef enum { VLLM_EXT_PULL_ACCEPTED = 0, VLLM_EXT_PULL_REFUSED = 1, VLLM_EXT_PULL_FAILED = 2 } vllm_ext_pull_reply;
 typedef enum {
   VLLM_EXT_PULL_SERVER_PEER_CLOSED = 0, /* the peer closed the connection (between or during pulls) */

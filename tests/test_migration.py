@@ -465,17 +465,19 @@ def test_chunk_ranges_cover_the_ids_in_order():
 
 
 def test_long_nccl_pulls_split_into_requests_the_pull_server_takes():
-    """A pull is sent as requests of at most 128 full slots, whose chunks (ramp included) stay
-    within the pull server's limit, so no side ever queues more than that many chunks."""
+    """A pull is sent as requests of at most 128 full slots and 128 launches' worth of ids,
+    within the pull server's limits, so no side ever queues more launches than those allow."""
     from vllm_ext import _lib
     from vllm_ext.migration.nccl import request_segments
 
-    for slot_blocks in (1, 2, 3, 4, 7, 64, 1000, 1 << 40):
-        for n in (0, 1, 127 * slot_blocks, 128 * slot_blocks, 128 * slot_blocks + 1, 300 * slot_blocks + 5):
+    for slot_blocks in (1, 2, 3, 4, 7, 64, 448, 449, 1000, 1 << 40):
+        step = 128 * min(slot_blocks, _lib.MAX_INLINE_IDS)  # slots, and launches of inline ids
+        for n in (0, 1, step - 1, step, step + 1, 3 * step + 5):
             segments = request_segments(n, slot_blocks)
-            assert segments == [(lo, min(lo + 128 * slot_blocks, n)) for lo in range(0, n, 128 * slot_blocks)]
+            assert segments == [(lo, min(lo + step, n)) for lo in range(0, n, step)]
             for lo, hi in segments:
                 assert len(_lib.ramp_bounds(hi - lo, slot_blocks)) - 1 <= _lib.PULL_MAX_CHUNKS
+                assert hi - lo <= _lib.PULL_MAX_REQUEST_IDS
     assert len(request_segments(128 * 4, 4)) == 1  # one request up to 128 slots (4 GiB of 8 MiB blocks)
 
 

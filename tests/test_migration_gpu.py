@@ -343,6 +343,28 @@ def test_gpu_pulls_of_more_ids_than_one_launch_carries(gpu_workers, backend):
         close_quietly(src_w, "many")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gpu_pull_follows_the_work_on_the_current_stream(gpu_workers, backend):
+    """pull is called while the destination's current stream still sleeps and then writes the
+    target blocks: the pull lands after that work, so they hold the source's bytes."""
+    devices = _devices(backend)
+    dst_w, src_w, _ = gpu_workers(devices)
+    name = f"order-{backend}"
+    try:
+        desc = src_w.call("endpoint", name, dict(FAIL_SPEC, seed=8, device=devices[1]), backend,
+                          OPTIONS[backend])
+        dst_w.call("endpoint", name, dict(FAIL_SPEC, seed=9, device=devices[0]), backend,
+                   OPTIONS[backend])
+        src_rows = src_w.call("blocks", name, list(range(64)))
+        src, dst = [5, 6, 7, 8, 9], [40, 41, 42, 43, 44]
+        dst_w.call("pull_after_write", name, desc, src, dst, PULL_TIMEOUT_S, 0x5A,
+                   timeout=CALL_TIMEOUT_S)
+        assert torch.equal(dst_w.call("blocks", name, dst), src_rows[src])
+    finally:
+        close_quietly(dst_w, name)
+        close_quietly(src_w, name)
+
+
 @pytest.mark.multi_gpu
 def test_gpu_nccl_pull_longer_than_one_request(gpu_workers):
     """With one-block slots, a pull of 300 blocks goes to the source as three requests (at most

@@ -119,6 +119,17 @@ def _run(cmd, args, caches, endpoints):
     if cmd == "pull":  # (name, descriptor, src, dst, timeout) -> PullStats
         name, desc, src, dst, timeout = args
         return endpoints[name].pull(desc, src, dst, timeout=timeout)
+    if cmd == "pull_after_write":  # (name, descriptor, src, dst, timeout, fill) -> PullStats
+        # The current stream first sleeps (~0.1 s of GPU time), then writes `fill` into the dst
+        # blocks; pull is called while that work is still queued.
+        from vllm_ext import ops
+
+        name, desc, src, dst, timeout, fill = args
+        cache = caches[name]
+        torch.cuda._sleep(200_000_000)
+        rows = torch.full((len(dst), cache.block_nbytes), fill, dtype=torch.uint8, device=cache.device)
+        ops.scatter_blocks(rows, cache, dst)
+        return endpoints[name].pull(desc, src, dst, timeout=timeout)
     if cmd == "blocks":  # (name, ids) -> CPU rows
         name, ids = args
         return block_rows(caches[name], ids)

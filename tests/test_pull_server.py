@@ -37,20 +37,29 @@ def lanes(count=2, **changes):
     return (_lib.Staging * count)(*[_lib.Staging(**dict(fields, **(changes if i else {}))) for i in range(count)])
 
 
-@pytest.fixture
-def server():
-    """(the destination's socket, the PullServer, its stall array) over a socket pair. The
-    sides and events are placeholders: no request here reaches the GPU."""
+def _serve(given_lanes):
+    """(the destination's socket, the PullServer, its stall array) over a socket pair."""
     if not _lib.built_with_cuda():
         pytest.skip("the pull server is part of a CUDA build of the library")
     ours, theirs = socket.socketpair()
     stall = (ctypes.c_int64 * 2)(-1, 0)
-    srv = _lib.PullServer(theirs.detach(), _side(), lanes(), 1, 1, 64, 16, 0, 0x4000, stall)
+    srv = _lib.PullServer(theirs.detach(), _side(), given_lanes, 1, 1, 64, 16, 0, 0x4000, stall)
     ours.settimeout(10)
-    yield ours, srv, stall
+    return ours, srv, stall
+
+
+def _end(ours, srv):
     srv.stop()
     srv.destroy()
     ours.close()
+
+
+@pytest.fixture
+def server():
+    """A pull server with placeholder sides and events: no request here reaches the GPU."""
+    ours, srv, stall = _serve(lanes())
+    yield ours, srv, stall
+    _end(ours, srv)
 
 
 def request(sock, ids, timeout=5.0, magic=_lib.PULL_REQUEST_MAGIC):
@@ -91,8 +100,8 @@ def test_refuses_bad_requests_and_keeps_serving(server):
                                    ([1], float("nan"), "timeout: must be a positive number"),
                                    # slots of 4 blocks: 4 * 256 blocks make more than 256 chunks
                                    ([2] * (4 * _lib.PULL_MAX_CHUNKS), 5.0,
-                                    f"{4 * _lib.PULL_MAX_CHUNKS} blocks make 258 chunks, more than "
-                                    f"{_lib.PULL_MAX_CHUNKS} per request")):
+                                    f"{4 * _lib.PULL_MAX_CHUNKS} blocks make 258 chunks; a request holds at most "
+                                    f"{_lib.PULL_MAX_CHUNKS} chunks")):
         request(sock, ids, timeout)
         kind, message = reply(sock)
         assert kind == _lib.PULL_REFUSED
@@ -147,6 +156,23 @@ def test_a_valid_request_without_a_gpu_fails_cleanly(server):
     assert reason == _lib.SERVER_FAILED and "cudaSetDevice" in why
 
 
+def test_refuses_a_request_of_more_ids_than_its_launches_may_carry():
+    """Slots of 2^20 blocks: few chunks, but more ids than PULL_MAX_CHUNKS launches carry."""
+    big = lanes(count=1)
+    big[0].slot_blocks = 1 << 20
+    ours, srv, _ = _serve(big)
+    try:
+        n = _lib.PULL_MAX_REQUEST_IDS + 1
+        request(ours, [1] * n)
+        kind, message = reply(ours)
+        assert kind == _lib.PULL_REFUSED
+        assert f"{n} blocks make 17 chunks; a request holds at most {_lib.PULL_MAX_CHUNKS} chunks and " \
+               f"{_lib.PULL_MAX_REQUEST_IDS} ids" in message
+        assert srv.wait(0.05) is None  # still serving
+    finally:
+        _end(ours, srv)
+
+
 @pytest.mark.parametrize("bad", ["no lanes", "too many lanes", "a RECV lane", "unequal slots"])
 def test_start_refuses_bad_lanes(bad):
     if not _lib.built_with_cuda():
@@ -172,6 +198,7 @@ def test_the_wire_constants_match_the_header():
     assert f"vllm_ext_pull_reply_magic 0x{_lib.PULL_REPLY_MAGIC:08x}u" in header
     assert "vllm_ext_pull_max_ids (1u << 24)" in header and _lib.PULL_MAX_IDS == 1 << 24
     assert f"vllm_ext_pull_max_chunks {_lib.PULL_MAX_CHUNKS} " in header
+    assert "vllm_ext_pull_max_request_ids (vllm_ext_pull_max_chunks * vllm_ext_max_inline_ids)" in header
 
 
 # ---- the destination's side of the protocol (no GPU: `done` is a flag) ------------------------

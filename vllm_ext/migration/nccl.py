@@ -93,6 +93,7 @@ _MAX_CTAS = (1 << 31) - 1  # the C ABI's int32
 _DST_RANK, _SRC_RANK = 0, 1
 _DRAIN_GRACE_S = 5.0
 _SEGMENT_SLOTS = 128  # full slots per request: ramp chunks + 128 stay under PULL_MAX_CHUNKS
+_ABANDONED: List["_Pair"] = []  # pairs whose abort or drain gave up: their buffers stay alive
 _WARMUP_BYTES = 4096
 # The pull server's frames (vllm_ext.h): request magic, count, timeout_s; reply magic, kind,
 # message length, 0.
@@ -227,14 +228,16 @@ class _Pair:
             first, self.aborted = not self.aborted, True
         if first:
             if not _abort_bounded(self.comms):
-                logger.error("nccl: ncclCommAbort on %s still runs after %g s; abandoned",
-                             self.device, _DRAIN_GRACE_S)
+                logger.error("nccl: ncclCommAbort on %s still runs after %g s; abandoned (its "
+                             "buffers stay allocated)", self.device, _DRAIN_GRACE_S)
+                _ABANDONED.append(self)  # kernels may still write into its slots
                 return
         for stream in self.streams:
             while not stream.query():
                 if time.monotonic() > end:
-                    logger.error("nccl: a stream of %s still runs %g s after the abort",
-                                 self.device, _DRAIN_GRACE_S)
+                    logger.error("nccl: a stream of %s still runs %g s after the abort (its "
+                                 "buffers stay allocated)", self.device, _DRAIN_GRACE_S)
+                    _ABANDONED.append(self)
                     return
                 time.sleep(1e-4)
 
@@ -398,8 +401,8 @@ class NcclBackend(PairedBackend):
         for lo, hi in request_segments(n, pair.chunk_blocks):  # one request unless very long
             remaining = deadline.remaining()
             if remaining <= 0:
-                raise MigrationError(f"nccl pull: not started, the deadline of {deadline.timeout:g} s "
-                                     "passed while connecting")
+                when = "while connecting" if lo == 0 else f"after {lo} of {n} blocks"
+                raise MigrationError(f"nccl pull: the deadline of {deadline.timeout:g} s passed {when}")
             # The request goes first (to the source's pull server): the source gathers while
             # this side queues its receives.
             link.conn.send_bytes(_REQUEST.pack(_lib.PULL_REQUEST_MAGIC, hi - lo, remaining)
@@ -454,11 +457,13 @@ class NcclBackend(PairedBackend):
 
 def request_segments(n: int, chunk_blocks: int) -> List[Tuple[int, int]]:
     """[(lo, hi)]: the requests a pull of n blocks is sent as. Each holds at most
-    _SEGMENT_SLOTS full slots, so that its chunks, ramp included, stay within the pull
-    server's PULL_MAX_CHUNKS: a side never has more than that many chunks' launches queued (a
+    _SEGMENT_SLOTS full slots and _SEGMENT_SLOTS launches' worth of inline ids, so that its
+    chunks (ramp included) and its copy launches stay within the pull server's limits
+    (PULL_MAX_CHUNKS, PULL_MAX_REQUEST_IDS): a side never queues more launches than that (a
     full CUDA launch queue would block its thread inside a launch, where no deadline reaches
-    it). Only pulls of more than 128 slots (4 GiB with the defaults and 8 MiB blocks) split."""
-    return chunk_ranges(n, chunk_blocks * _SEGMENT_SLOTS)
+    it). Only very long pulls split: more than 128 slots (4 GiB with the defaults and 8 MiB
+    blocks) or more than 57344 blocks."""
+    return chunk_ranges(n, min(chunk_blocks, _lib.MAX_INLINE_IDS) * _SEGMENT_SLOTS)
 
 
 def _send_failed(conn, message: str) -> None:
