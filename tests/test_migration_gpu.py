@@ -312,6 +312,22 @@ def test_gpu_backends_reject_cpu_caches_and_mismatches(gpu_workers, backend):
         close_quietly(src_w, "m", "f16")
 
 
+def _pull_random_and_check(dst_w, src_w, name, desc, n, src_before, rng):
+    """Pulls n random source blocks (repeats allowed) into n distinct random destination blocks
+    of caches of equal size; checks the pulled blocks, the destination's other blocks and the
+    whole source, byte for byte. Returns the PullStats."""
+    all_ids = list(range(src_before.shape[0]))
+    src = [rng.randrange(len(all_ids)) for _ in range(n)]
+    dst = rng.sample(all_ids, n)
+    others = sorted(set(all_ids) - set(dst))
+    before = dst_w.call("blocks", name, others)
+    stats = dst_w.call("pull", name, desc, src, dst, PULL_TIMEOUT_S, timeout=CALL_TIMEOUT_S)
+    assert torch.equal(dst_w.call("blocks", name, dst), src_before[src])
+    assert torch.equal(dst_w.call("blocks", name, others), before)
+    assert torch.equal(src_w.call("blocks", name, all_ids), src_before)
+    return stats
+
+
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("backend", ["ipc", "nccl"])
 def test_gpu_pulls_of_more_ids_than_one_launch_carries(gpu_workers, backend):
@@ -330,14 +346,7 @@ def test_gpu_pulls_of_more_ids_than_one_launch_carries(gpu_workers, backend):
         all_ids = list(range(spec["num_blocks"]))
         src_before = src_w.call("blocks", "many", all_ids)
         for n in (448, 449, 1500):
-            src = [rng.randrange(spec["num_blocks"]) for _ in range(n)]
-            dst = rng.sample(all_ids, n)
-            others = sorted(set(all_ids) - set(dst))
-            before = dst_w.call("blocks", "many", others)
-            dst_w.call("pull", "many", desc, src, dst, PULL_TIMEOUT_S, timeout=CALL_TIMEOUT_S)
-            assert torch.equal(dst_w.call("blocks", "many", dst), src_before[src])
-            assert torch.equal(dst_w.call("blocks", "many", others), before)
-        assert torch.equal(src_w.call("blocks", "many", all_ids), src_before)
+            _pull_random_and_check(dst_w, src_w, "many", desc, n, src_before, rng)
     finally:
         close_quietly(dst_w, "many")
         close_quietly(src_w, "many")
@@ -380,15 +389,8 @@ def test_gpu_nccl_pull_longer_than_one_request(gpu_workers):
         dst_w.call("endpoint", "long", dict(spec, seed=4, device="cuda:0"), "nccl", options)
         all_ids = list(range(spec["num_blocks"]))
         src_before = src_w.call("blocks", "long", all_ids)
-        src = [rng.randrange(spec["num_blocks"]) for _ in range(300)]
-        dst = rng.sample(all_ids, 300)
-        others = sorted(set(all_ids) - set(dst))
-        before = dst_w.call("blocks", "long", others)
-        stats = dst_w.call("pull", "long", desc, src, dst, PULL_TIMEOUT_S, timeout=CALL_TIMEOUT_S)
+        stats = _pull_random_and_check(dst_w, src_w, "long", desc, 300, src_before, rng)
         assert stats.chunks == 300
-        assert torch.equal(dst_w.call("blocks", "long", dst), src_before[src])
-        assert torch.equal(dst_w.call("blocks", "long", others), before)
-        assert torch.equal(src_w.call("blocks", "long", all_ids), src_before)
     finally:
         close_quietly(dst_w, "long")
         close_quietly(src_w, "long")
