@@ -23,21 +23,21 @@ at 64 MiB / 128 MiB / 544 MiB / 1.6 GiB: one lane with 64 MiB chunks 80 / 92 / 8
 lanes with 32 MiB chunks 87 / 108 / 107 / 97%. Two lanes with 32 MiB chunks hold the same
 staging memory (128 MiB per side and pair) as one lane with 64 MiB chunks.
 
-A pull of more than 128 slots' worth of blocks goes as several requests, one after the other
-(request_segments), so that neither side ever has more than the pull server's 256 chunks
-queued: a full CUDA launch queue would block a thread inside a launch, out of any deadline's
-reach.
-
 The destination's copy streams first wait for the work queued on the caller's current stream;
 the source reads its blocks at once (it offers blocks whose writes are complete, as for ipc).
 Everything is enqueued up front with events between the streams, by one call into vllm_ext's
-library per pull side (it calls ncclSend/ncclRecv through their addresses, and the copies
+library per request and side (it calls ncclSend/ncclRecv through their addresses, and the copies
 carry their block ids in the kernel parameters: no id upload); the host then polls one
 event against the deadline. NCCL kernels wait forever for a peer that is gone, so on the
 deadline (or when the control connection reports the peer's failure or exit) the side aborts
 its communicators (ncclCommAbort ends the kernels), drains its streams, discards the pair, and
 the next pull builds a new one. Communicator set-up runs on a helper thread joined with the
 deadline; a set-up that never completes is abandoned.
+
+A pull is one request unless it holds more than 128 slots' worth of blocks (or of 448-id
+launches): then it goes as several requests, one after the other (request_segments), so that
+neither side ever queues more than the pull server's 256 chunks: a full CUDA launch queue
+would block a thread inside a launch, out of any deadline's reach.
 
 The source side of pulls runs without Python: once the pair is built, its control connection
 carries binary pull requests (ids and a deadline), which a thread of vllm_ext's library reads,
