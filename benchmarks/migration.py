@@ -18,7 +18,10 @@ Rows:
             message per pull
   ceiling   same bytes, one contiguous buffer, same run: peer copy GPU1 -> GPU0 (torch copy_),
             NCCL send/recv, gloo send/recv (one stream), pinned host <-> device copies; the
-            sender is already posted when the receiver's clock starts
+            sender is already posted when the receiver's clock starts (an NCCL sender then
+            streams into NCCL's buffers ahead of the receiver: a head start no pull can have,
+            since its source learns of the transfer from the request). Hence a second NCCL
+            ceiling: both sides post at one agreed time, where the clock starts
   Llumnix   the published CI figures (reference table, run 1) at the same sizes
 Every pull is checked: after the samples of a size, the destination's blocks are compared
 with the source's (row checksums); `wrong` counts mismatching blocks.
@@ -58,6 +61,7 @@ GIB = 1 << 30
 MIB = 1 << 20
 BIG_BLOCKS = 204  # 1.59 GiB
 PULL_TIMEOUT_S = 30.0  # one pull's deadline
+START_AHEAD_S = 2e-3  # start-together ceiling: the agreed start is this far after the order
 WAIT_S = 60.0  # any other single wait (set-up, a peer's answer, a raw transfer)
 
 # Llumnix CI report 1 as posted: MiB -> GiB/s ("MB" and "GB/s" there are MiB and GiB/s).
@@ -135,6 +139,13 @@ def sync(device, what="device work"):
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         wait_cuda_event(event, Deadline(WAIT_S), what)
+
+
+def spin_until(at):
+    """Busy-waits until time.monotonic() reaches `at` (CLOCK_MONOTONIC: one clock for both
+    processes of one host), so that both sides of a transfer start within microseconds."""
+    while time.monotonic() < at:
+        pass
 
 
 def recv_within(conn, what, seconds=WAIT_S):
@@ -223,6 +234,12 @@ def source_main(conn, device, num_blocks, backends, options):
             lib.send(raw["nccl_buf"].data_ptr(), args[0], 0, comm, stream.cuda_stream)
             conn.send("posted")
             sync(device, "NCCL send (ceiling)")
+        elif cmd == "raw_nccl_at":  # post the send at the agreed time, then wait for it
+            lib, comm = raw["nccl"]
+            stream = torch.cuda.current_stream(device)
+            spin_until(args[1])
+            lib.send(raw["nccl_buf"].data_ptr(), args[0], 0, comm, stream.cuda_stream)
+            sync(device, "NCCL send (start-together ceiling)")
         elif cmd == "raw_gloo":
             work = raw["gloo"].send([raw["gloo_buf"][:args[0]]], 0, 0)
             conn.send("posted")
@@ -391,6 +408,25 @@ class Bench:
             label = ("NCCL send/recv (ceiling)" if kind == "nccl"
                      else "gloo send/recv, one stream (ceiling)")
             self.record(label, n, times[1:])
+            if kind == "nccl":
+                self.raw_nccl_together(n, samples)
+
+    def raw_nccl_together(self, n, samples):
+        """The same NCCL send/recv, both sides posted at one agreed time (START_AHEAD_S after
+        the order): no head start for the sender, as in a pull, where the source learns of
+        the transfer from the request. The clock starts at that time."""
+        lib, comm = self.nccl
+        nbytes = n * BLOCK_NBYTES
+        times = []
+        for _ in range(samples + 1):  # the first is a warm-up
+            at = time.monotonic() + START_AHEAD_S
+            self.conn.send(("raw_nccl_at", nbytes, at))
+            spin_until(at)
+            stream = torch.cuda.current_stream(self.device)
+            lib.recv(self.nccl_buf.data_ptr(), nbytes, 1, comm, stream.cuda_stream)
+            sync(self.device, "NCCL recv (start-together ceiling)")
+            times.append(time.monotonic() - at)
+        self.record(NCCL_TOGETHER, n, times[1:])
 
     def baseline(self, kind, sizes, samples):
         for n in sizes:
@@ -575,6 +611,8 @@ def measure_rayrpc(sizes, samples, fixed_samples, num_blocks):
 
 
 # ---- report ---------------------------------------------------------------------------------------
+NCCL_TOGETHER = "NCCL send/recv, both sides start together (ceiling)"
+# (row, its ceiling, Llumnix's published row); a row may also have a second ceiling (EXTRA_RATIOS)
 ROW_ORDER = [
     ("ipc (ours)", "peer copy GPU1->GPU0 (ceiling)", None),
     ("nccl (ours)", "NCCL send/recv (ceiling)", "nccl"),
@@ -583,7 +621,8 @@ ROW_ORDER = [
     ("gloo (Llumnix-style baseline)", "gloo send/recv, one stream (ceiling)", None),
     ("rayrpc (ours)", None, "rayrpc"),
 ]
-CEILING_ROWS = ["peer copy GPU1->GPU0 (ceiling)", "NCCL send/recv (ceiling)",
+EXTRA_RATIOS = {"nccl (ours)": (NCCL_TOGETHER, "nccl (ours) / start-together ceiling")}
+CEILING_ROWS = ["peer copy GPU1->GPU0 (ceiling)", "NCCL send/recv (ceiling)", NCCL_TOGETHER,
                 "gloo send/recv, one stream (ceiling)", "pinned H2D copy (ceiling)",
                 "pinned D2H copy (ceiling)", "host memcpy (ceiling)"]
 
@@ -609,12 +648,13 @@ def markdown(report):
         if ours not in results:
             continue
         lines.append(f"| {ours} | " + " | ".join(cell(ours, n) for n in columns) + " |")
-        if ceiling and ceiling in results:
-            ratios = []
-            for n in columns:
-                a, c = results[ours].get(n), results[ceiling].get(n)
-                ratios.append(f"{a['gibps'] / c['gibps']:.0%}" if a and c else "-")
-            lines.append(f"| {ours} / ceiling | " + " | ".join(ratios) + " |")
+        for ceil, label in ((ceiling, f"{ours} / ceiling"), EXTRA_RATIOS.get(ours, (None, None))):
+            if ceil and ceil in results:
+                ratios = []
+                for n in columns:
+                    a, c = results[ours].get(n), results[ceil].get(n)
+                    ratios.append(f"{a['gibps'] / c['gibps']:.0%}" if a and c else "-")
+                lines.append(f"| {label} | " + " | ".join(ratios) + " |")
         if published:
             pub = LLUMNIX[published]
             row = [f"{pub[n * 8]:.2f}" if n * 8 in pub else
