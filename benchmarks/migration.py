@@ -160,7 +160,7 @@ def nccl_join(cache, uid, rank):
     from vllm_ext.migration.base import Deadline
     from vllm_ext.migration.nccl import _join
 
-    return _join(cache, uid, rank, Deadline(WAIT_S))
+    return _join(cache, [uid], rank, Deadline(WAIT_S))[0]
 
 
 # ---- the Llumnix-style data path, both sides --------------------------------------------------

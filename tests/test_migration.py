@@ -667,6 +667,62 @@ def test_a_set_up_that_completes_after_its_deadline_is_released():
     assert released == ["comm"]
 
 
+class _FakeNccl:
+    """The NCCL calls init_ranks makes, recorded; init `fail_at` (0-based) fails, and the
+    communicators it made still get a handle (as NCCL may hand one back before failing)."""
+
+    def __init__(self, fail_at=None):
+        self.calls, self.fail_at, self.made = [], fail_at, 0
+
+    def ncclGroupStart(self):
+        self.calls.append("start")
+        return 0
+
+    def ncclGroupEnd(self):
+        self.calls.append("end")
+        return 0
+
+    def ncclCommInitRank(self, comm_ref, nranks, uid, rank):
+        self.made += 1
+        comm_ref._obj.value = 0x1000 + self.made
+        self.calls.append(("init", nranks, bytes(bytearray(uid.internal))[:1], rank))
+        return 3 if self.made - 1 == self.fail_at else 0  # 3: ncclInternalError
+
+    def ncclCommAbort(self, comm):
+        self.calls.append(("abort", comm))
+        return 0
+
+    def ncclGetErrorString(self, result):
+        return b"internal error"
+
+
+def _fake_library(fake):
+    from vllm_ext.migration import _nccl_lib
+
+    lib = object.__new__(_nccl_lib.NcclLibrary)  # no libnccl needed: the calls are the fake's
+    for name in ("ncclGroupStart", "ncclGroupEnd", "ncclCommInitRank", "ncclCommAbort", "ncclGetErrorString"):
+        setattr(lib, name, getattr(fake, name))
+    return lib, _nccl_lib.NcclError
+
+
+def test_lane_communicators_are_set_up_in_one_nccl_group_and_a_failure_aborts_them():
+    uids = [bytes([i]) * 128 for i in (1, 2, 3)]
+    fake = _FakeNccl()
+    lib, _ = _fake_library(fake)
+    assert lib.init_ranks(2, uids, 1) == [0x1001, 0x1002, 0x1003]
+    assert fake.calls == ["start"] + [("init", 2, bytes([i]), 1) for i in (1, 2, 3)] + ["end"]
+    # The second fails: the group still ends, both communicators made are aborted, the third
+    # is never started, and the error names the call.
+    fake = _FakeNccl(fail_at=1)
+    lib, error = _fake_library(fake)
+    with pytest.raises(error, match="ncclCommInitRank: NCCL error 3: internal error"):
+        lib.init_ranks(2, uids, 0)
+    assert fake.calls == ["start", ("init", 2, bytes([1]), 0), ("init", 2, bytes([2]), 0), "end",
+                          ("abort", 0x1001), ("abort", 0x1002)]
+    with pytest.raises(ValueError, match="uid: 5 bytes, expected 128"):
+        lib.init_ranks(2, [uids[0], b"short"], 0)
+
+
 def test_spin_until_readable_sees_a_message_or_eof_and_leaves_it():
     """The server's poll after a pull: True once a message (or EOF) waits, without consuming
     it; False when the window passes with nothing."""

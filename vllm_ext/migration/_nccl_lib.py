@@ -8,7 +8,7 @@ import ctypes
 import glob
 import os
 import threading
-from typing import Optional
+from typing import List, Optional
 
 NCCL_SO_ENV = "VLLM_EXT_NCCL_SO"
 
@@ -32,6 +32,10 @@ _FUNCTIONS = {
     # ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank)
     "ncclCommInitRank": (ncclResult_t, [ctypes.POINTER(ncclComm_t), ctypes.c_int, NcclUniqueId,
                                         ctypes.c_int]),
+    # ncclResult_t ncclGroupStart(void)
+    "ncclGroupStart": (ncclResult_t, []),
+    # ncclResult_t ncclGroupEnd(void)
+    "ncclGroupEnd": (ncclResult_t, []),
     # ncclResult_t ncclCommAbort(ncclComm_t comm)
     "ncclCommAbort": (ncclResult_t, [ncclComm_t]),
     # ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError)
@@ -84,13 +88,46 @@ class NcclLibrary:
 
     def init_rank(self, nranks: int, uid: bytes, rank: int) -> int:
         """Blocking: returns when every rank joined (run it where it can be abandoned)."""
-        if len(uid) != 128:
-            raise ValueError(f"uid: {len(uid)} bytes, expected 128")
-        u = NcclUniqueId()
-        ctypes.memmove(u.internal, uid, 128)
-        comm = ncclComm_t()
-        self.check(self.ncclCommInitRank(ctypes.byref(comm), nranks, u, rank), "ncclCommInitRank")
-        return comm.value
+        return self.init_ranks(nranks, [uid], rank)[0]
+
+    def init_ranks(self, nranks: int, uids: List[bytes], rank: int) -> List[int]:
+        """Joins one communicator per uid, all in one NCCL group, so that their set-ups run
+        at once; the other ranks join the same uids. Blocking: returns when every rank
+        joined every communicator (run it where it can be abandoned). On a failure the
+        communicators made so far are aborted."""
+        ids = []
+        for uid in uids:
+            if len(uid) != 128:
+                raise ValueError(f"uid: {len(uid)} bytes, expected 128")
+            ids.append(NcclUniqueId())
+            ctypes.memmove(ids[-1].internal, uid, 128)
+        comms: List[int] = []
+        error = None
+        self.check(self.ncclGroupStart(), "ncclGroupStart")
+        try:
+            for u in ids:
+                comm = ncclComm_t()
+                result = self.ncclCommInitRank(ctypes.byref(comm), nranks, u, rank)
+                if comm.value:
+                    comms.append(comm.value)
+                if result != NCCL_SUCCESS:
+                    error = (result, "ncclCommInitRank")
+                    break
+        finally:
+            result = self.ncclGroupEnd()
+        if error is None and result != NCCL_SUCCESS:
+            error = (result, "ncclGroupEnd (communicator set-up)")
+        if error is not None:
+            for comm in comms:
+                self.ncclCommAbort(comm)
+            self.check(*error)
+        return comms
+
+    def group_start(self) -> None:
+        self.check(self.ncclGroupStart(), "ncclGroupStart")
+
+    def group_end(self) -> None:
+        self.check(self.ncclGroupEnd(), "ncclGroupEnd")
 
     def abort(self, comm: int) -> None:
         self.check(self.ncclCommAbort(comm), "ncclCommAbort")
