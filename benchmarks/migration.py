@@ -28,6 +28,8 @@ with the source's (row checksums); `wrong` counts mismatching blocks.
 Fixed cost per pull: median and p99 of `--fixed-samples` 1-block pulls; and the control cost:
 the same for a cache of 4 KiB blocks (one layer, one head of 64, block size 16), where moving
 the bytes is free and what remains is the pull's own machinery (requests, launches, waits).
+First pull from a new peer: the wall time of the first 1-block pull, which opens the control
+connection and builds the pair (nccl: its communicators and staging; ipc: the mapped handles).
 
     python benchmarks/migration.py [--out benchmarks/results] [--quick] [--time-limit S]
 Nothing can hang: every wait has a deadline (pulls, NCCL and gloo set-up and transfers, the
@@ -334,7 +336,10 @@ class Bench:
     # ours
     def pulls(self, backend, sizes, samples):
         ep, desc = self.endpoints[backend], self.descs[backend]
+        t = time.perf_counter()
         ep.pull(desc, [0], [0], timeout=PULL_TIMEOUT_S)  # builds the pair
+        first = self.fixed.setdefault(backend, {})["first_pull_ms"] = (time.perf_counter() - t) * 1e3
+        log(f"  {backend} first pull from a new peer (connect + 1 block): {first:.1f} ms")
         for n in sizes:
             times = []
             for _ in range(samples):
@@ -346,7 +351,8 @@ class Bench:
 
     def fixed_cost(self, backend, samples):
         """1-block pulls of an 8 MiB block, then of a 4 KiB block (the control cost)."""
-        entry = self.fixed[backend] = {"samples": samples}
+        entry = self.fixed.setdefault(backend, {})
+        entry["samples"] = samples
         for key, blocks in ((backend, self.num_blocks), (f"{backend}:tiny", TINY_BLOCKS)):
             ep, desc = self.endpoints[key], self.descs[key]
             ep.pull(desc, [0], [0], timeout=PULL_TIMEOUT_S)  # builds the pair
@@ -670,12 +676,14 @@ def markdown(report):
             lines.append(f"| {ceiling} | " + " | ".join(cell(ceiling, n) for n in columns) + " |")
     lines.append("")
     lines.append("| backend | 1-block pull, 8 MiB: median (ms) | p99 (ms) "
-                 "| control cost (1-block pull, 4 KiB): median (ms) | p99 (ms) |")
-    lines.append("| --- | --- | --- | --- | --- |")
+                 "| control cost (1-block pull, 4 KiB): median (ms) | p99 (ms) "
+                 "| first pull from a new peer (connect + 1 block, ms) |")
+    lines.append("| --- | --- | --- | --- | --- | --- |")
+    keys = ("median_ms", "p99_ms", "tiny_median_ms", "tiny_p99_ms", "first_pull_ms")
     for backend, f in report["fixed"].items():
-        tiny = [f"{f[k]:.3f}" if k in f else "-" for k in ("tiny_median_ms", "tiny_p99_ms")]
-        lines.append(f"| {backend} | {f['median_ms']:.3f} | {f['p99_ms']:.3f} | "
-                     + " | ".join(tiny) + " |")
+        cells = [(f"{f[k]:.1f}" if k == "first_pull_ms" else f"{f[k]:.3f}") if k in f else "-"
+                 for k in keys]
+        lines.append(f"| {backend} | " + " | ".join(cells) + " |")
     text = [f"# KV migration benchmark ({report['meta']['mode']})", "",
             "Speeds in GiB/s (Llumnix's \"GB/s\"): bytes / wall time of the destination's pull, "
             "min and max of the samples dropped, mean of the rest. Ceilings move the same bytes "
