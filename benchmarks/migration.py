@@ -64,6 +64,7 @@ MIB = 1 << 20
 BIG_BLOCKS = 204  # 1.59 GiB
 PULL_TIMEOUT_S = 30.0  # one pull's deadline
 START_AHEAD_S = 2e-3  # start-together ceiling: the agreed start is this far after the order
+LATE_S = 20e-6  # a sample whose sender started later than this after the agreed time is redone
 WAIT_S = 60.0  # any other single wait (set-up, a peer's answer, a raw transfer)
 
 # Llumnix CI report 1 as posted: MiB -> GiB/s ("MB" and "GB/s" there are MiB and GiB/s).
@@ -240,8 +241,10 @@ def source_main(conn, device, num_blocks, backends, options):
             lib, comm = raw["nccl"]
             stream = torch.cuda.current_stream(device)
             spin_until(args[1])
+            late = time.monotonic() - args[1]  # > 0 when the order came after the agreed time
             lib.send(raw["nccl_buf"].data_ptr(), args[0], 0, comm, stream.cuda_stream)
             sync(device, "NCCL send (start-together ceiling)")
+            conn.send(late)
         elif cmd == "raw_gloo":
             work = raw["gloo"].send([raw["gloo_buf"][:args[0]]], 0, 0)
             conn.send("posted")
@@ -420,18 +423,26 @@ class Bench:
     def raw_nccl_together(self, n, samples):
         """The same NCCL send/recv, both sides posted at one agreed time (START_AHEAD_S after
         the order): no head start for the sender, as in a pull, where the source learns of
-        the transfer from the request. The clock starts at that time."""
+        the transfer from the request. The clock starts at that time. A sample where the
+        sender started late (its order arrived after the agreed time) does not count."""
         lib, comm = self.nccl
         nbytes = n * BLOCK_NBYTES
-        times = []
-        for _ in range(samples + 1):  # the first is a warm-up
+        times, late_samples = [], 0
+        while len(times) < samples + 1:  # the first is a warm-up
             at = time.monotonic() + START_AHEAD_S
             self.conn.send(("raw_nccl_at", nbytes, at))
             spin_until(at)
             stream = torch.cuda.current_stream(self.device)
             lib.recv(self.nccl_buf.data_ptr(), nbytes, 1, comm, stream.cuda_stream)
             sync(self.device, "NCCL recv (start-together ceiling)")
-            times.append(time.monotonic() - at)
+            elapsed = time.monotonic() - at
+            if recv_within(self.conn, "raw_nccl_at") <= LATE_S:
+                times.append(elapsed)
+            else:
+                late_samples += 1
+                if late_samples > samples:
+                    raise RuntimeError(f"start-together ceiling: the sender started late in "
+                                       f"{late_samples} samples (order-to-start {START_AHEAD_S:g} s)")
         self.record(NCCL_TOGETHER, n, times[1:])
 
     def baseline(self, kind, sizes, samples):
