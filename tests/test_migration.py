@@ -668,8 +668,8 @@ def test_a_set_up_that_completes_after_its_deadline_is_released():
 
 
 class _FakeNccl:
-    """The NCCL calls init_ranks makes, recorded; init `fail_at` (0-based) fails, and the
-    communicators it made still get a handle (as NCCL may hand one back before failing)."""
+    """The NCCL calls init_ranks makes, recorded; init number `fail_at` (0-based) fails, or
+    the group's end when fail_at is "end" (where NCCL reports a failed set-up inside a group)."""
 
     def __init__(self, fail_at=None):
         self.calls, self.fail_at, self.made = [], fail_at, 0
@@ -680,13 +680,15 @@ class _FakeNccl:
 
     def ncclGroupEnd(self):
         self.calls.append("end")
-        return 0
+        return 2 if self.fail_at == "end" else 0  # 2: ncclSystemError
 
     def ncclCommInitRank(self, comm_ref, nranks, uid, rank):
         self.made += 1
-        comm_ref._obj.value = 0x1000 + self.made
         self.calls.append(("init", nranks, bytes(bytearray(uid.internal))[:1], rank))
-        return 3 if self.made - 1 == self.fail_at else 0  # 3: ncclInternalError
+        if self.made - 1 == self.fail_at:
+            return 3  # ncclInternalError, and no communicator
+        comm_ref._obj.value = 0x1000 + self.made
+        return 0
 
     def ncclCommAbort(self, comm):
         self.calls.append(("abort", comm))
@@ -711,14 +713,20 @@ def test_lane_communicators_are_set_up_in_one_nccl_group_and_a_failure_aborts_th
     lib, _ = _fake_library(fake)
     assert lib.init_ranks(2, uids, 1) == [0x1001, 0x1002, 0x1003]
     assert fake.calls == ["start"] + [("init", 2, bytes([i]), 1) for i in (1, 2, 3)] + ["end"]
-    # The second fails: the group still ends, both communicators made are aborted, the third
-    # is never started, and the error names the call.
+    # The second fails: the group still ends, the communicator made is aborted, the third is
+    # never started, and the error names the call.
     fake = _FakeNccl(fail_at=1)
     lib, error = _fake_library(fake)
     with pytest.raises(error, match="ncclCommInitRank: NCCL error 3: internal error"):
         lib.init_ranks(2, uids, 0)
     assert fake.calls == ["start", ("init", 2, bytes([1]), 0), ("init", 2, bytes([2]), 0), "end",
-                          ("abort", 0x1001), ("abort", 0x1002)]
+                          ("abort", 0x1001)]
+    # The set-ups fail at the group's end: every communicator is aborted.
+    fake = _FakeNccl(fail_at="end")
+    lib, error = _fake_library(fake)
+    with pytest.raises(error, match=r"ncclGroupEnd \(communicator set-up\): NCCL error 2"):
+        lib.init_ranks(2, uids[:2], 0)
+    assert fake.calls[-3:] == ["end", ("abort", 0x1001), ("abort", 0x1002)]
     with pytest.raises(ValueError, match="uid: 5 bytes, expected 128"):
         lib.init_ranks(2, [uids[0], b"short"], 0)
 

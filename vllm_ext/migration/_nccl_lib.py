@@ -113,15 +113,21 @@ class NcclLibrary:
                 if result != NCCL_SUCCESS:
                     error = (result, "ncclCommInitRank")
                     break
-        finally:
-            result = self.ncclGroupEnd()
+        except BaseException:
+            self.ncclGroupEnd()  # the first failure is the one raised
+            self._abort_all(comms)
+            raise
+        result = self.ncclGroupEnd()
         if error is None and result != NCCL_SUCCESS:
             error = (result, "ncclGroupEnd (communicator set-up)")
         if error is not None:
-            for comm in comms:
-                self.ncclCommAbort(comm)
+            self._abort_all(comms)
             self.check(*error)
         return comms
+
+    def _abort_all(self, comms: List[int]) -> None:
+        for comm in comms:
+            self.ncclCommAbort(comm)
 
     def group_start(self) -> None:
         self.check(self.ncclGroupStart(), "ncclGroupStart")

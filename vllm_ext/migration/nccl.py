@@ -35,7 +35,9 @@ the next pull builds a new one. Communicator set-up runs on a helper thread join
 deadline; a set-up that never completes is abandoned. The lanes' communicators are set up in
 one NCCL group, so that their set-ups overlap: on two H200s a new peer's first pull took
 192-211 ms, against 210-232 ms with the two joined one after the other (the first pair of a
-process adds ~0.5 s: NCCL's own one-time initialisation).
+process also pays NCCL's one-time initialisation: 0.43-0.76 s in all over four runs). A
+set-up abandoned at its deadline holds all of the pair's communicators in that group until
+it returns, if ever (then they are aborted).
 
 A pull is one request unless it holds more than 128 slots' worth of blocks (or of 448-id
 launches): then it goes as several requests, one after the other (request_segments), so that
@@ -325,8 +327,10 @@ def _join(cache, uids: List[bytes], rank: int, deadline: Deadline) -> List[int]:
                         lib.send(row.data_ptr(), row.numel(), _DST_RANK, comm, stream.cuda_stream)
                     else:
                         lib.recv(row.data_ptr(), row.numel(), _SRC_RANK, comm, stream.cuda_stream)
-            finally:
-                lib.group_end()
+            except BaseException:
+                lib.ncclGroupEnd()  # the first failure is the one raised
+                raise
+            lib.group_end()
             event = torch.cuda.Event()
             event.record(stream)
             wait_cuda_event(event, deadline, "nccl warm-up")
