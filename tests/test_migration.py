@@ -109,6 +109,69 @@ def test_gloo_repeated_pulls_reuse_the_pair(workers):
         b.call("close", "rep")
 
 
+def _served_pairs(worker, name, want, seconds=10.0):
+    """The source's count of pairs it serves, once it equals `want` (it learns of a closed
+    connection on its own thread) or after `seconds`."""
+    end = time.monotonic() + seconds
+    while True:
+        served = worker.call("links", name)[1]
+        if served == want or time.monotonic() > end:
+            return served
+        time.sleep(0.05)
+
+
+def test_disconnect_releases_the_pair_on_both_sides_and_a_later_pull_connects_again(workers):
+    a, b = workers
+    spec = {"num_layers": 2, "num_blocks": 24, "block_size": 16, "num_kv_heads": 2,
+            "head_size": 64, "dtype": "float16", "layout": "flash", "seed": 91}
+    desc_a = a.call("endpoint", "disc", spec, "gloo", GLOO_OPTIONS)
+    b.call("endpoint", "disc", dict(spec, seed=92), "gloo", GLOO_OPTIONS)
+    try:
+        assert b.call("disconnect", "disc", desc_a, 5.0) is False  # nothing held yet
+        b.call("pull", "disc", desc_a, [3, 4, 5], [0, 1, 2], 30.0)
+        assert b.call("links", "disc")[0] == 1
+        assert _served_pairs(a, "disc", 1) == 1
+        assert b.call("disconnect", "disc", desc_a, 5.0) is True
+        assert b.call("links", "disc")[0] == 0
+        assert _served_pairs(a, "disc", 0) == 0, "the source kept the pair of a closed connection"
+        assert b.call("disconnect", "disc", desc_a, 5.0) is False
+        b.call("pull", "disc", desc_a, [7, 8], [10, 11], 30.0)
+        assert torch.equal(b.call("blocks", "disc", [0, 1, 2, 10, 11]),
+                           expected_blocks(spec, [3, 4, 5, 7, 8]))
+        assert b.call("connects", "disc") == 2
+        with pytest.raises(RemoteError, match="TypeError: peer: expected PeerDescriptor"):
+            b.call("disconnect", "disc", "not a descriptor", 5.0)
+    finally:
+        a.call("close", "disc")
+        b.call("close", "disc")
+
+
+@pytest.mark.parametrize("patient", [False, True], ids=["gives-up", "waits"])
+def test_disconnect_during_a_pull_waits_for_it_or_gives_up_leaving_it_intact(workers, patient):
+    a, b = workers
+    spec = dict(TIMEOUT_SPEC, seed=93)
+    desc_a = a.call("endpoint", "dp", spec, "gloo", ONE_BLOCK_CHUNKS)
+    b.call("endpoint", "dp", dict(spec, seed=94), "gloo", ONE_BLOCK_CHUNKS)
+    try:
+        b.call("pull", "dp", desc_a, [0], [0], 30.0)  # the pair exists
+        a.call("stall", "dp", 1, 1.5)  # the next pull pauses 1.5 s at its second chunk
+        src, dst = [5, 6, 7], [20, 21, 22]
+        out = b.call("pull_and_disconnect", "dp", desc_a, src, dst, 30.0, 0.3, 10.0 if patient else 0.2)
+        assert not isinstance(out["pull"], str), out["pull"]  # the pull completed either way
+        assert torch.equal(b.call("blocks", "dp", dst), expected_blocks(spec, src))
+        if patient:
+            assert out["disconnect"] is True and out["waited"] > 0.5
+            assert b.call("links", "dp")[0] == 0
+        else:
+            assert out["disconnect"].startswith("MigrationError: disconnect from"), out["disconnect"]
+            assert "still runs after 0.2 s" in out["disconnect"]
+            assert b.call("links", "dp")[0] == 1 and b.call("connects", "dp") == 1
+    finally:
+        a.call("stall", "dp", None, 0)
+        a.call("close", "dp")
+        b.call("close", "dp")
+
+
 # ---- failures: a stalled source, a killed source ----------------------------------------------
 TIMEOUT_SPEC = {"num_layers": 2, "num_blocks": 32, "block_size": 16, "num_kv_heads": 2,
                 "head_size": 64, "dtype": "bfloat16", "layout": "flash", "seed": 5}

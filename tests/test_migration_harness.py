@@ -110,6 +110,37 @@ def _run(cmd, args, caches, endpoints):
         return ep.descriptor()
     if cmd == "connects":  # (name,) -> how many times the backend built a data path to a peer
         return endpoints[args[0]].test_connects
+    if cmd == "disconnect":  # (name, descriptor, timeout) -> whether anything was held
+        name, desc, timeout = args
+        return endpoints[name].disconnect(desc, timeout=timeout)
+    if cmd == "pull_and_disconnect":
+        # (name, descriptor, src, dst, timeout, after_s, disconnect_timeout) -> a dict: a pull
+        # runs on a thread; after_s into it, disconnect(descriptor) is called on this thread.
+        import threading
+
+        name, desc, src, dst, timeout, after_s, disconnect_timeout = args
+        ep, out = endpoints[name], {}
+
+        def pull():
+            try:
+                out["pull"] = ep.pull(desc, src, dst, timeout=timeout)
+            except Exception as e:  # noqa: BLE001 - reported
+                out["pull"] = f"{type(e).__name__}: {e}"
+
+        thread = threading.Thread(target=pull)
+        thread.start()
+        time.sleep(after_s)
+        start = time.monotonic()
+        try:
+            out["disconnect"] = ep.disconnect(desc, timeout=disconnect_timeout)
+        except Exception as e:  # noqa: BLE001 - reported
+            out["disconnect"] = f"{type(e).__name__}: {e}"
+        out["waited"] = time.monotonic() - start
+        thread.join(timeout + 10)
+        return out
+    if cmd == "links":  # (name,) -> (peers with a link, pairs served to peers)
+        ep = endpoints[args[0]]
+        return len(ep._links), len(getattr(ep.backend, "_serving", {}))
     if cmd == "close":  # -> whether the endpoint existed
         ep = endpoints.pop(args[0], None)
         caches.pop(args[0], None)

@@ -4,6 +4,7 @@ its blocks to peers and pulls blocks from them.
     ep = MigrationEndpoint(cache, backend="nccl")
     desc = ep.descriptor()                 # give this to other instances
     stats = ep.pull(peer_desc, src_block_ids, dst_block_ids, timeout=10.0)
+    ep.disconnect(peer_desc)               # the peer left: release the pair built for it
 
 Threads: `pull` runs on the caller's thread (several threads may pull from different peers at
 once; pulls from one peer are serialised). Serving runs on the control server's threads, one
@@ -137,12 +138,7 @@ class MigrationEndpoint:
         if not src:
             return PullStats(self.backend.name, 0, 0, 0.0, chunks=0)
         start = time.perf_counter()
-        if link is None:
-            link = self._link(peer)
-        if not link.lock.acquire(timeout=max(deadline.remaining(), 0)):
-            raise MigrationError(f"pull from {peer.short()}: another pull from this peer held it "
-                                 f"past the deadline ({timeout:g} s)", peer=peer.endpoint_id,
-                                 dst_block_ids=dst)
+        link = self._locked_link(peer, link, deadline, dst)
         try:
             if link.conn is None and self.backend.uses_control_channel:
                 self._open(link, deadline)
@@ -195,6 +191,55 @@ class MigrationEndpoint:
             if link is None:
                 link = self._links[peer.endpoint_id] = PeerLink(peer)
             return link
+
+    def _locked_link(self, peer: PeerDescriptor, link: Optional[PeerLink], deadline: Deadline,
+                     dst) -> PeerLink:
+        """The link to `peer`, its lock held. A link that was disconnected while this pull
+        waited for its lock is left alone: the pull takes a new one."""
+        while True:
+            if link is None:
+                link = self._link(peer)
+            if not link.lock.acquire(timeout=max(deadline.remaining(), 0)):
+                raise MigrationError(f"pull from {peer.short()}: another pull from this peer held "
+                                     f"it past the deadline ({deadline.timeout:g} s)",
+                                     peer=peer.endpoint_id, dst_block_ids=dst)
+            with self._links_lock:
+                current = self._links.get(peer.endpoint_id) is link
+            if current:
+                return link
+            link.lock.release()
+            link = None
+            if self._closed:
+                raise ValueError("pull: this endpoint is closed")
+
+    def disconnect(self, peer: PeerDescriptor, timeout: float = 30.0) -> bool:
+        """Releases what this endpoint holds for pulls from `peer`: the control connection and
+        the backend's data path (nccl: the pair's communicators and staging memory; ipc: the
+        mapped memory; gloo: the process groups). Call it when that instance leaves: nothing
+        else frees them until this endpoint closes. The peer's side of the pair is released
+        when it sees the connection close. A later pull from `peer` connects again.
+
+        Returns False when nothing was held for `peer`. Waits up to `timeout` seconds for a
+        pull from `peer` that is in progress; MigrationError past that, with nothing released.
+        """
+        if not isinstance(peer, PeerDescriptor):
+            raise TypeError(f"peer: expected PeerDescriptor (from descriptor()), got "
+                            f"{type(peer).__name__}")
+        with self._links_lock:
+            link = self._links.get(peer.endpoint_id)
+        if link is None:
+            return False
+        if not link.lock.acquire(timeout=max(float(timeout), 0)):
+            raise MigrationError(f"disconnect from {peer.short()}: a pull from it still runs "
+                                 f"after {timeout:g} s", peer=peer.endpoint_id)
+        try:
+            with self._links_lock:
+                if self._links.get(peer.endpoint_id) is link:
+                    del self._links[peer.endpoint_id]
+            self._discard(link)
+        finally:
+            link.lock.release()
+        return True
 
     def _open(self, link: PeerLink, deadline: Deadline) -> None:
         peer = link.peer
