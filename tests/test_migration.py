@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from test_migration_harness import RemoteError, Worker, expected_blocks, make_cache
+from test_migration_harness import RemoteError, Worker, close_quietly, expected_blocks, make_cache
 
 from vllm_ext.migration import BACKEND_NAMES, MigrationEndpoint, MigrationError, PeerDescriptor, get_backend_class
 from vllm_ext.migration.base import Deadline
@@ -144,6 +144,31 @@ def test_disconnect_releases_the_pair_on_both_sides_and_a_later_pull_connects_ag
     finally:
         a.call("close", "disc")
         b.call("close", "disc")
+
+
+def test_a_link_whose_peer_closed_its_end_is_released_by_itself(workers):
+    a, b = workers
+    spec = {"num_layers": 1, "num_blocks": 16, "block_size": 16, "num_kv_heads": 1,
+            "head_size": 64, "dtype": "bfloat16", "layout": "flash", "seed": 95}
+    desc_a = a.call("endpoint", "gone", spec, "gloo", GLOO_OPTIONS)
+    b.call("endpoint", "gone", dict(spec, seed=96), "gloo", GLOO_OPTIONS)
+    desc_c = a.call("endpoint", "stays", dict(spec, seed=97), "gloo", GLOO_OPTIONS)
+    try:
+        b.call("pull", "gone", desc_a, [1, 2], [3, 4], 30.0)
+        b.call("pull", "gone", desc_c, [5], [6], 30.0)
+        assert b.call("links", "gone")[0] == 2
+        a.call("close", "gone")  # that peer's endpoint closes: its connections end
+        end = time.monotonic() + 10
+        while b.call("links", "gone")[0] != 1 and time.monotonic() < end:
+            time.sleep(0.1)
+        assert b.call("links", "gone")[0] == 1, "the link to the closed peer was kept"
+        assert b.call("disconnect", "gone", desc_a, 5.0) is False  # already released
+        b.call("pull", "gone", desc_c, [7], [8], 30.0)  # the other peer's link is intact
+        assert b.call("connects", "gone") == 2
+        assert torch.equal(b.call("blocks", "gone", [6, 8]), expected_blocks(dict(spec, seed=97), [5, 7]))
+    finally:
+        close_quietly(a, "gone", "stays")
+        close_quietly(b, "gone")
 
 
 @pytest.mark.parametrize("patient", [False, True], ids=["gives-up", "waits"])

@@ -260,7 +260,8 @@ def test_nccl_source_that_joins_late_is_cut_off_then_cleaned_up(gpu_workers):
 @pytest.mark.multi_gpu
 def test_ipc_killed_source_is_reported(gpu_workers):
     """ipc has no per-pull message: a source that exited is noticed through its closed
-    control connection before its memory is read."""
+    control connection before its memory is read (by the pull, or already by the endpoint's
+    reaper of idle links, after which the pull finds no server to connect to)."""
     dst_w, _, _ = gpu_workers(("cuda:0", "cuda:1"))
     src_w = Worker("cuda:1")
     try:
@@ -275,7 +276,8 @@ def test_ipc_killed_source_is_reported(gpu_workers):
         with pytest.raises(RemoteError) as info:
             dst_w.call("pull", "d", desc, [0, 1], [4, 5], 10.0, timeout=CALL_TIMEOUT_S)
         assert info.value.type_name == "MigrationError"
-        assert "closed its control connection" in info.value.message
+        assert ("closed its control connection" in info.value.message
+                or "control channel: cannot connect" in info.value.message), info.value.message
         assert time.monotonic() - start < 5.0, "a dead ipc source must be noticed at once"
     finally:
         src_w.kill()

@@ -38,6 +38,9 @@ PROTOCOL = 4
 # After serving a pull, the server polls this long for the next request before it blocks
 # (the stages of a migration come in bursts; other requests are rare and wait as usual).
 _SERVE_SPIN_S = 2e-3
+# How often the destination looks for peers that closed their end of an idle link (exited or
+# closed their endpoint), to release what it built for them.
+_REAP_INTERVAL_S = 1.0
 
 
 class PeerLink:
@@ -97,6 +100,8 @@ class MigrationEndpoint:
         self._links: Dict[str, PeerLink] = {}
         self._links_lock = threading.Lock()
         self._closed = False
+        self._reaper: Optional[threading.Thread] = None  # started with the first link
+        self._reaper_stop = threading.Event()
         # Tests only: (chunk index, seconds) makes the source pause while serving; the library's
         # pull server (nccl) reads {chunk, microseconds} from test_stall_native.
         self.test_stall_native = (ctypes.c_int64 * 2)(-1, 0)
@@ -190,7 +195,37 @@ class MigrationEndpoint:
             link = self._links.get(peer.endpoint_id)
             if link is None:
                 link = self._links[peer.endpoint_id] = PeerLink(peer)
+            if self._reaper is None and self.backend.uses_control_channel and not self._closed:
+                self._reaper = threading.Thread(target=self._reap, name="migration-reaper",
+                                                daemon=True)
+                self._reaper.start()
             return link
+
+    def _reap(self) -> None:
+        """Releases the links of peers that closed their end of the control connection (the
+        process exited, or closed its endpoint) while no pull used it, as disconnect() would:
+        their pairs would otherwise hold communicators and staging memory until this endpoint
+        closes. A link in use is left to its pull, which notices by itself."""
+        while not self._reaper_stop.wait(_REAP_INTERVAL_S):
+            with self._links_lock:
+                links = list(self._links.values())
+            for link in links:
+                if link.conn is None or not link.lock.acquire(blocking=False):
+                    continue
+                try:
+                    if link.conn is None or not link.conn.closed_by_peer():
+                        continue
+                    with self._links_lock:
+                        if self._links.get(link.peer.endpoint_id) is not link:
+                            continue
+                        del self._links[link.peer.endpoint_id]
+                    logger.info("peer %s closed its connection: releasing what was built for it",
+                                link.peer.short())
+                    self._discard(link)
+                except Exception:  # noqa: BLE001 - the reaper must go on
+                    logger.exception("releasing the link to %s failed", link.peer.short())
+                finally:
+                    link.lock.release()
 
     def _locked_link(self, peer: PeerDescriptor, link: Optional[PeerLink], deadline: Deadline,
                      dst) -> PeerLink:
@@ -215,9 +250,11 @@ class MigrationEndpoint:
     def disconnect(self, peer: PeerDescriptor, timeout: float = 30.0) -> bool:
         """Releases what this endpoint holds for pulls from `peer`: the control connection and
         the backend's data path (nccl: the pair's communicators and staging memory; ipc: the
-        mapped memory; gloo: the process groups). Call it when that instance leaves: nothing
-        else frees them until this endpoint closes. The peer's side of the pair is released
-        when it sees the connection close. A later pull from `peer` connects again.
+        mapped memory; gloo: the process groups). Call it when that instance leaves. (A peer
+        that closes its end, its process exiting or its endpoint closing, is released within
+        about a second without it; a live peer that will not be pulled from again is not.)
+        The peer's side of the pair is released when it sees the connection close. A later
+        pull from `peer` connects again.
 
         Returns False when nothing was held for `peer`. Waits up to `timeout` seconds for a
         pull from `peer` that is in progress; MigrationError past that, with nothing released.
@@ -361,10 +398,14 @@ class MigrationEndpoint:
         if self._closed:
             return
         self._closed = True
+        self._reaper_stop.set()
         self._server.close()
         with self._links_lock:
             links = list(self._links.values())
             self._links.clear()
+            reaper = self._reaper
+        if reaper is not None:
+            reaper.join(timeout=30)  # it holds a link's lock only while releasing that link
         for link in links:
             # A pull in flight ends by its own deadline; do not wait for it forever.
             if link.lock.acquire(timeout=30):
