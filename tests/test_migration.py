@@ -425,6 +425,41 @@ def test_peers_of_one_host_talk_over_the_local_socket_else_tcp(local_pair):
         c.close()
 
 
+def _wait_for(predicate, seconds=10.0):
+    end = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < end:
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_the_reaper_releases_idle_links_of_departed_or_talking_peers_and_ends_with_its_endpoint(local_pair):
+    a, b = local_pair
+    c = MigrationEndpoint(make_cache(dict(SPEC, seed=3)), backend="gloo", stripes=1)
+    try:
+        a.pull(b.descriptor(), [1], [2], timeout=30)
+        a.pull(c.descriptor(), [3], [4], timeout=30)
+        assert a._reaper.is_alive() and set(a._links) == {b.endpoint_id, c.endpoint_id}
+        c.close()  # a departed peer: its link goes
+        assert _wait_for(lambda: c.endpoint_id not in a._links), "the closed peer's link was kept"
+        time.sleep(1.5)  # more passes: the idle, healthy link stays
+        assert b.endpoint_id in a._links
+        # A message between pulls (a late failure report) would be misread by the next pull:
+        # the link goes, and the next pull connects again.
+        (served,) = b._server._connections
+        served.send({"ok": False, "async": True, "type": "MigrationError", "error": "late"})
+        assert _wait_for(lambda: b.endpoint_id not in a._links), "a link with a stale message was kept"
+        a.pull(b.descriptor(), [5], [6], timeout=30)
+        assert torch.equal(expected_blocks_of(a, [2, 6]),
+                           expected_blocks(dict(SPEC, seed=2, num_blocks=8), [1, 5]))
+        reaper = a._reaper
+        a.close()
+        assert not reaper.is_alive()
+        with pytest.raises(ValueError, match="endpoint is closed"):
+            a._link(b.descriptor())  # no link can be made once closed
+    finally:
+        c.close()
+
+
 def test_unreachable_peer_raises_migration_error(local_pair):
     a, b = local_pair
     desc = b.descriptor()

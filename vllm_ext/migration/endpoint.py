@@ -192,6 +192,8 @@ class MigrationEndpoint:
 
     def _link(self, peer: PeerDescriptor) -> PeerLink:
         with self._links_lock:
+            if self._closed:  # close() sets it before it takes this lock: no link outlives it
+                raise ValueError("pull: this endpoint is closed")
             link = self._links.get(peer.endpoint_id)
             if link is None:
                 link = self._links[peer.endpoint_id] = PeerLink(peer)
@@ -205,7 +207,11 @@ class MigrationEndpoint:
         """Releases the links of peers that closed their end of the control connection (the
         process exited, or closed its endpoint) while no pull used it, as disconnect() would:
         their pairs would otherwise hold communicators and staging memory until this endpoint
-        closes. A link in use is left to its pull, which notices by itself."""
+        closes. An idle link where anything else waits is released too: between pulls no
+        peer sends anything, so it is a late report of a failure, which the next pull would
+        misread. A link in use is left to its pull, which notices by itself. Releasing is
+        CUDA work for nccl (ncclCommAbort frees its buffers) and ipc (unmapping), done on
+        this thread."""
         while not self._reaper_stop.wait(_REAP_INTERVAL_S):
             with self._links_lock:
                 links = list(self._links.values())
@@ -213,14 +219,15 @@ class MigrationEndpoint:
                 if link.conn is None or not link.lock.acquire(blocking=False):
                     continue
                 try:
-                    if link.conn is None or not link.conn.closed_by_peer():
+                    if link.conn is None or not link.conn.readable():
                         continue
                     with self._links_lock:
                         if self._links.get(link.peer.endpoint_id) is not link:
                             continue
                         del self._links[link.peer.endpoint_id]
-                    logger.info("peer %s closed its connection: releasing what was built for it",
-                                link.peer.short())
+                    logger.info("peer %s %s: releasing what was built for it", link.peer.short(),
+                                "closed its connection" if link.conn.closed_by_peer()
+                                else "sent a message between pulls")
                     self._discard(link)
                 except Exception:  # noqa: BLE001 - the reaper must go on
                     logger.exception("releasing the link to %s failed", link.peer.short())
@@ -244,8 +251,6 @@ class MigrationEndpoint:
                 return link
             link.lock.release()
             link = None
-            if self._closed:
-                raise ValueError("pull: this endpoint is closed")
 
     def disconnect(self, peer: PeerDescriptor, timeout: float = 30.0) -> bool:
         """Releases what this endpoint holds for pulls from `peer`: the control connection and
@@ -271,8 +276,9 @@ class MigrationEndpoint:
                                  f"after {timeout:g} s", peer=peer.endpoint_id)
         try:
             with self._links_lock:
-                if self._links.get(peer.endpoint_id) is link:
-                    del self._links[peer.endpoint_id]
+                if self._links.get(peer.endpoint_id) is not link:
+                    return False  # released meanwhile (close(), or a departed peer)
+                del self._links[peer.endpoint_id]
             self._discard(link)
         finally:
             link.lock.release()
