@@ -21,7 +21,9 @@ Rows:
             sender is already posted when the receiver's clock starts (an NCCL sender then
             streams into NCCL's buffers ahead of the receiver: a head start no pull can have,
             since its source learns of the transfer from the request). Hence a second NCCL
-            ceiling: both sides post at one agreed time, where the clock starts
+            ceiling: both sides post at one agreed time, where the clock starts. rayrpc's:
+            one Ray call returning one contiguous array, copied into the destination actor's
+            memory
   Llumnix   the published CI figures (reference table, run 1) at the same sizes
 Every pull is checked: after the samples of a size, the destination's blocks are compared
 with the source's (row checksums); `wrong` counts mismatching blocks.
@@ -583,6 +585,28 @@ def measure_rayrpc(sizes, samples, fixed_samples, num_blocks):
 
             return row_checksums(ops.gather_blocks(self.cache, ids))
 
+        def blob(self, nbytes):
+            """The ceiling's source side: nbytes of random bytes as one array (Ray copies it
+            into its object store as it stores the result); made at the first (warm-up) call."""
+            import numpy as np
+
+            if getattr(self, "_blob", None) is None or self._blob.size < nbytes:
+                self._blob = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+            return self._blob[:nbytes]
+
+        def raw(self, src, nbytes, count):
+            """The ceiling: one Ray call to `src` for nbytes as one contiguous array, and the
+            copy of what ray.get maps into this actor's memory; the first is a warm-up."""
+            import numpy as np
+
+            sink = np.empty(nbytes, np.uint8)
+            times = []
+            for _ in range(count + 1):
+                t = time.perf_counter()
+                np.copyto(sink, ray.get(src.blob.remote(nbytes), timeout=120))
+                times.append(time.perf_counter() - t)
+            return times[1:]
+
         def pulls(self, desc, n, count, seed, tiny=False):
             rng = random.Random(seed)
             times, last = [], None
@@ -616,6 +640,13 @@ def measure_rayrpc(sizes, samples, fixed_samples, num_blocks):
                       "median_ms": statistics.median(times) * 1e3, "wrong": wrong}
         log(f"  {'rayrpc (ours)':<34} {n:>4} blocks ({n * 8:>5} MiB): "
             f"{results[n]['gibps']:8.2f} GiB/s" + (f"  WRONG BLOCKS: {wrong}" if wrong else ""))
+    ceiling = {}
+    for n in sizes:
+        times = ray.get(dst.raw.remote(src, n * BLOCK_NBYTES, samples))
+        speeds = [n * BLOCK_NBYTES / s / GIB for s in times]
+        ceiling[n] = {"gibps": llumnix_mean(speeds), "samples_gibps": speeds,
+                      "median_ms": statistics.median(times) * 1e3}
+        log(f"  {RAY_CEILING:<34} {n:>4} blocks ({n * 8:>5} MiB): {ceiling[n]['gibps']:8.2f} GiB/s")
     times, _ = ray.get(dst.pulls.remote(desc, 1, fixed_samples, 7))
     tiny_times, _ = ray.get(dst.pulls.remote(tiny_desc, 1, fixed_samples, 8, True))
     fixed = {"median_ms": statistics.median(times) * 1e3, "p99_ms": percentile99(times) * 1e3,
@@ -628,11 +659,12 @@ def measure_rayrpc(sizes, samples, fixed_samples, num_blocks):
     ray.kill(dst)
     if started:
         ray.shutdown()
-    return results, fixed
+    return results, ceiling, fixed
 
 
 # ---- report ---------------------------------------------------------------------------------------
 NCCL_TOGETHER = "NCCL send/recv, both sides start together (ceiling)"
+RAY_CEILING = "Ray object store, actor to actor (ceiling)"
 # (row, its ceiling, Llumnix's published row); a row may also have a second ceiling (EXTRA_RATIOS)
 ROW_ORDER = [
     ("ipc (ours)", "peer copy GPU1->GPU0 (ceiling)", None),
@@ -640,12 +672,12 @@ ROW_ORDER = [
     ("nccl (Llumnix-style baseline)", "NCCL send/recv (ceiling)", None),
     ("gloo (ours)", "gloo send/recv, one stream (ceiling)", "gloo"),
     ("gloo (Llumnix-style baseline)", "gloo send/recv, one stream (ceiling)", None),
-    ("rayrpc (ours)", None, "rayrpc"),
+    ("rayrpc (ours)", "Ray object store, actor to actor (ceiling)", "rayrpc"),
 ]
 EXTRA_RATIOS = {"nccl (ours)": (NCCL_TOGETHER, "nccl (ours) / start-together ceiling")}
 CEILING_ROWS = ["peer copy GPU1->GPU0 (ceiling)", "NCCL send/recv (ceiling)", NCCL_TOGETHER,
                 "gloo send/recv, one stream (ceiling)", "pinned H2D copy (ceiling)",
-                "pinned D2H copy (ceiling)", "host memcpy (ceiling)"]
+                "pinned D2H copy (ceiling)", "host memcpy (ceiling)", RAY_CEILING]
 
 
 def size_label(n):
@@ -871,9 +903,10 @@ def main():
             log(f"ERROR in the two-process part:\n{error}")
     if "rayrpc" in backends and have_ray:
         log(f"[rayrpc] ours, {len(slow)} sizes x {samples} pulls (Ray actors, host caches)")
-        ray_results, ray_fixed = measure_rayrpc(slow, samples, fixed_samples,
-                                                max(64, max(slow) + 1))
+        ray_results, ray_ceiling, ray_fixed = measure_rayrpc(slow, samples, fixed_samples,
+                                                             max(64, max(slow) + 1))
         results["rayrpc (ours)"] = ray_results
+        results[RAY_CEILING] = ray_ceiling
         fixed["rayrpc"] = ray_fixed
         if gpu_mode:
             notes.append("rayrpc ran on host caches here (the GPU machine has Ray).")
