@@ -460,6 +460,26 @@ def test_the_reaper_releases_idle_links_of_departed_or_talking_peers_and_ends_wi
         c.close()
 
 
+def test_a_pull_that_waited_for_a_link_disconnected_meanwhile_takes_a_new_one(local_pair):
+    a, b = local_pair
+    desc = b.descriptor()
+    old = a._link(desc)
+    old.lock.acquire()  # a pull in progress holds the link
+    got = {}
+    waiter = threading.Thread(target=lambda: got.update(link=a._locked_link(desc, old, Deadline(10), [0])))
+    waiter.start()
+    time.sleep(0.2)  # the second pull waits for the lock
+    with a._links_lock:  # the link is disconnected before the first pull lets go
+        del a._links[desc.endpoint_id]
+    old.lock.release()
+    waiter.join(10)
+    new = got["link"]
+    assert new is not old and a._links[desc.endpoint_id] is new and new.lock.locked()
+    new.lock.release()
+    a.pull(desc, [2], [3], timeout=30)  # and the pull goes through on it
+    assert torch.equal(expected_blocks_of(a, [3]), expected_blocks(dict(SPEC, seed=2, num_blocks=8), [2]))
+
+
 def test_unreachable_peer_raises_migration_error(local_pair):
     a, b = local_pair
     desc = b.descriptor()
