@@ -90,12 +90,25 @@ def test_gloo_pull_both_directions(workers, case):
         b.call("close", name)
 
 
+def _flash_spec(seed, num_blocks=32, dtype="bfloat16", num_layers=2, num_kv_heads=2):
+    """A small flash-layout cache spec (block size 16, head size 64)."""
+    return {"num_layers": num_layers, "num_blocks": num_blocks, "block_size": 16,
+            "num_kv_heads": num_kv_heads, "head_size": 64, "dtype": dtype, "layout": "flash",
+            "seed": seed}
+
+
+def _gloo_endpoints(src_w, dst_w, name, spec, dst_seed, options=GLOO_OPTIONS):
+    """A gloo endpoint `name` on both workers, the destination's cache filled from dst_seed;
+    returns the source's descriptor."""
+    desc = src_w.call("endpoint", name, spec, "gloo", options)
+    dst_w.call("endpoint", name, dict(spec, seed=dst_seed), "gloo", options)
+    return desc
+
+
 def test_gloo_repeated_pulls_reuse_the_pair(workers):
     a, b = workers
-    spec = {"num_layers": 2, "num_blocks": 32, "block_size": 16, "num_kv_heads": 2,
-            "head_size": 64, "dtype": "bfloat16", "layout": "flash", "seed": 77}
-    desc_a = a.call("endpoint", "rep", spec, "gloo", GLOO_OPTIONS)
-    b.call("endpoint", "rep", dict(spec, seed=78), "gloo", GLOO_OPTIONS)
+    spec = _flash_spec(77)
+    desc_a = _gloo_endpoints(a, b, "rep", spec, 78)
     try:
         for k in range(5):
             src = list(range(k, k + 8))
@@ -122,10 +135,8 @@ def _served_pairs(worker, name, want, seconds=10.0):
 
 def test_disconnect_releases_the_pair_on_both_sides_and_a_later_pull_connects_again(workers):
     a, b = workers
-    spec = {"num_layers": 2, "num_blocks": 24, "block_size": 16, "num_kv_heads": 2,
-            "head_size": 64, "dtype": "float16", "layout": "flash", "seed": 91}
-    desc_a = a.call("endpoint", "disc", spec, "gloo", GLOO_OPTIONS)
-    b.call("endpoint", "disc", dict(spec, seed=92), "gloo", GLOO_OPTIONS)
+    spec = _flash_spec(91, num_blocks=24, dtype="float16")
+    desc_a = _gloo_endpoints(a, b, "disc", spec, 92)
     try:
         assert b.call("disconnect", "disc", desc_a, 5.0) is False  # nothing held yet
         b.call("pull", "disc", desc_a, [3, 4, 5], [0, 1, 2], 30.0)
@@ -148,10 +159,8 @@ def test_disconnect_releases_the_pair_on_both_sides_and_a_later_pull_connects_ag
 
 def test_a_link_whose_peer_closed_its_end_is_released_by_itself(workers):
     a, b = workers
-    spec = {"num_layers": 1, "num_blocks": 16, "block_size": 16, "num_kv_heads": 1,
-            "head_size": 64, "dtype": "bfloat16", "layout": "flash", "seed": 95}
-    desc_a = a.call("endpoint", "gone", spec, "gloo", GLOO_OPTIONS)
-    b.call("endpoint", "gone", dict(spec, seed=96), "gloo", GLOO_OPTIONS)
+    spec = _flash_spec(95, num_blocks=16, num_layers=1, num_kv_heads=1)
+    desc_a = _gloo_endpoints(a, b, "gone", spec, 96)
     desc_c = a.call("endpoint", "stays", dict(spec, seed=97), "gloo", GLOO_OPTIONS)
     try:
         b.call("pull", "gone", desc_a, [1, 2], [3, 4], 30.0)
@@ -175,8 +184,7 @@ def test_a_link_whose_peer_closed_its_end_is_released_by_itself(workers):
 def test_disconnect_during_a_pull_waits_for_it_or_gives_up_leaving_it_intact(workers, patient):
     a, b = workers
     spec = dict(TIMEOUT_SPEC, seed=93)
-    desc_a = a.call("endpoint", "dp", spec, "gloo", ONE_BLOCK_CHUNKS)
-    b.call("endpoint", "dp", dict(spec, seed=94), "gloo", ONE_BLOCK_CHUNKS)
+    desc_a = _gloo_endpoints(a, b, "dp", spec, 94, ONE_BLOCK_CHUNKS)
     try:
         b.call("pull", "dp", desc_a, [0], [0], 30.0)  # the pair exists
         a.call("stall", "dp", 1, 1.5)  # the next pull pauses 1.5 s at its second chunk
