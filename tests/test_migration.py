@@ -145,6 +145,8 @@ def test_disconnect_releases_the_pair_on_both_sides_and_a_later_pull_connects_ag
         assert b.call("disconnect", "disc", desc_a, 5.0) is True
         assert b.call("links", "disc")[0] == 0
         assert _served_pairs(a, "disc", 0) == 0, "the source kept the pair of a closed connection"
+        # Idle pairs are freed, not parked (parking is for pairs a failure left mid-transfer).
+        assert b.call("links", "disc")[2] == 0 and a.call("links", "disc")[2] == 0
         assert b.call("disconnect", "disc", desc_a, 5.0) is False
         b.call("pull", "disc", desc_a, [7, 8], [10, 11], 30.0)
         assert torch.equal(b.call("blocks", "disc", [0, 1, 2, 10, 11]),
@@ -246,6 +248,8 @@ def test_gloo_dead_or_stalled_source(workers, kill):
         else:
             assert elapsed < timeout, "a dead source must be noticed before the deadline"
             del src_before
+        # The failed pair is parked (gloo may still have operations pending on it).
+        assert dst_w.call("links", "d")[2] == 1
         # Blocks other than the targets are untouched; the endpoint still pulls from others.
         others = list(range(20, 32)) + list(range(10))
         assert torch.equal(dst_w.call("blocks", "d", others), before[others])
@@ -311,6 +315,9 @@ BAD_ARGUMENTS = [
     ("float tensor", torch.zeros(1), [0], {}, TypeError, "src_block_ids: dtype torch.float32"),
     ("zero timeout", [0], [0], {"timeout": 0}, ValueError, "timeout: must be a positive number"),
     ("bad timeout", [0], [0], {"timeout": "5"}, ValueError, "timeout: must be a positive number"),
+    ("infinite timeout", [0], [0], {"timeout": float("inf")}, ValueError, "up to 1e+06, got inf"),
+    ("nan timeout", [0], [0], {"timeout": float("nan")}, ValueError, "up to 1e+06, got nan"),
+    ("huge timeout", [0], [0], {"timeout": 1e10}, ValueError, "up to 1e+06, got 10000000000.0"),
 ]
 
 
@@ -486,6 +493,26 @@ def test_a_pull_that_waited_for_a_link_disconnected_meanwhile_takes_a_new_one(lo
     new.lock.release()
     a.pull(desc, [2], [3], timeout=30)  # and the pull goes through on it
     assert torch.equal(expected_blocks_of(a, [3]), expected_blocks(dict(SPEC, seed=2, num_blocks=8), [2]))
+
+
+def test_a_pull_that_outlasts_close_releases_its_link_when_it_ends(local_pair, monkeypatch):
+    from vllm_ext.migration import endpoint as endpoint_mod
+
+    monkeypatch.setattr(endpoint_mod, "_CLOSE_WAIT_S", 0.3)
+    a, b = local_pair
+    a.pull(b.descriptor(), [0], [0], timeout=30)  # the pair exists
+    link = a._links[b.endpoint_id]
+    b.test_stall = (0, 1.5)  # the next pull's first chunk waits 1.5 s at the source
+    out = {}
+    puller = threading.Thread(target=lambda: out.update(stats=a.pull(b.descriptor(), [1], [1], timeout=30)))
+    puller.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    a.close()  # gives up waiting for the pull after 0.3 s
+    assert time.monotonic() - start < 1.2 and puller.is_alive()
+    puller.join(20)
+    assert out["stats"].num_blocks == 1  # the pull itself completed
+    assert link.conn is None and not link.state, "the link outlived its closed endpoint"
 
 
 def test_unreachable_peer_raises_migration_error(local_pair):
@@ -698,6 +725,57 @@ def test_control_channel_deadline_and_eof():
         conn.close()
     finally:
         server.close()
+
+
+def test_a_send_to_a_peer_that_stopped_reading_ends_at_the_deadline():
+    release = threading.Event()
+    server = ControlServer("127.0.0.1", 0, lambda conn: release.wait(20))  # never reads
+    try:
+        conn = Connection.open(server.host, server.port, Deadline(5))
+        assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1  # TCP: keepalive
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
+        start = time.monotonic()
+        with pytest.raises(MigrationError, match="did not take .* bytes within"):
+            conn.send({"op": "ping"}, bytes(256 << 20), Deadline(0.5))  # more than any buffer
+        assert 0.4 < time.monotonic() - start < 5
+        with pytest.raises(MigrationError, match="passed before the send"):
+            conn.send_bytes(b"x", Deadline(1e-9))
+        conn.close()
+    finally:
+        release.set()
+        server.close()
+
+
+def test_the_accept_loop_survives_a_failed_accept():
+    got = queue_mod.Queue()
+    server = ControlServer("127.0.0.1", 0, lambda conn: got.put(conn.recv(Deadline(5))[0]))
+    ours, theirs = socket.socketpair()
+    go_on = threading.Event()
+
+    class Listener:  # the first accept fails (out of descriptors), the next one works
+        calls = 0
+
+        def accept(self):
+            self.calls += 1
+            if self.calls == 1:
+                raise OSError(24, "Too many open files")
+            if self.calls == 2:
+                return theirs, "local"
+            go_on.wait(10)
+            raise OSError(9, "Bad file descriptor")  # the server closed its listener
+
+    loop = threading.Thread(target=server._accept_loop, args=(Listener(),), daemon=True)
+    try:
+        loop.start()
+        Connection(ours, "test").send({"op": "hello-after-a-failed-accept"})
+        assert got.get(timeout=10) == {"op": "hello-after-a-failed-accept"}
+    finally:
+        server.close()
+        go_on.set()
+        loop.join(10)
+        ours.close()
+    assert not loop.is_alive()
 
 
 def test_closed_by_peer_never_blocks():

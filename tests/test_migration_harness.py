@@ -138,9 +138,10 @@ def _run(cmd, args, caches, endpoints):
         out["waited"] = time.monotonic() - start
         thread.join(timeout + 10)
         return out
-    if cmd == "links":  # (name,) -> (peers with a link, pairs served to peers)
+    if cmd == "links":  # (name,) -> (peers with a link, pairs served to peers, pairs parked)
         ep = endpoints[args[0]]
-        return len(ep._links), len(getattr(ep.backend, "_serving", {}))
+        return (len(ep._links), len(getattr(ep.backend, "_serving", {})),
+                len(getattr(ep.backend, "_parked", [])))
     if cmd == "close":  # -> whether the endpoint existed
         ep = endpoints.pop(args[0], None)
         caches.pop(args[0], None)

@@ -121,14 +121,19 @@ class PullStats:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else math.inf
 
 
+MAX_TIMEOUT_S = 1e6  # 11.6 days: "no timeout" in practice, and within every wait's range
+
+
 class Deadline:
     """An absolute point in time.monotonic(); every blocking wait takes its remaining time."""
 
     __slots__ = ("at", "timeout")
 
     def __init__(self, timeout: float):
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-            raise ValueError(f"timeout: must be a positive number of seconds, got {timeout!r}")
+        if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                or not 0 < timeout <= MAX_TIMEOUT_S):  # NaN fails both
+            raise ValueError(f"timeout: must be a positive number of seconds up to "
+                             f"{MAX_TIMEOUT_S:g}, got {timeout!r}")
         self.timeout = float(timeout)
         self.at = time.monotonic() + self.timeout
 

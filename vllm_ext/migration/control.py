@@ -36,6 +36,14 @@ logger = logging.getLogger(__name__)
 _FRAME = struct.Struct("!II")
 _MAX_HEADER = 1 << 20
 _MAX_PAYLOAD = 1 << 30
+# A send without a deadline of its own (a server's reply) gives up after this long.
+_SEND_TIMEOUT_S = 30.0
+# TCP keepalive on control connections: a peer whose host crashed or was cut off (no FIN ever
+# arrives) is noticed after about IDLE + INTERVAL * COUNT seconds, and what was built for it
+# is released (the server's thread or the pull server sees the connection fail).
+_KEEPALIVE_IDLE_S, _KEEPALIVE_INTERVAL_S, _KEEPALIVE_COUNT = 30, 10, 3
+# After a failed accept() (out of file descriptors, say), the server tries again this much later.
+_ACCEPT_RETRY_S = 0.1
 # Abstract Unix socket names (a leading NUL byte) exist on Linux only.
 LOCAL_SOCKETS = sys.platform.startswith("linux")
 
@@ -67,6 +75,7 @@ class Connection:
         self.peer_id: Optional[str] = None  # endpoint id learned in the hello exchange
         if sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keepalive(sock)
         self._closed = False
         self.sent = 0  # messages sent (the server uses it to know if a request was answered)
         self.state: Dict[str, Any] = {}  # the source-side backend's state for this pair
@@ -91,16 +100,28 @@ class Connection:
         return cls(sock, f"{host}:{port}")
 
     # ---- sending ---------------------------------------------------------------------------
-    def send(self, header: Dict[str, Any], payload: bytes = b"") -> None:
+    def send(self, header: Dict[str, Any], payload: bytes = b"",
+             deadline: Optional[Deadline] = None) -> None:
         data = json.dumps(header, separators=(",", ":")).encode()
-        self.send_bytes(_FRAME.pack(len(data), len(payload)) + data + payload)
+        self.send_bytes(_FRAME.pack(len(data), len(payload)) + data + payload, deadline)
         self.sent += 1
 
-    def send_bytes(self, data: bytes) -> None:
-        """Raw bytes, no frame (a backend's own wire format after a hand-over)."""
+    def send_bytes(self, data: bytes, deadline: Optional[Deadline] = None) -> None:
+        """Raw bytes, no frame (a backend's own wire format after a hand-over). MigrationError
+        when the peer has not taken them by the deadline (without one, after _SEND_TIMEOUT_S):
+        a peer that stopped reading (frozen, cut off) must not hold the sender. A send cut
+        short leaves the connection unusable; its owner discards it."""
+        timeout = _SEND_TIMEOUT_S if deadline is None else deadline.remaining()
+        if timeout <= 0:
+            raise MigrationError(f"control channel to {self.peer}: the deadline of "
+                                 f"{deadline.timeout:g} s passed before the send")
         try:
-            self.sock.settimeout(None)
+            self.sock.settimeout(timeout)
             self.sock.sendall(data)
+        except socket.timeout as e:
+            raise MigrationError(f"control channel to {self.peer}: the peer did not take "
+                                 f"{len(data)} bytes within {timeout:.3g} s (it stopped "
+                                 "reading?)") from e
         except OSError as e:
             raise MigrationError(f"control channel to {self.peer}: send failed: {e}") from e
 
@@ -215,6 +236,16 @@ class Connection:
         self.sock.close()
 
 
+def _keepalive(sock: socket.socket) -> None:
+    """TCP keepalive with the probe timing above, where the platform has the options."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", _KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", _KEEPALIVE_INTERVAL_S),
+                        ("TCP_KEEPCNT", _KEEPALIVE_COUNT)):
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
 def _readiness(sock: socket.socket) -> Callable[[], bool]:
     """A check, repeatable without blocking, of whether `sock` has data or EOF waiting. poll(),
     not select(): select() cannot watch descriptors above 1023, common in a serving process."""
@@ -277,17 +308,35 @@ class ControlServer:
         while True:
             try:
                 sock, addr = listener.accept()
-            except OSError:
-                return  # closed
+            except OSError as e:
+                if self._closed:
+                    return
+                # Out of descriptors or memory, an aborted handshake: this peer fails, the
+                # next one is served (a dead accept thread would leave every later peer
+                # waiting out its deadline on a backlog nobody reads).
+                logger.warning("control server: accept failed (%s); retrying", e)
+                time.sleep(_ACCEPT_RETRY_S)
+                continue
             peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "local peer"
-            conn = Connection(sock, peer)
+            try:
+                conn = Connection(sock, peer)
+            except OSError as e:
+                logger.warning("control server: connection from %s unusable (%s)", peer, e)
+                sock.close()
+                continue
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
                 self._connections.append(conn)
-            threading.Thread(target=self._run, args=(conn,), name="migration-serve",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=self._run, args=(conn,), name="migration-serve",
+                                 daemon=True).start()
+            except RuntimeError as e:  # no thread to serve it: the peer sees the close
+                logger.warning("control server: cannot serve %s (%s)", peer, e)
+                with self._lock:
+                    self._connections.remove(conn)
+                conn.close()
 
     def _run(self, conn: Connection) -> None:
         try:

@@ -21,7 +21,16 @@ import uuid
 from typing import Any, Callable, Dict, Optional
 
 from . import registry
-from .base import Deadline, MigrationError, PeerDescriptor, PullStats, check_block_ids, geometry_mismatch, poll_until
+from .base import (
+    MAX_TIMEOUT_S,
+    Deadline,
+    MigrationError,
+    PeerDescriptor,
+    PullStats,
+    check_block_ids,
+    geometry_mismatch,
+    poll_until,
+)
 from .control import Connection, ControlServer
 
 logger = logging.getLogger(__name__)
@@ -41,6 +50,8 @@ _SERVE_SPIN_S = 2e-3
 # How often the destination looks for peers that closed their end of an idle link (exited or
 # closed their endpoint), to release what it built for them.
 _REAP_INTERVAL_S = 1.0
+# close() waits this long for each pull in progress before it leaves that link to the pull.
+_CLOSE_WAIT_S = 30.0
 
 
 class PeerLink:
@@ -55,9 +66,9 @@ class PeerLink:
         self.connected = False  # the backend's data path is built
         self.state: Dict[str, Any] = {}
 
-    def request(self, header: Dict[str, Any], payload: bytes = b"") -> None:
+    def request(self, header: Dict[str, Any], deadline: Deadline, payload: bytes = b"") -> None:
         assert self.conn is not None
-        self.conn.send(header, payload)
+        self.conn.send(header, payload, deadline)
 
     def close(self) -> None:
         if self.conn is not None:
@@ -163,6 +174,8 @@ class MigrationEndpoint:
             self._discard(link)
             raise
         finally:
+            if self._closed:  # close() gave up waiting for this pull: its link is released here
+                self._discard(link)
             link.lock.release()
         stats.seconds = time.perf_counter() - start
         return stats
@@ -267,11 +280,14 @@ class MigrationEndpoint:
         if not isinstance(peer, PeerDescriptor):
             raise TypeError(f"peer: expected PeerDescriptor (from descriptor()), got "
                             f"{type(peer).__name__}")
+        if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                or not 0 <= timeout <= MAX_TIMEOUT_S):
+            raise ValueError(f"timeout: must be 0 to {MAX_TIMEOUT_S:g} seconds, got {timeout!r}")
         with self._links_lock:
             link = self._links.get(peer.endpoint_id)
         if link is None:
             return False
-        if not link.lock.acquire(timeout=max(float(timeout), 0)):
+        if not link.lock.acquire(timeout=timeout):
             raise MigrationError(f"disconnect from {peer.short()}: a pull from it still runs "
                                  f"after {timeout:g} s", peer=peer.endpoint_id)
         try:
@@ -292,7 +308,7 @@ class MigrationEndpoint:
         link.request({"op": "hello", "protocol": PROTOCOL, "peer_id": self.endpoint_id,
                       "backend": self.backend.name,
                       "geometry": self.cache.geometry(), "hostname": socket.gethostname(),
-                      "pid": os.getpid(), "source_id": peer.endpoint_id})
+                      "pid": os.getpid(), "source_id": peer.endpoint_id}, deadline)
         link.hello = link.conn.recv_reply(deadline, "hello")
 
     def _discard(self, link: PeerLink) -> None:
@@ -413,8 +429,9 @@ class MigrationEndpoint:
         if reaper is not None:
             reaper.join(timeout=30)  # it holds a link's lock only while releasing that link
         for link in links:
-            # A pull in flight ends by its own deadline; do not wait for it forever.
-            if link.lock.acquire(timeout=30):
+            # A pull in flight ends by its own deadline; do not wait for it forever (the pull
+            # releases its link itself when it ends on a closed endpoint).
+            if link.lock.acquire(timeout=_CLOSE_WAIT_S):
                 try:
                     self._discard(link)
                 finally:

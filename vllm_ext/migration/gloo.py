@@ -14,9 +14,10 @@ A CUDA cache stages through its GPU: the kernel gathers into a device slot and t
 engine moves the slot to pinned host memory at full PCIe speed (and back on the other side),
 rather than the kernel reading or writing host memory over PCIe itself.
 
-No global group: pairs are built on demand, so instances join and leave freely. A failed pair
-is parked (never destroyed on the hot path: a gloo group's destructor can wait for its pending
-operations) and rebuilt on the next pull.
+No global group: pairs are built on demand, so instances join and leave freely. A pair that
+failed midway through a transfer is parked (never destroyed on the hot path: a gloo group's
+destructor can wait for its pending operations) and rebuilt on the next pull; an idle pair
+that is released (disconnect, a peer that left) is freed at once.
 
 Options: stripes (default: a quarter of the cores, 1..8), chunk_bytes (default 16 MiB). Measured
 on two H200s (32 cores): 8 stripes move 64-128 MiB pulls at 9.4-9.8 GiB/s, one stream 3-4 GiB/s.
@@ -77,6 +78,9 @@ class _Pair:
         self.stream = torch.cuda.Stream(cache.device) if cuda else None
         self.pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # source: send threads
         self.closed = False
+        # A transfer was started on the groups and has not completed: gloo may still have
+        # operations pending on them, so a retired pair is parked rather than destroyed.
+        self.busy = False
         self._lock = threading.Lock()
         if cuda:
             with torch.cuda.stream(self.stream):  # freed in the order of the stream that uses them
@@ -102,6 +106,11 @@ class _Pair:
                     max_workers=self.stripes, thread_name_prefix="gloo-stripe")
             return [self.pool.submit(send, g, piece)
                     for g, piece in zip(self.groups, self.pieces(slot, nblocks))]
+
+    def release(self) -> None:
+        """An idle pair (no gloo operation pending): drops the groups, the store and the host
+        slots, which frees their connections, threads and (pinned) memory at once."""
+        self.groups, self.store, self.slots = [], None, []
 
     def close(self) -> None:
         """Stops the send threads (queued sends are dropped) and, once the GPU is done with
@@ -200,7 +209,7 @@ class GlooBackend(PairedBackend):
         chunk_blocks = blocks_per_chunk(self.chunk_bytes, cache.block_nbytes)
         link.request({"op": "gloo.connect", "store_host": host, "store_port": store.port,
                       "gen": gen, "stripes": self.stripes, "chunk_blocks": chunk_blocks,
-                      "timeout": deadline.remaining()})
+                      "timeout": deadline.remaining()}, deadline)
         link.conn.recv_reply(deadline, "gloo connect")
         try:
             groups = _make_groups(store, _DST_RANK, self.stripes, host, gen, deadline)
@@ -215,7 +224,8 @@ class GlooBackend(PairedBackend):
         cache = self.endpoint.cache
         n = len(src_ids)
         chunks = pair.chunks(n)
-        link.request({"op": "gloo.pull", "n": n, "timeout": deadline.remaining()},
+        pair.busy = True  # until the last chunk is in: a failure parks the pair
+        link.request({"op": "gloo.pull", "n": n, "timeout": deadline.remaining()}, deadline,
                      encode_ids(src_ids))
         cuda = pair.stream is not None
         if cuda:
@@ -253,6 +263,7 @@ class GlooBackend(PairedBackend):
         if cuda:
             pair.done.record(pair.stream)
             wait_cuda_event(pair.done, deadline, "gloo scatter")
+        pair.busy = False
         return PullStats(self.name, n, n * cache.block_nbytes, 0.0, chunks=len(chunks))
 
     # ---- source side ---------------------------------------------------------------------
@@ -273,11 +284,13 @@ class GlooBackend(PairedBackend):
     def _serve_pull(self, conn, header, payload) -> None:
         deadline, src_ids, pair = self.pull_request(conn, header, payload)
         conn.reply_ok()
+        pair.busy = True  # until every send completed: a failure parks the pair
         try:
             self._send_blocks(pair, src_ids, deadline)
         except BaseException:
             self.release(conn)
             raise
+        pair.busy = False
 
     def _send_blocks(self, pair: _Pair, src_ids: List[int], deadline: Deadline) -> None:
         from .. import ops
@@ -309,8 +322,11 @@ class GlooBackend(PairedBackend):
             _wait(in_flight[c], deadline, f"gloo send of chunk {c}")
 
     def retire(self, pair) -> None:
-        pair.close()  # parked, not destroyed (see the module docstring)
-        with self._lock:
+        pair.close()
+        if not pair.busy:  # idle (a disconnect, a peer that left between pulls): freed now
+            pair.release()
+            return
+        with self._lock:  # a transfer failed midway: parked, not destroyed (module docstring)
             self._parked.append(pair)
             del self._parked[:-_MAX_PARKED]
 

@@ -76,7 +76,7 @@ class IpcBackend(MigrationBackend):
         from ..cache import KVCache
 
         cache = self.endpoint.cache
-        link.request({"op": "ipc.export"})
+        link.request({"op": "ipc.export"}, deadline)
         reply = link.conn.recv_reply(deadline, "ipc export")
         try:
             handle = handle_from_json(reply["handle"])

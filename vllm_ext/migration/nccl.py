@@ -384,7 +384,7 @@ class NcclBackend(PairedBackend):
             copy_ctas = max(1, sms // _COPY_SMS_PER_CTA)
         link.request({"op": "nccl.connect", "uids": [uid.hex() for uid in uids], "chunk_blocks": chunk_blocks,
                       "copy_ctas": copy_ctas,
-                      "timeout": deadline.remaining()})
+                      "timeout": deadline.remaining()}, deadline)
         link.conn.recv_reply(deadline, "nccl connect")
         comms = _join(cache, uids, _DST_RANK, deadline)
         try:
@@ -406,7 +406,7 @@ class NcclBackend(PairedBackend):
             # The request goes first (to the source's pull server): the source gathers while
             # this side queues its receives.
             link.conn.send_bytes(_REQUEST.pack(_lib.PULL_REQUEST_MAGIC, hi - lo, remaining)
-                                 + encode_ids(src_ids[lo:hi]))
+                                 + encode_ids(src_ids[lo:hi]), deadline)
             try:
                 chunks += pair.enqueue(dst_ids[lo:hi])
                 _wait_for_pull(link.conn, pair.done.query, deadline)
