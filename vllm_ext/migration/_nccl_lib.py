@@ -4,6 +4,7 @@ when there is one) and declares the few functions the nccl backend uses as a tab
 Imported by nccl.py only, so `import vllm_ext` / `import vllm_ext.migration` never load NCCL.
 """
 
+import contextlib
 import ctypes
 import glob
 import os
@@ -86,10 +87,6 @@ class NcclLibrary:
         self.check(self.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
         return bytes(bytearray(uid.internal))
 
-    def init_rank(self, nranks: int, uid: bytes, rank: int) -> int:
-        """Blocking: returns when every rank joined (run it where it can be abandoned)."""
-        return self.init_ranks(nranks, [uid], rank)[0]
-
     def init_ranks(self, nranks: int, uids: List[bytes], rank: int) -> List[int]:
         """Joins one communicator per uid, all in one NCCL group, so that their set-ups run
         at once; the other ranks join the same uids. Blocking: returns when every rank
@@ -102,38 +99,32 @@ class NcclLibrary:
             ids.append(NcclUniqueId())
             ctypes.memmove(ids[-1].internal, uid, 128)
         comms: List[int] = []
-        error = None
-        self.check(self.ncclGroupStart(), "ncclGroupStart")
         try:
-            for u in ids:
-                comm = ncclComm_t()
-                result = self.ncclCommInitRank(ctypes.byref(comm), nranks, u, rank)
-                if comm.value:
-                    comms.append(comm.value)
-                if result != NCCL_SUCCESS:
-                    error = (result, "ncclCommInitRank")
-                    break
+            with self.group("communicator set-up"):
+                for u in ids:
+                    comm = ncclComm_t()
+                    result = self.ncclCommInitRank(ctypes.byref(comm), nranks, u, rank)
+                    if comm.value:
+                        comms.append(comm.value)
+                    self.check(result, "ncclCommInitRank")
         except BaseException:
-            self.ncclGroupEnd()  # the first failure is the one raised
-            self._abort_all(comms)
+            for comm in comms:
+                self.ncclCommAbort(comm)
             raise
-        result = self.ncclGroupEnd()
-        if error is None and result != NCCL_SUCCESS:
-            error = (result, "ncclGroupEnd (communicator set-up)")
-        if error is not None:
-            self._abort_all(comms)
-            self.check(*error)
         return comms
 
-    def _abort_all(self, comms: List[int]) -> None:
-        for comm in comms:
-            self.ncclCommAbort(comm)
-
-    def group_start(self) -> None:
+    @contextlib.contextmanager
+    def group(self, what: str):
+        """ncclGroupStart ... ncclGroupEnd around the block. When the block raises, the group
+        is still ended and the block's exception is the one raised; otherwise a failed
+        ncclGroupEnd (where NCCL reports what failed inside the group) raises NcclError."""
         self.check(self.ncclGroupStart(), "ncclGroupStart")
-
-    def group_end(self) -> None:
-        self.check(self.ncclGroupEnd(), "ncclGroupEnd")
+        try:
+            yield
+        except BaseException:
+            self.ncclGroupEnd()
+            raise
+        self.check(self.ncclGroupEnd(), f"ncclGroupEnd ({what})")
 
     def abort(self, comm: int) -> None:
         self.check(self.ncclCommAbort(comm), "ncclCommAbort")

@@ -320,17 +320,12 @@ def _join(cache, uids: List[bytes], rank: int, deadline: Deadline) -> List[int]:
         try:
             buf = torch.zeros((len(comms), _WARMUP_BYTES), dtype=torch.uint8, device=device)
             stream = torch.cuda.current_stream(device)
-            lib.group_start()
-            try:
+            with lib.group("nccl warm-up"):
                 for comm, row in zip(comms, buf):
                     if rank == _SRC_RANK:
                         lib.send(row.data_ptr(), row.numel(), _DST_RANK, comm, stream.cuda_stream)
                     else:
                         lib.recv(row.data_ptr(), row.numel(), _SRC_RANK, comm, stream.cuda_stream)
-            except BaseException:
-                lib.ncclGroupEnd()  # the first failure is the one raised
-                raise
-            lib.group_end()
             event = torch.cuda.Event()
             event.record(stream)
             wait_cuda_event(event, deadline, "nccl warm-up")
