@@ -124,16 +124,25 @@ class PullStats:
 MAX_TIMEOUT_S = 1e6  # 11.6 days: "no timeout" in practice, and within every wait's range
 
 
+def check_timeout(timeout, zero_ok: bool = False) -> None:
+    """ValueError unless `timeout` is a number of seconds in (0, MAX_TIMEOUT_S] (with
+    `zero_ok`, [0, MAX_TIMEOUT_S]); NaN and inf are refused."""
+    if (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+            and (0 <= timeout if zero_ok else 0 < timeout) and timeout <= MAX_TIMEOUT_S):
+        return
+    if zero_ok:
+        raise ValueError(f"timeout: must be 0 to {MAX_TIMEOUT_S:g} seconds, got {timeout!r}")
+    raise ValueError(f"timeout: must be a positive number of seconds up to {MAX_TIMEOUT_S:g}, "
+                     f"got {timeout!r}")
+
+
 class Deadline:
     """An absolute point in time.monotonic(); every blocking wait takes its remaining time."""
 
     __slots__ = ("at", "timeout")
 
     def __init__(self, timeout: float):
-        if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
-                or not 0 < timeout <= MAX_TIMEOUT_S):  # NaN fails both
-            raise ValueError(f"timeout: must be a positive number of seconds up to "
-                             f"{MAX_TIMEOUT_S:g}, got {timeout!r}")
+        check_timeout(timeout)
         self.timeout = float(timeout)
         self.at = time.monotonic() + self.timeout
 

@@ -22,12 +22,12 @@ from typing import Any, Callable, Dict, Optional
 
 from . import registry
 from .base import (
-    MAX_TIMEOUT_S,
     Deadline,
     MigrationError,
     PeerDescriptor,
     PullStats,
     check_block_ids,
+    check_timeout,
     geometry_mismatch,
     poll_until,
 )
@@ -210,7 +210,7 @@ class MigrationEndpoint:
             link = self._links.get(peer.endpoint_id)
             if link is None:
                 link = self._links[peer.endpoint_id] = PeerLink(peer)
-            if self._reaper is None and self.backend.uses_control_channel and not self._closed:
+            if self._reaper is None and self.backend.uses_control_channel:
                 self._reaper = threading.Thread(target=self._reap, name="migration-reaper",
                                                 daemon=True)
                 self._reaper.start()
@@ -234,14 +234,9 @@ class MigrationEndpoint:
                 try:
                     if link.conn is None or not link.conn.readable():
                         continue
-                    with self._links_lock:
-                        if self._links.get(link.peer.endpoint_id) is not link:
-                            continue
-                        del self._links[link.peer.endpoint_id]
-                    logger.info("peer %s %s: releasing what was built for it", link.peer.short(),
-                                "closed its connection" if link.conn.closed_by_peer()
-                                else "sent a message between pulls")
-                    self._discard(link)
+                    why = "closed its connection" if link.conn.closed_by_peer() else "sent a message between pulls"
+                    if self._release(link):
+                        logger.info("peer %s %s: released what was built for it", link.peer.short(), why)
                 except Exception:  # noqa: BLE001 - the reaper must go on
                     logger.exception("releasing the link to %s failed", link.peer.short())
                 finally:
@@ -280,9 +275,7 @@ class MigrationEndpoint:
         if not isinstance(peer, PeerDescriptor):
             raise TypeError(f"peer: expected PeerDescriptor (from descriptor()), got "
                             f"{type(peer).__name__}")
-        if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
-                or not 0 <= timeout <= MAX_TIMEOUT_S):
-            raise ValueError(f"timeout: must be 0 to {MAX_TIMEOUT_S:g} seconds, got {timeout!r}")
+        check_timeout(timeout, zero_ok=True)
         with self._links_lock:
             link = self._links.get(peer.endpoint_id)
         if link is None:
@@ -291,13 +284,18 @@ class MigrationEndpoint:
             raise MigrationError(f"disconnect from {peer.short()}: a pull from it still runs "
                                  f"after {timeout:g} s", peer=peer.endpoint_id)
         try:
-            with self._links_lock:
-                if self._links.get(peer.endpoint_id) is not link:
-                    return False  # released meanwhile (close(), or a departed peer)
-                del self._links[peer.endpoint_id]
-            self._discard(link)
+            return self._release(link)  # False: released meanwhile (close(), a departed peer)
         finally:
             link.lock.release()
+
+    def _release(self, link: PeerLink) -> bool:
+        """With link.lock held: unregisters the link and discards it, unless it is no longer
+        the registered link of its peer (then False, and nothing is done)."""
+        with self._links_lock:
+            if self._links.get(link.peer.endpoint_id) is not link:
+                return False
+            del self._links[link.peer.endpoint_id]
+        self._discard(link)
         return True
 
     def _open(self, link: PeerLink, deadline: Deadline) -> None:
