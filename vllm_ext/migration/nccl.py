@@ -134,8 +134,9 @@ class _Pair:
         self.done = torch.cuda.Event()  # the pull's last stage, over every lane
         self.slots: List[torch.Tensor] = []
         self.streams: List[torch.cuda.Stream] = []
-        built = []  # per lane: slots, copy stream, comm stream, copied, moved, tail
-        for _ in self.comms:
+        events = [self.entry, self.done]
+        lanes = []
+        for comm in self.comms:
             slots = [torch.empty((chunk_blocks, cache.block_nbytes), dtype=torch.uint8, device=cache.device)
                      for _ in range(2)]
             copy_stream = torch.cuda.Stream(cache.device)  # gathers or scatters
@@ -143,13 +144,11 @@ class _Pair:
             # become ready together, the GPU places the transfer's blocks first (the copy
             # kernel would otherwise fill every SM and the transfer would wait for it).
             comm_stream = torch.cuda.Stream(cache.device, priority=-1)
-            built.append((slots, copy_stream, comm_stream, [torch.cuda.Event() for _ in range(2)],
-                          [torch.cuda.Event() for _ in range(2)], torch.cuda.Event()))
-        events = [self.entry, self.done] + [e for b in built for e in b[3] + b[4] + [b[5]]]
-        for event in events:
-            event.record(built[0][1])  # torch creates an event's CUDA handle lazily
-        lanes = []
-        for comm, (slots, copy_stream, comm_stream, copied, moved, tail) in zip(self.comms, built):
+            copied, moved = [torch.cuda.Event() for _ in range(2)], [torch.cuda.Event() for _ in range(2)]
+            tail = torch.cuda.Event()
+            for event in copied + moved + [tail]:
+                event.record(copy_stream)  # torch creates an event's CUDA handle lazily
+            events += copied + moved + [tail]
             self.slots += slots
             self.streams += [copy_stream, comm_stream]
             lanes.append(_lib.Staging(
@@ -160,6 +159,8 @@ class _Pair:
                 copied=(ctypes.c_void_p * 2)(*(e.cuda_event for e in copied)),
                 moved=(ctypes.c_void_p * 2)(*(e.cuda_event for e in moved)),
                 tail=tail.cuda_event, transfer=transfer, comm=comm, peer=peer, datatype=NCCL_UINT8))
+        for event in (self.entry, self.done):
+            event.record(self.streams[0])
         self._events = events
         self.lanes = (_lib.Staging * len(lanes))(*lanes)
         self.side = ops._cache_side(cache, None, cache.device)
