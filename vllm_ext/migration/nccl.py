@@ -37,7 +37,12 @@ one NCCL group, so that their set-ups overlap: on two H200s a new peer's first p
 192-211 ms, against 210-232 ms with the two joined one after the other (the first pair of a
 process also pays NCCL's one-time initialisation: 0.43-0.76 s in all over four runs). A
 set-up abandoned at its deadline holds all of the pair's communicators in that group until
-it returns, if ever (then they are aborted).
+it returns, if ever (then they are aborted); while the peer has not joined, that is a thread
+waiting in NCCL's bootstrap and host memory, no GPU buffers. Non-blocking communicators
+(ncclConfig_t.blocking = 0), whose set-up can be aborted while it waits, were tried: with
+NCCL 2.28 every later ncclSend/ncclRecv on them also answered ncclInProgress (its launch
+finishing in the background), which a transfer enqueued in one call, chunk after chunk
+with events between them, cannot use.
 
 A pull is one request unless it holds more than 128 slots' worth of blocks (or of 448-id
 launches): then it goes as several requests, one after the other (request_segments), so that
