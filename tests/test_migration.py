@@ -159,6 +159,26 @@ def test_disconnect_releases_the_pair_on_both_sides_and_a_later_pull_connects_ag
         b.call("close", "disc")
 
 
+def test_connect_builds_the_pair_ahead_of_the_first_pull_on_both_sides(workers):
+    a, b = workers
+    spec = _flash_spec(61, num_blocks=20)
+    desc_a = _gloo_endpoints(a, b, "ahead", spec, 62)
+    try:
+        assert b.call("connect", "ahead", desc_a, 30.0) is True
+        assert b.call("connects", "ahead") == 1 and b.call("links", "ahead")[0] == 1
+        assert _served_pairs(a, "ahead", 1) == 1, "the source did not build its side"
+        assert b.call("connect", "ahead", desc_a, 30.0) is False  # built already: nothing done
+        b.call("pull", "ahead", desc_a, [9, 1, 9], [4, 5, 6], 30.0)
+        assert torch.equal(b.call("blocks", "ahead", [4, 5, 6]), expected_blocks(spec, [9, 1, 9]))
+        assert b.call("connects", "ahead") == 1, "the pull built a second pair"
+        assert b.call("disconnect", "ahead", desc_a, 5.0) is True
+        assert b.call("connect", "ahead", desc_a, 30.0) is True  # built again after a disconnect
+        assert b.call("connects", "ahead") == 2 and _served_pairs(a, "ahead", 1) == 1
+    finally:
+        a.call("close", "ahead")
+        b.call("close", "ahead")
+
+
 def test_a_link_whose_peer_closed_its_end_is_released_by_itself(workers):
     a, b = workers
     spec = _flash_spec(95, num_blocks=16, num_layers=1, num_kv_heads=1)
@@ -470,7 +490,7 @@ def test_the_reaper_releases_idle_links_of_departed_or_talking_peers_and_ends_wi
         a.close()
         assert not reaper.is_alive()
         with pytest.raises(ValueError, match="endpoint is closed"):
-            a._link(b.descriptor())  # no link can be made once closed
+            a._link(b.descriptor(), "pull from")  # no link can be made once closed
     finally:
         c.close()
 
@@ -478,10 +498,10 @@ def test_the_reaper_releases_idle_links_of_departed_or_talking_peers_and_ends_wi
 def test_a_pull_that_waited_for_a_link_disconnected_meanwhile_takes_a_new_one(local_pair):
     a, b = local_pair
     desc = b.descriptor()
-    old = a._link(desc)
+    old = a._link(desc, "pull from")
     old.lock.acquire()  # a pull in progress holds the link
     got = {}
-    waiter = threading.Thread(target=lambda: got.update(link=a._locked_link(desc, old, Deadline(10), [0])))
+    waiter = threading.Thread(target=lambda: got.update(link=a._locked_link(desc, old, Deadline(10), "pull from", [0])))
     waiter.start()
     time.sleep(0.2)  # the second pull waits for the lock
     with a._links_lock:  # the link is disconnected before the first pull lets go
@@ -523,6 +543,35 @@ def test_unreachable_peer_raises_migration_error(local_pair):
     with pytest.raises(MigrationError, match="cannot connect"):
         a.pull(desc, [0], [0], timeout=5)
     assert time.monotonic() - start < 6
+
+
+def test_connect_refuses_bad_peers_and_keeps_nothing_after_a_failure(local_pair):
+    a, b = local_pair
+    with pytest.raises(TypeError, match="peer: expected PeerDescriptor"):
+        a.connect("not a descriptor")
+    other = MigrationEndpoint(make_cache(dict(SPEC, head_size=8)), backend="gloo", stripes=1)
+    try:
+        with pytest.raises(ValueError, match="peer: cache geometry differs"):
+            a.connect(other.descriptor())
+    finally:
+        other.close()
+    with pytest.raises(ValueError, match="timeout"):
+        a.connect(b.descriptor(), timeout=-1)
+    with pytest.raises(ValueError, match="peer: is this endpoint itself"):
+        a.connect(a.descriptor())
+    assert not a._links, "a refused connect made a link"
+    desc = b.descriptor()
+    b.close()
+    start = time.monotonic()
+    with pytest.raises(MigrationError, match="connect to .*cannot connect") as info:
+        a.connect(desc, timeout=5)
+    assert time.monotonic() - start < 6
+    assert info.value.peer == desc.endpoint_id
+    link = a._links.get(desc.endpoint_id)
+    assert link is None or (link.conn is None and not link.connected), "a failed connect kept its link"
+    a.close()
+    with pytest.raises(ValueError, match="connect: this endpoint is closed"):
+        a.connect(desc)
 
 
 def test_other_rejections(local_pair):

@@ -355,6 +355,30 @@ def test_gpu_pulls_of_more_ids_than_one_launch_carries(gpu_workers, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_gpu_connect_builds_the_pair_that_pulls_then_use(gpu_workers, backend):
+    """connect() builds the data path ahead (nccl's communicators and staging, ipc's mapping,
+    gloo's groups); pulls then use it without building another, and land byte for byte."""
+    devices = _devices(backend)
+    dst_w, src_w, _ = gpu_workers(devices)
+    name = f"ahead-{backend}"
+    try:
+        desc = src_w.call("endpoint", name, dict(FAIL_SPEC, seed=12, device=devices[1]), backend,
+                          OPTIONS[backend])
+        dst_w.call("endpoint", name, dict(FAIL_SPEC, seed=13, device=devices[0]), backend,
+                   OPTIONS[backend])
+        assert dst_w.call("connect", name, desc, PULL_TIMEOUT_S, timeout=CALL_TIMEOUT_S) is True
+        assert dst_w.call("connect", name, desc, PULL_TIMEOUT_S, timeout=CALL_TIMEOUT_S) is False
+        src_rows = src_w.call("blocks", name, list(range(64)))
+        for src, dst in (([3, 60, 3], [0, 1, 2]), (list(range(10, 30)), list(range(40, 60)))):
+            dst_w.call("pull", name, desc, src, dst, PULL_TIMEOUT_S, timeout=CALL_TIMEOUT_S)
+            assert torch.equal(dst_w.call("blocks", name, dst), src_rows[src])
+        assert dst_w.call("connects", name) == 1
+    finally:
+        close_quietly(dst_w, name)
+        close_quietly(src_w, name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_gpu_pull_follows_the_work_on_the_current_stream(gpu_workers, backend):
     """pull is called while the destination's current stream still sleeps and then writes the
     target blocks: the pull lands after that work, so they hold the source's bytes."""

@@ -110,6 +110,9 @@ def _run(cmd, args, caches, endpoints):
         return ep.descriptor()
     if cmd == "connects":  # (name,) -> how many times the backend built a data path to a peer
         return endpoints[args[0]].test_connects
+    if cmd == "connect":  # (name, descriptor, timeout) -> whether it built the data path
+        name, desc, timeout = args
+        return endpoints[name].connect(desc, timeout=timeout)
     if cmd == "disconnect":  # (name, descriptor, timeout) -> whether anything was held
         name, desc, timeout = args
         return endpoints[name].disconnect(desc, timeout=timeout)

@@ -50,10 +50,11 @@ __all__ = [
 
 
 class MigrationError(RuntimeError):
-    """A pull failed: the peer died, stalled past the deadline, refused the request, or the
-    data path broke. The destination blocks `dst_block_ids` hold undefined data (some may
-    have been partly written); the source's cache was only read. The endpoint stays usable:
-    the failed pair's data path is discarded and rebuilt on the next pull.
+    """A pull (or connect) failed: the peer died, stalled past the deadline, refused the
+    request, or the data path broke. The destination blocks `dst_block_ids` hold undefined
+    data (some may have been partly written; None for connect); the source's cache was only
+    read. The endpoint stays usable: the failed pair's data path is discarded and rebuilt on
+    the next pull.
 
     Bad arguments found before any transfer raise ValueError or TypeError instead; a request
     the *source* refuses arrives here as MigrationError with `remote_type` set to the name

@@ -3,6 +3,7 @@ its blocks to peers and pulls blocks from them.
 
     ep = MigrationEndpoint(cache, backend="nccl")
     desc = ep.descriptor()                 # give this to other instances
+    ep.connect(peer_desc)                  # optional: build the pair now, not at the first pull
     stats = ep.pull(peer_desc, src_block_ids, dst_block_ids, timeout=10.0)
     ep.disconnect(peer_desc)               # the peer left: release the pair built for it
 
@@ -18,7 +19,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from . import registry
 from .base import (
@@ -132,6 +133,28 @@ class MigrationEndpoint:
             local=self._server.local)
 
     # ---- destination side ----------------------------------------------------------------
+    def connect(self, peer: PeerDescriptor, timeout: float = 30.0) -> bool:
+        """Builds what pulls from `peer` need, now, so that the first pull does not wait for
+        it: the control connection and the backend's data path (nccl: the pair's
+        communicators and staging memory, about 0.2 s for a new peer and more for a process's
+        first; ipc: the mapping of the peer's cache; gloo: the process groups). The peer
+        builds its side at the same time. Call it when an instance learns of a peer it may
+        pull from; a pull without it connects by itself.
+
+        Returns True when it built the data path, False when it was already built (nothing
+        is done then). Raises ValueError/TypeError for a bad peer (as pull does), and
+        MigrationError when the peer cannot be reached, refuses, or the set-up is not done
+        within `timeout` seconds; nothing is kept then, and a later call or pull starts again.
+        What is built stays until disconnect(peer), close(), or the peer closing its end.
+        """
+        deadline = Deadline(timeout)
+        if self._closed:
+            raise ValueError("connect: this endpoint is closed")
+        self._check_peer(peer)
+        link = self._locked_link(peer, None, deadline, "connect to")
+        built, _ = self._use(link, deadline, "connect to")
+        return built
+
     def pull(self, peer: PeerDescriptor, src_block_ids, dst_block_ids,
              timeout: float = 10.0) -> PullStats:
         """Copies blocks `src_block_ids` of `peer`'s cache into blocks `dst_block_ids` of this
@@ -154,21 +177,34 @@ class MigrationEndpoint:
         if not src:
             return PullStats(self.backend.name, 0, 0, 0.0, chunks=0)
         start = time.perf_counter()
-        link = self._locked_link(peer, link, deadline, dst)
+        link = self._locked_link(peer, link, deadline, "pull from", dst)
+        _, stats = self._use(link, deadline, "pull from", dst,
+                             lambda: self.backend.pull(link, src, dst, deadline))
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def _use(self, link: PeerLink, deadline: Deadline, what: str, dst=None,
+             action: Optional[Callable[[], Any]] = None) -> Tuple[bool, Any]:
+        """With link.lock held (released here): builds the link's data path if it has none,
+        then runs action() if given. Returns (whether it built the data path, action()'s
+        value). A failure discards the link: MigrationError naming the blocks `dst` that
+        were not written."""
+        peer = link.peer
         try:
+            built = not link.connected
             if link.conn is None and self.backend.uses_control_channel:
                 self._open(link, deadline)
-            if not link.connected:
+            if built:
                 self.backend.connect(link, deadline)
                 link.connected = True
-            stats = self.backend.pull(link, src, dst, deadline)
+            return built, (action() if action is not None else None)
         except MigrationError as e:
             self._discard(link)
-            raise MigrationError(f"pull from {peer.short()}: {e}", peer=peer.endpoint_id,
+            raise MigrationError(f"{what} {peer.short()}: {e}", peer=peer.endpoint_id,
                                  dst_block_ids=dst, remote_type=e.remote_type) from e
         except Exception as e:  # noqa: BLE001 - any failure mid-transfer is a MigrationError
             self._discard(link)
-            raise MigrationError(f"pull from {peer.short()}: {type(e).__name__}: {e}",
+            raise MigrationError(f"{what} {peer.short()}: {type(e).__name__}: {e}",
                                  peer=peer.endpoint_id, dst_block_ids=dst) from e
         except BaseException:  # KeyboardInterrupt, SystemExit: the pair's buffers may be in use
             self._discard(link)
@@ -177,8 +213,6 @@ class MigrationEndpoint:
             if self._closed:  # close() gave up waiting for this pull: its link is released here
                 self._discard(link)
             link.lock.release()
-        stats.seconds = time.perf_counter() - start
-        return stats
 
     def _check_peer(self, peer) -> None:
         if not isinstance(peer, PeerDescriptor):
@@ -203,10 +237,10 @@ class MigrationEndpoint:
                              "CUDA refuses within one process (use ops.copy_blocks between the "
                              "two caches)")
 
-    def _link(self, peer: PeerDescriptor) -> PeerLink:
+    def _link(self, peer: PeerDescriptor, what: str) -> PeerLink:
         with self._links_lock:
             if self._closed:  # close() sets it before it takes this lock: no link outlives it
-                raise ValueError("pull: this endpoint is closed")
+                raise ValueError(f"{what.split()[0]}: this endpoint is closed")
             link = self._links.get(peer.endpoint_id)
             if link is None:
                 link = self._links[peer.endpoint_id] = PeerLink(peer)
@@ -243,15 +277,15 @@ class MigrationEndpoint:
                     link.lock.release()
 
     def _locked_link(self, peer: PeerDescriptor, link: Optional[PeerLink], deadline: Deadline,
-                     dst) -> PeerLink:
+                     what: str, dst=None) -> PeerLink:
         """The link to `peer`, its lock held. A link that was disconnected while this pull
         waited for its lock is left alone: the pull takes a new one."""
         while True:
             if link is None:
-                link = self._link(peer)
+                link = self._link(peer, what)
             if not link.lock.acquire(timeout=max(deadline.remaining(), 0)):
-                raise MigrationError(f"pull from {peer.short()}: another pull from this peer held "
-                                     f"it past the deadline ({deadline.timeout:g} s)",
+                raise MigrationError(f"{what} {peer.short()}: another pull or connect for this "
+                                     f"peer held it past the deadline ({deadline.timeout:g} s)",
                                      peer=peer.endpoint_id, dst_block_ids=dst)
             with self._links_lock:
                 current = self._links.get(peer.endpoint_id) is link
