@@ -33,7 +33,9 @@ the bytes is free and what remains is the pull's own machinery (requests, launch
 First pull from a new peer: the wall time of the first 1-block pull, which opens the control
 connection and builds the pair (nccl: its communicators and staging; ipc: the mapped handles).
 For nccl it is also the process's first NCCL communicator, so NCCL's one-time initialisation
-is in it.
+is in it. connect() to another peer: the time `MigrationEndpoint.connect` takes to build the
+pair with a second peer ahead of any pull (the 4 KiB cache's endpoint), and that peer's first
+1-block pull after it.
 
     python benchmarks/migration.py [--out benchmarks/results] [--quick] [--time-limit S]
 Nothing can hang: every wait has a deadline (pulls, NCCL and gloo set-up and transfers, the
@@ -362,7 +364,17 @@ class Bench:
         entry["samples"] = samples
         for key, blocks in ((backend, self.num_blocks), (f"{backend}:tiny", TINY_BLOCKS)):
             ep, desc = self.endpoints[key], self.descs[key]
-            ep.pull(desc, [0], [0], timeout=PULL_TIMEOUT_S)  # builds the pair
+            if key == backend:
+                ep.pull(desc, [0], [0], timeout=PULL_TIMEOUT_S)  # the pair exists already
+            else:  # a second peer, built ahead by connect(), then its first pull
+                t = time.perf_counter()
+                assert ep.connect(desc, timeout=PULL_TIMEOUT_S)
+                entry["connect_ms"] = (time.perf_counter() - t) * 1e3
+                t = time.perf_counter()
+                ep.pull(desc, [0], [0], timeout=PULL_TIMEOUT_S)
+                entry["after_connect_ms"] = (time.perf_counter() - t) * 1e3
+                log(f"  {backend} connect() to another peer: {entry['connect_ms']:.1f} ms, then its "
+                    f"first pull: {entry['after_connect_ms']:.3f} ms")
             times = []
             for _ in range(samples):
                 src, dst = self.rng.randrange(blocks), self.rng.randrange(blocks)
@@ -724,12 +736,14 @@ def markdown(report):
     lines.append("")
     lines.append("| backend | 1-block pull, 8 MiB: median (ms) | p99 (ms) "
                  "| control cost (1-block pull, 4 KiB): median (ms) | p99 (ms) "
-                 "| first pull from a new peer (connect + 1 block, ms) |")
-    lines.append("| --- | --- | --- | --- | --- | --- |")
-    keys = ("median_ms", "p99_ms", "tiny_median_ms", "tiny_p99_ms", "first_pull_ms")
+                 "| first pull from a new peer (connect + 1 block, ms) "
+                 "| connect() to another peer (ms) | first pull after connect() (ms) |")
+    lines.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    keys = ("median_ms", "p99_ms", "tiny_median_ms", "tiny_p99_ms", "first_pull_ms", "connect_ms",
+            "after_connect_ms")
     for backend, f in report["fixed"].items():
-        cells = [(f"{f[k]:.1f}" if k == "first_pull_ms" else f"{f[k]:.3f}") if k in f else "-"
-                 for k in keys]
+        cells = [(f"{f[k]:.1f}" if k in ("first_pull_ms", "connect_ms") else f"{f[k]:.3f}")
+                 if k in f else "-" for k in keys]
         lines.append(f"| {backend} | " + " | ".join(cells) + " |")
     text = [f"# KV migration benchmark ({report['meta']['mode']})", "",
             "Speeds in GiB/s (Llumnix's \"GB/s\"): bytes / wall time of the destination's pull, "
