@@ -35,7 +35,7 @@ the next pull builds a new one. Communicator set-up runs on a helper thread join
 deadline; a set-up that never completes is abandoned. The lanes' communicators are set up in
 one NCCL group, so that their set-ups overlap: on two H200s a new peer's first pull took
 192-211 ms, against 210-232 ms with the two joined one after the other (the first pair of a
-process also pays NCCL's one-time initialisation: 0.43-0.76 s in all over four runs). A
+process also pays NCCL's one-time initialisation: 0.43-0.76 s in all over six runs). A
 set-up abandoned at its deadline holds all of the pair's communicators in that group until
 it returns, if ever (then they are aborted); while the peer has not joined, that is a thread
 waiting in NCCL's bootstrap and host memory, no GPU buffers. Non-blocking communicators
