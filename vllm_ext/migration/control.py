@@ -44,6 +44,8 @@ _SEND_TIMEOUT_S = 30.0
 _KEEPALIVE_IDLE_S, _KEEPALIVE_INTERVAL_S, _KEEPALIVE_COUNT = 30, 10, 3
 # After a failed accept() (out of file descriptors, say), the server tries again this much later.
 _ACCEPT_RETRY_S = 0.1
+# close() waits this long in all for the threads serving its connections to end.
+_CLOSE_JOIN_S = 5.0
 # Abstract Unix socket names (a leading NUL byte) exist on Linux only.
 LOCAL_SOCKETS = sys.platform.startswith("linux")
 
@@ -296,6 +298,7 @@ class ControlServer:
                 self._listeners.append(listener)
                 self.local = local
         self._connections: List[Connection] = []
+        self._serving: List[threading.Thread] = []  # one per connection being served
         self._lock = threading.Lock()
         self._closed = False
         self._threads = [threading.Thread(target=self._accept_loop, args=(listener,),
@@ -329,13 +332,17 @@ class ControlServer:
                     conn.close()
                     return
                 self._connections.append(conn)
+            thread = threading.Thread(target=self._run, args=(conn,), name="migration-serve",
+                                      daemon=True)
             try:
-                threading.Thread(target=self._run, args=(conn,), name="migration-serve",
-                                 daemon=True).start()
+                with self._lock:
+                    self._serving.append(thread)
+                    thread.start()
             except RuntimeError as e:  # no thread to serve it: the peer sees the close
                 logger.warning("control server: cannot serve %s (%s)", peer, e)
                 with self._lock:
                     self._connections.remove(conn)
+                    self._serving.remove(thread)
                 conn.close()
 
     def _run(self, conn: Connection) -> None:
@@ -354,11 +361,18 @@ class ControlServer:
             with self._lock:
                 if conn in self._connections:
                     self._connections.remove(conn)
+                if threading.current_thread() in self._serving:
+                    self._serving.remove(threading.current_thread())
 
     def close(self) -> None:
+        """Stops accepting, closes every connection, and waits (up to _CLOSE_JOIN_S in all)
+        for their serving threads to end: they release what they served with (a backend's
+        pairs), which must not be left to the interpreter's exit (gloo's threads would
+        abort the process then)."""
         with self._lock:
             self._closed = True
             connections = list(self._connections)
+            serving = [t for t in self._serving if t is not threading.current_thread()]
         for listener in self._listeners:
             try:
                 listener.shutdown(socket.SHUT_RDWR)  # wakes accept(); close() alone may not
@@ -367,5 +381,10 @@ class ControlServer:
             listener.close()
         for conn in connections:
             conn.close()
-        for thread in self._threads:
-            thread.join(timeout=5)
+        end = time.monotonic() + _CLOSE_JOIN_S
+        for thread in self._threads + serving:
+            thread.join(timeout=max(end - time.monotonic(), 0))
+        still = [t for t in serving if t.is_alive()]
+        if still:
+            logger.warning("control server: %d connection(s) still being served %g s after "
+                           "close (a transfer that ends by its deadline)", len(still), _CLOSE_JOIN_S)
