@@ -545,7 +545,7 @@ def test_unreachable_peer_raises_migration_error(local_pair):
     assert time.monotonic() - start < 6
 
 
-def test_connect_refuses_bad_peers_and_keeps_nothing_after_a_failure(local_pair):
+def test_connect_refuses_bad_peers_and_keeps_nothing_after_a_failure(local_pair, monkeypatch):
     a, b = local_pair
     with pytest.raises(TypeError, match="peer: expected PeerDescriptor"):
         a.connect("not a descriptor")
@@ -561,17 +561,54 @@ def test_connect_refuses_bad_peers_and_keeps_nothing_after_a_failure(local_pair)
         a.connect(a.descriptor())
     assert not a._links, "a refused connect made a link"
     desc = b.descriptor()
+    # The source refuses the pair after the control connection is up: MigrationError with
+    # the source's exception type, and nothing kept for that peer; a later connect works.
+    original = b.backend._serve_connect
+
+    def refuse(conn, header):
+        raise ValueError("no pairs today")
+
+    monkeypatch.setattr(b.backend, "_serve_connect", refuse)
+    with pytest.raises(MigrationError, match="connect to .*no pairs today") as info:
+        a.connect(desc, timeout=10)
+    assert info.value.remote_type == "ValueError" and info.value.dst_block_ids is None
+    assert info.value.peer == desc.endpoint_id
+    assert desc.endpoint_id not in a._links, "a failed connect kept its link"
+    assert a.disconnect(desc) is False  # nothing held
+    monkeypatch.setattr(b.backend, "_serve_connect", original)
+    assert a.connect(desc, timeout=10) is True
+    assert a.connect(desc, timeout=10) is False
+    # The peer leaves: connect does not report its dead pair as built, it builds again (and
+    # fails: the peer is gone), and keeps nothing.
     b.close()
     start = time.monotonic()
     with pytest.raises(MigrationError, match="connect to .*cannot connect") as info:
         a.connect(desc, timeout=5)
     assert time.monotonic() - start < 6
-    assert info.value.peer == desc.endpoint_id
-    link = a._links.get(desc.endpoint_id)
-    assert link is None or (link.conn is None and not link.connected), "a failed connect kept its link"
+    assert desc.endpoint_id not in a._links, "a failed connect kept its link"
     a.close()
     with pytest.raises(ValueError, match="connect: this endpoint is closed"):
         a.connect(desc)
+
+
+def test_a_connect_that_close_overtakes_raises_and_keeps_nothing(local_pair, monkeypatch):
+    a, b = local_pair
+    build = a.backend.connect
+    closer = threading.Thread(target=a.close)
+
+    def build_then_close(link, deadline):
+        build(link, deadline)
+        closer.start()  # close() marks the endpoint closed, then waits for this call's link
+        end = time.monotonic() + 5
+        while not a._closed and time.monotonic() < end:
+            time.sleep(0.01)
+
+    monkeypatch.setattr(a.backend, "connect", build_then_close)
+    with pytest.raises(MigrationError, match="this endpoint closed meanwhile"):
+        a.connect(b.descriptor(), timeout=10)
+    closer.join(10)
+    assert not closer.is_alive()
+    assert not a._links or all(link.conn is None for link in a._links.values())
 
 
 def test_other_rejections(local_pair):
@@ -898,6 +935,26 @@ def test_harness_drops_late_replies():
         assert w.healthy
     finally:
         assert w.stop() == 0
+
+
+def test_a_process_that_pulled_over_gloo_exits_cleanly_after_close():
+    """close() waits for the threads serving its connections, which release the source's gloo
+    pairs. Left to the interpreter's exit, gloo's threads aborted the process ("terminate
+    called without an active exception", exit code 134) after a clean pull and close."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r})\n"
+            "from test_migration_harness import make_cache\n"
+            "from vllm_ext.migration import MigrationEndpoint\n"
+            f"spec = {SPEC!r}\n"
+            "b = MigrationEndpoint(make_cache(dict(spec, seed=2)), backend='gloo', stripes=1)\n"
+            "a = MigrationEndpoint(make_cache(spec), backend='gloo', stripes=1)\n"
+            "a.pull(b.descriptor(), [1, 5], [1, 2], timeout=30)\n"
+            "a.close()\n"
+            "b.close()\n"
+            "print('closed')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "closed" in out.stdout, out.stderr[-3000:]
+    assert "terminate called" not in out.stderr
 
 
 def test_import_loads_no_backend():

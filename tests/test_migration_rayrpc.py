@@ -42,6 +42,14 @@ class Instance:
         except MigrationError as e:
             return "MigrationError", (str(e), e.dst_block_ids, e.remote_type)
 
+    def connect(self, name, desc, timeout):
+        from vllm_ext.migration import MigrationError
+
+        try:
+            return "ok", self.endpoints[name].connect(desc, timeout=timeout)
+        except MigrationError as e:
+            return "MigrationError", (str(e), e.remote_type)
+
     def blocks(self, name, ids):
         from vllm_ext import ops
 
@@ -166,6 +174,36 @@ def test_rayrpc_rejections(actors):
     finally:
         get(a.close.remote("x"))
         get(b.close.remote("x"))
+
+
+def test_rayrpc_connect_checks_the_peer_actor(actors):
+    """rayrpc builds nothing ahead: connect is one call to the peer's actor, which must serve
+    that endpoint; a closed endpoint or a dead actor is a MigrationError."""
+    a, b = actors
+    src = Instance.remote()
+    try:
+        desc_b = get(b.endpoint.remote("c", dict(SPEC, seed=3), OPTIONS))
+        desc_src = get(src.endpoint.remote("c", dict(SPEC, seed=4), OPTIONS))
+        get(a.endpoint.remote("c", SPEC, OPTIONS))
+        assert get(a.connect.remote("c", desc_b, 20.0)) == ("ok", True)
+        assert get(a.connect.remote("c", desc_b, 20.0)) == ("ok", False)
+        assert get(a.connect.remote("c", desc_src, 20.0)) == ("ok", True)
+        get(src.close.remote("c"))  # the actor lives, its endpoint is gone
+        status, value = get(a.pull.remote("c", desc_src, [0], [1], 20.0))
+        assert status == "MigrationError" and value[2] == "ValueError", value
+        # The failed pull left nothing for that peer: connect asks its actor again.
+        status, (message, remote_type) = get(a.connect.remote("c", desc_src, 20.0))
+        assert status == "MigrationError" and remote_type == "ValueError", message
+        assert "no endpoint" in message
+        ray.kill(src)
+        start = time.monotonic()
+        status, (message, _) = get(a.connect.remote("c", desc_src, 20.0))
+        assert status == "MigrationError" and "Actor" in message, message
+        assert time.monotonic() - start < 20
+    finally:
+        get(a.close.remote("c"))
+        get(b.close.remote("c"))
+        ray.kill(src)
 
 
 def test_rayrpc_endpoint_needs_an_actor(ray_node):

@@ -5,7 +5,7 @@ Roles. Two endpoints take part in a pull: the *destination* (the one whose `pull
 it drives) and the *source* (it serves its blocks). Each endpoint runs a small control server
 (see control.py); a backend adds its own data path beside it. Who calls what:
 
-  Destination side, on the thread that called MigrationEndpoint.pull:
+  Destination side, on the thread that called MigrationEndpoint.pull (or .connect):
     connect(link, deadline)        once per peer (and again after a failure): build the pair's
                                    data path (communicator, IPC mapping, ...).
     pull(link, src_ids, dst_ids, deadline) -> PullStats
@@ -52,9 +52,9 @@ __all__ = [
 class MigrationError(RuntimeError):
     """A pull (or connect) failed: the peer died, stalled past the deadline, refused the
     request, or the data path broke. The destination blocks `dst_block_ids` hold undefined
-    data (some may have been partly written; None for connect); the source's cache was only
-    read. The endpoint stays usable: the failed pair's data path is discarded and rebuilt on
-    the next pull.
+    data (some may have been partly written); `dst_block_ids` is None for connect and
+    disconnect. The source's cache was only read. The endpoint stays usable: the failed
+    pair's data path is discarded and rebuilt on the next pull or connect.
 
     Bad arguments found before any transfer raise ValueError or TypeError instead; a request
     the *source* refuses arrives here as MigrationError with `remote_type` set to the name

@@ -7,9 +7,10 @@ its blocks to peers and pulls blocks from them.
     stats = ep.pull(peer_desc, src_block_ids, dst_block_ids, timeout=10.0)
     ep.disconnect(peer_desc)               # the peer left: release the pair built for it
 
-Threads: `pull` runs on the caller's thread (several threads may pull from different peers at
-once; pulls from one peer are serialised). Serving runs on the control server's threads, one
-per connected peer, so a stalled peer never delays the others.
+Threads: `pull` and `connect` run on the caller's thread (several threads may pull from
+different peers at once; pulls and connects for one peer are serialised). Serving runs on
+the control server's threads, one per connected peer, so a stalled peer never delays the
+others.
 """
 
 import ctypes
@@ -138,21 +139,31 @@ class MigrationEndpoint:
         it: the control connection and the backend's data path (nccl: the pair's
         communicators and staging memory, about 0.2 s for a new peer and more for a process's
         first; ipc: the mapping of the peer's cache; gloo: the process groups). The peer
-        builds its side at the same time. Call it when an instance learns of a peer it may
-        pull from; a pull without it connects by itself.
+        builds its side at the same time. rayrpc has nothing to build: its connect is one
+        call to the peer's actor, which checks that it serves that endpoint. Call it when an
+        instance learns of a peer it may pull from; a pull without it connects by itself.
 
-        Returns True when it built the data path, False when it was already built (nothing
-        is done then). Raises ValueError/TypeError for a bad peer (as pull does), and
-        MigrationError when the peer cannot be reached, refuses, or the set-up is not done
-        within `timeout` seconds; nothing is kept then, and a later call or pull starts again.
-        What is built stays until disconnect(peer), close(), or the peer closing its end.
+        Returns True when it built the data path, False when it was already built and the
+        peer's end of it still open (nothing is done then; a link whose peer closed its end
+        is built again). Waits for a pull from `peer` in progress. Raises ValueError or
+        TypeError for a bad peer or timeout, or a closed endpoint (as pull does), and
+        MigrationError when the peer cannot be reached, refuses, the set-up is not done
+        within `timeout` seconds, or a pull from `peer` holds it that long. A failed
+        connect leaves nothing for `peer` behind (a pair that was built stays, when a pull
+        held it past the timeout); a later connect or pull starts again. What is built stays
+        until disconnect(peer), close(), a failed pull, or the peer closing its end.
         """
         deadline = Deadline(timeout)
         if self._closed:
             raise ValueError("connect: this endpoint is closed")
         self._check_peer(peer)
         link = self._locked_link(peer, None, deadline, "connect to")
+        if link.connected and link.conn is not None and link.conn.readable():
+            self._discard(link)  # the peer closed its end, or a late message waits: build again
         built, _ = self._use(link, deadline, "connect to")
+        if self._closed:  # close() ran meanwhile: what was built is released already
+            raise MigrationError(f"connect to {peer.short()}: this endpoint closed meanwhile",
+                                 peer=peer.endpoint_id)
         return built
 
     def pull(self, peer: PeerDescriptor, src_block_ids, dst_block_ids,
@@ -187,8 +198,9 @@ class MigrationEndpoint:
              action: Optional[Callable[[], Any]] = None) -> Tuple[bool, Any]:
         """With link.lock held (released here): builds the link's data path if it has none,
         then runs action() if given. Returns (whether it built the data path, action()'s
-        value). A failure discards the link: MigrationError naming the blocks `dst` that
-        were not written."""
+        value). A failure discards the link's connection and data path and unregisters the
+        link (nothing stays behind for an unreachable peer): MigrationError naming the blocks
+        `dst` that were not written."""
         peer = link.peer
         try:
             built = not link.connected
@@ -199,18 +211,21 @@ class MigrationEndpoint:
                 link.connected = True
             return built, (action() if action is not None else None)
         except MigrationError as e:
+            self._unregister(link)
             self._discard(link)
             raise MigrationError(f"{what} {peer.short()}: {e}", peer=peer.endpoint_id,
                                  dst_block_ids=dst, remote_type=e.remote_type) from e
         except Exception as e:  # noqa: BLE001 - any failure mid-transfer is a MigrationError
+            self._unregister(link)
             self._discard(link)
             raise MigrationError(f"{what} {peer.short()}: {type(e).__name__}: {e}",
                                  peer=peer.endpoint_id, dst_block_ids=dst) from e
         except BaseException:  # KeyboardInterrupt, SystemExit: the pair's buffers may be in use
+            self._unregister(link)
             self._discard(link)
             raise
         finally:
-            if self._closed:  # close() gave up waiting for this pull: its link is released here
+            if self._closed:  # close() gave up waiting for this call: its link is released here
                 self._discard(link)
             link.lock.release()
 
@@ -304,7 +319,8 @@ class MigrationEndpoint:
         pull from `peer` connects again.
 
         Returns False when nothing was held for `peer`. Waits up to `timeout` seconds for a
-        pull from `peer` that is in progress; MigrationError past that, with nothing released.
+        pull or connect for `peer` that is in progress; MigrationError past that, with
+        nothing released.
         """
         if not isinstance(peer, PeerDescriptor):
             raise TypeError(f"peer: expected PeerDescriptor (from descriptor()), got "
@@ -315,8 +331,8 @@ class MigrationEndpoint:
         if link is None:
             return False
         if not link.lock.acquire(timeout=timeout):
-            raise MigrationError(f"disconnect from {peer.short()}: a pull from it still runs "
-                                 f"after {timeout:g} s", peer=peer.endpoint_id)
+            raise MigrationError(f"disconnect from {peer.short()}: a pull or connect for it still "
+                                 f"runs after {timeout:g} s", peer=peer.endpoint_id)
         try:
             return self._release(link)  # False: released meanwhile (close(), a departed peer)
         finally:
@@ -325,12 +341,18 @@ class MigrationEndpoint:
     def _release(self, link: PeerLink) -> bool:
         """With link.lock held: unregisters the link and discards it, unless it is no longer
         the registered link of its peer (then False, and nothing is done)."""
+        if not self._unregister(link):
+            return False
+        self._discard(link)
+        return True
+
+    def _unregister(self, link: PeerLink) -> bool:
+        """Removes the link from the registry if it is still its peer's; True if it was."""
         with self._links_lock:
             if self._links.get(link.peer.endpoint_id) is not link:
                 return False
             del self._links[link.peer.endpoint_id]
-        self._discard(link)
-        return True
+            return True
 
     def _open(self, link: PeerLink, deadline: Deadline) -> None:
         peer = link.peer

@@ -46,21 +46,36 @@ _ENDPOINTS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionar
 _ENDPOINTS_LOCK = threading.Lock()
 
 
-def _serve_chunk(actor, endpoint_id: str, geometry: Dict[str, Any], src_ids: List[int],
-                 chunk: int):
-    """Source side (runs in the source actor via __ray_call__): the rows of blocks src_ids
-    as a numpy uint8 array [len(src_ids), block_nbytes]."""
-    del actor
-    from .. import ops
+def _serves(actor, endpoint_id: str, geometry: Dict[str, Any]) -> bool:
+    """Source side (runs in the source actor via __ray_call__; connect's round trip): True
+    when this actor serves endpoint `endpoint_id` with a cache of `geometry`, else
+    ValueError."""
+    _serving_endpoint(actor, endpoint_id, geometry)
+    return True
 
+
+def _serving_endpoint(actor, endpoint_id: str, geometry: Dict[str, Any]):
+    """Source side: the endpoint `endpoint_id` of this actor, whose cache has `geometry`;
+    ValueError otherwise."""
+    del actor
     with _ENDPOINTS_LOCK:
         endpoint = _ENDPOINTS.get(endpoint_id)
     if endpoint is None:
         raise ValueError(f"rayrpc: no endpoint {endpoint_id!r} in this actor (closed?)")
-    cache = endpoint.cache
-    diff = geometry_mismatch(cache.geometry(), geometry)
+    diff = geometry_mismatch(endpoint.cache.geometry(), geometry)
     if diff:
         raise ValueError(f"rayrpc: cache geometry differs ({diff})")
+    return endpoint
+
+
+def _serve_chunk(actor, endpoint_id: str, geometry: Dict[str, Any], src_ids: List[int],
+                 chunk: int):
+    """Source side (runs in the source actor via __ray_call__): the rows of blocks src_ids
+    as a numpy uint8 array [len(src_ids), block_nbytes]."""
+    from .. import ops
+
+    endpoint = _serving_endpoint(actor, endpoint_id, geometry)
+    cache = endpoint.cache
     ids = check_block_ids(src_ids, "src_block_ids", cache.num_blocks, unique=False)
     endpoint.test_pause(chunk)
     if cache.device.type == "cuda":
@@ -154,15 +169,19 @@ class RayRpcBackend(MigrationBackend):
         return {"actor": self._actor}
 
     # ---- destination side ----------------------------------------------------------------
+    def connect(self, link, deadline: Deadline) -> None:
+        """One round trip to the peer's actor: it lives, and serves that endpoint with the same
+        geometry (Ray has nothing to build ahead)."""
+        actor = _actor_of(link)
+        _get(actor.__ray_call__.remote(_serves, link.peer.endpoint_id,
+                                       self.endpoint.cache.geometry()), deadline, "the connect")
+
     def pull(self, link, src_ids, dst_ids, deadline: Deadline) -> PullStats:
         import ray
-        from ray import exceptions as rex
 
         from .. import ops
 
-        actor = link.peer.extra.get("actor")
-        if actor is None:
-            raise MigrationError("rayrpc: the peer descriptor carries no actor handle")
+        actor = _actor_of(link)
         cache = self.endpoint.cache
         geometry = cache.geometry()
         n = len(src_ids)
@@ -178,18 +197,7 @@ class RayRpcBackend(MigrationBackend):
             submit(c)
         try:
             for c, (lo, hi) in enumerate(chunks):
-                try:
-                    rows = ray.get(refs.pop(c), timeout=max(deadline.remaining(), 0))
-                except rex.GetTimeoutError as e:
-                    raise MigrationError(f"rayrpc: chunk {c} not received at the deadline of "
-                                         f"{deadline.timeout:g} s") from e
-                except rex.RayTaskError as e:
-                    cause = e.cause if getattr(e, "cause", None) is not None else e
-                    raise MigrationError(f"rayrpc: the source refused or failed: "
-                                         f"{type(cause).__name__}: {cause}",
-                                         remote_type=type(cause).__name__) from e
-                except rex.RayError as e:  # actor died, object lost, ...
-                    raise MigrationError(f"rayrpc: {type(e).__name__}: {e}") from e
+                rows = _get(refs.pop(c), deadline, f"chunk {c}")
                 if c + self.max_in_flight < len(chunks):
                     submit(c + self.max_in_flight)
                 if isinstance(rows, list):  # a host source's chunk views
@@ -218,3 +226,31 @@ class RayRpcBackend(MigrationBackend):
     def close(self) -> None:
         with _ENDPOINTS_LOCK:
             _ENDPOINTS.pop(self.endpoint.endpoint_id, None)
+
+
+def _actor_of(link):
+    actor = link.peer.extra.get("actor")
+    if actor is None:
+        raise MigrationError("rayrpc: the peer descriptor carries no actor handle")
+    return actor
+
+
+def _get(ref, deadline: Deadline, what: str):
+    """ray.get of a call to the source actor, bounded by the deadline; MigrationError when it
+    is late, the source refused or failed (remote_type: its exception's name), or the actor
+    is gone."""
+    import ray
+    from ray import exceptions as rex
+
+    try:
+        return ray.get(ref, timeout=max(deadline.remaining(), 0))
+    except rex.GetTimeoutError as e:
+        raise MigrationError(f"rayrpc: {what} not received at the deadline of "
+                             f"{deadline.timeout:g} s") from e
+    except rex.RayTaskError as e:
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        raise MigrationError(f"rayrpc: the source refused or failed: "
+                             f"{type(cause).__name__}: {cause}",
+                             remote_type=type(cause).__name__) from e
+    except rex.RayError as e:  # actor died, object lost, ...
+        raise MigrationError(f"rayrpc: {type(e).__name__}: {e}") from e
