@@ -44,7 +44,7 @@ _SEND_TIMEOUT_S = 30.0
 _KEEPALIVE_IDLE_S, _KEEPALIVE_INTERVAL_S, _KEEPALIVE_COUNT = 30, 10, 3
 # After a failed accept() (out of file descriptors, say), the server tries again this much later.
 _ACCEPT_RETRY_S = 0.1
-# close() waits this long in all for the threads serving its connections to end.
+# join_serving() waits this long in all for the threads serving connections to end.
 _CLOSE_JOIN_S = 5.0
 # Abstract Unix socket names (a leading NUL byte) exist on Linux only.
 LOCAL_SOCKETS = sys.platform.startswith("linux")
@@ -365,14 +365,11 @@ class ControlServer:
                     self._serving.remove(threading.current_thread())
 
     def close(self) -> None:
-        """Stops accepting, closes every connection, and waits (up to _CLOSE_JOIN_S in all)
-        for their serving threads to end: they release what they served with (a backend's
-        pairs), which must not be left to the interpreter's exit (gloo's threads would
-        abort the process then)."""
+        """Stops accepting and closes every connection; join_serving() then waits for the
+        threads that served them."""
         with self._lock:
             self._closed = True
             connections = list(self._connections)
-            serving = [t for t in self._serving if t is not threading.current_thread()]
         for listener in self._listeners:
             try:
                 listener.shutdown(socket.SHUT_RDWR)  # wakes accept(); close() alone may not
@@ -381,10 +378,21 @@ class ControlServer:
             listener.close()
         for conn in connections:
             conn.close()
-        end = time.monotonic() + _CLOSE_JOIN_S
-        for thread in self._threads + serving:
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def join_serving(self, timeout: float = _CLOSE_JOIN_S) -> bool:
+        """After close(): waits up to `timeout` seconds in all for the threads that served
+        connections to end. They release what they served with (a backend's pairs), which
+        must not be left to the interpreter's exit: gloo's threads abort the process then.
+        False (and a warning) when one still runs."""
+        with self._lock:
+            serving = [t for t in self._serving if t is not threading.current_thread()]
+        end = time.monotonic() + timeout
+        for thread in serving:
             thread.join(timeout=max(end - time.monotonic(), 0))
         still = [t for t in serving if t.is_alive()]
         if still:
             logger.warning("control server: %d connection(s) still being served %g s after "
-                           "close (a transfer that ends by its deadline)", len(still), _CLOSE_JOIN_S)
+                           "close (a transfer that ends by its deadline)", len(still), timeout)
+        return not still

@@ -470,7 +470,9 @@ class MigrationEndpoint:
 
     # ---- lifetime ------------------------------------------------------------------------
     def close(self) -> None:
-        """Stops serving, closes control connections and releases the backend's resources."""
+        """Stops serving, closes control connections and releases the backend's resources;
+        returns once the threads that served peers have ended too (at most a few seconds
+        for one still inside a transfer)."""
         if self._closed:
             return
         self._closed = True
@@ -490,7 +492,8 @@ class MigrationEndpoint:
                     self._discard(link)
                 finally:
                     link.lock.release()
-        self.backend.close()
+        self.backend.close()  # ends the pairs served (nccl: their pull servers) ...
+        self._server.join_serving()  # ... so that the threads serving them end now
 
     def __enter__(self):
         return self
