@@ -354,6 +354,16 @@ def test_gpu_pulls_of_more_ids_than_one_launch_carries(gpu_workers, backend):
         close_quietly(src_w, "many")
 
 
+def _endpoints(src_w, dst_w, name, backend, devices, src_seed, dst_seed):
+    """Endpoints `name` of FAIL_SPEC's geometry on the source (devices[1]) and destination
+    (devices[0]) workers, with OPTIONS[backend]; returns the source's descriptor."""
+    desc = src_w.call("endpoint", name, dict(FAIL_SPEC, seed=src_seed, device=devices[1]), backend,
+                      OPTIONS[backend])
+    dst_w.call("endpoint", name, dict(FAIL_SPEC, seed=dst_seed, device=devices[0]), backend,
+               OPTIONS[backend])
+    return desc
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gpu_connect_builds_the_pair_that_pulls_then_use(gpu_workers, backend):
     """connect() builds the data path ahead (nccl's communicators and staging, ipc's mapping,
@@ -362,10 +372,7 @@ def test_gpu_connect_builds_the_pair_that_pulls_then_use(gpu_workers, backend):
     dst_w, src_w, _ = gpu_workers(devices)
     name = f"ahead-{backend}"
     try:
-        desc = src_w.call("endpoint", name, dict(FAIL_SPEC, seed=12, device=devices[1]), backend,
-                          OPTIONS[backend])
-        dst_w.call("endpoint", name, dict(FAIL_SPEC, seed=13, device=devices[0]), backend,
-                   OPTIONS[backend])
+        desc = _endpoints(src_w, dst_w, name, backend, devices, 12, 13)
         assert dst_w.call("connect", name, desc, PULL_TIMEOUT_S, timeout=CALL_TIMEOUT_S) is True
         assert dst_w.call("connect", name, desc, PULL_TIMEOUT_S, timeout=CALL_TIMEOUT_S) is False
         src_rows = src_w.call("blocks", name, list(range(64)))
@@ -386,10 +393,7 @@ def test_gpu_pull_follows_the_work_on_the_current_stream(gpu_workers, backend):
     dst_w, src_w, _ = gpu_workers(devices)
     name = f"order-{backend}"
     try:
-        desc = src_w.call("endpoint", name, dict(FAIL_SPEC, seed=8, device=devices[1]), backend,
-                          OPTIONS[backend])
-        dst_w.call("endpoint", name, dict(FAIL_SPEC, seed=9, device=devices[0]), backend,
-                   OPTIONS[backend])
+        desc = _endpoints(src_w, dst_w, name, backend, devices, 8, 9)
         src_rows = src_w.call("blocks", name, list(range(64)))
         src, dst = [5, 6, 7, 8, 9], [40, 41, 42, 43, 44]
         dst_w.call("pull_after_write", name, desc, src, dst, PULL_TIMEOUT_S, 0x5A,
