@@ -210,19 +210,15 @@ class MigrationEndpoint:
                 self.backend.connect(link, deadline)
                 link.connected = True
             return built, (action() if action is not None else None)
-        except MigrationError as e:
+        except BaseException as e:  # KeyboardInterrupt too: the pair's buffers may be in use
             self._unregister(link)
             self._discard(link)
-            raise MigrationError(f"{what} {peer.short()}: {e}", peer=peer.endpoint_id,
-                                 dst_block_ids=dst, remote_type=e.remote_type) from e
-        except Exception as e:  # noqa: BLE001 - any failure mid-transfer is a MigrationError
-            self._unregister(link)
-            self._discard(link)
-            raise MigrationError(f"{what} {peer.short()}: {type(e).__name__}: {e}",
-                                 peer=peer.endpoint_id, dst_block_ids=dst) from e
-        except BaseException:  # KeyboardInterrupt, SystemExit: the pair's buffers may be in use
-            self._unregister(link)
-            self._discard(link)
+            if isinstance(e, MigrationError):
+                raise MigrationError(f"{what} {peer.short()}: {e}", peer=peer.endpoint_id,
+                                     dst_block_ids=dst, remote_type=e.remote_type) from e
+            if isinstance(e, Exception):  # any failure mid-transfer is a MigrationError
+                raise MigrationError(f"{what} {peer.short()}: {type(e).__name__}: {e}",
+                                     peer=peer.endpoint_id, dst_block_ids=dst) from e
             raise
         finally:
             if self._closed:  # close() gave up waiting for this call: its link is released here
