@@ -91,7 +91,7 @@ struct vllm_ext_pull_server {
   int32_t num_layers = 0, num_components = 0, alignment = 1, device = 0;
   int64_t chunk_nbytes = 0;
   cudaEvent_t done = nullptr;
-  const volatile int64_t* stall = nullptr;  // tests: {chunk, microseconds}, read at every pull
+  std::atomic<const volatile int64_t*> stall{nullptr};  // tests: {chunk, microseconds}, read at every pull
   std::atomic<bool> stop{false};
   std::mutex mutex;
   std::condition_variable ended_cv;
@@ -191,7 +191,8 @@ struct vllm_ext_pull_server {
     std::vector<int64_t> bounds(static_cast<size_t>(count + 1));
     vllm_ext_ramp_bounds(n, lanes[0].slot_blocks, bounds.data(), count + 1);
     const int32_t chunks = static_cast<int32_t>(bounds.size() - 1);
-    const int64_t stall_chunk = stall ? stall[0] : -1;
+    const volatile int64_t* const test_stall = stall.load();
+    const int64_t stall_chunk = test_stall ? test_stall[0] : -1;
     int status = VLLM_EXT_OK;
     if (!device_bound) {  // at the first pull: requests can be refused on a host without a GPU
       const cudaError_t e = cudaSetDevice(device);
@@ -206,7 +207,7 @@ struct vllm_ext_pull_server {
       const int32_t first = static_cast<int32_t>(stall_chunk);
       if (first > 0) status = enqueue(ids, bounds.data(), 0, first, nullptr);
       if (status == VLLM_EXT_OK) {
-        pause(static_cast<double>(stall[1]) * 1e-6, deadline);
+        pause(static_cast<double>(test_stall[1]) * 1e-6, deadline);
         if (interrupted(deadline, head.timeout_s)) return false;  // the rest is not enqueued
         status = enqueue(ids, bounds.data() + first, first, chunks - first, done);
       }
@@ -279,8 +280,7 @@ extern "C" {
 
 int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cache, const vllm_ext_staging* lanes,
                                int32_t num_lanes, int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
-                               int32_t alignment, int32_t device, void* done_event, const int64_t* stall,
-                               vllm_ext_pull_server** server) {
+                               int32_t alignment, int32_t device, void* done_event, vllm_ext_pull_server** server) {
   if (server == nullptr || cache == nullptr || lanes == nullptr || done_event == nullptr || fd < 0)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "null argument or negative fd to vllm_ext_pull_server_start");
   *server = nullptr;
@@ -301,7 +301,6 @@ int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cache, const vll
   s->alignment = alignment;
   s->device = device;
   s->done = static_cast<cudaEvent_t>(done_event);
-  s->stall = stall;
   try {
     s->thread = std::thread([s] { s->run(); });
   } catch (const std::exception& e) {
@@ -309,6 +308,12 @@ int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cache, const vll
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, std::string("pull server: no thread: ") + e.what());
   }
   *server = s;
+  return VLLM_EXT_OK;
+}
+
+int vllm_ext_pull_server_test_stall(vllm_ext_pull_server* server, const int64_t* stall) {
+  if (server == nullptr) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "server is NULL");
+  server->stall.store(stall);
   return VLLM_EXT_OK;
 }
 

@@ -1,5 +1,6 @@
-"""KV migration between CUDA caches: ipc and nccl between two GPUs (marked multi_gpu), gloo with
-pinned staging on one GPU (marked gpu). Same checks as the CPU tests: random geometries,
+"""KV migration between CUDA caches: nccl between two GPUs (marked multi_gpu; NCCL refuses two ranks
+on one GPU), ipc between two processes (marked gpu: on two GPUs where there are two, else both
+on one), gloo with pinned staging on one GPU (marked gpu). Same checks as the CPU tests: random geometries,
 layouts and ids, both directions, byte-for-byte; a stalled and a killed source; rejections.
 
     python -m pytest -p timeout --timeout 40 -m "gpu or multi_gpu" tests/test_migration_gpu.py
@@ -28,7 +29,11 @@ CALL_TIMEOUT_S = 25.0  # how long the test waits for any worker's answer
 
 
 def _devices(backend):
-    return ("cuda:0", "cuda:0") if backend == "gloo" else ("cuda:0", "cuda:1")
+    """nccl needs two GPUs; ipc maps another process's memory, on a second GPU when there is one."""
+    if backend == "gloo":
+        return ("cuda:0", "cuda:0")
+    second = "cuda:1" if backend == "nccl" or torch.cuda.device_count() > 1 else "cuda:0"
+    return ("cuda:0", second)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +61,7 @@ def gpu_workers(request):
 
 
 def _marks(backend):
-    return pytest.mark.gpu if backend == "gloo" else pytest.mark.multi_gpu
+    return pytest.mark.multi_gpu if backend == "nccl" else pytest.mark.gpu
 
 
 BACKENDS = [pytest.param(b, marks=_marks(b)) for b in ("ipc", "nccl", "gloo")]
@@ -257,15 +262,15 @@ def test_nccl_source_that_joins_late_is_cut_off_then_cleaned_up(gpu_workers):
         close_quietly(healthy, "h")
 
 
-@pytest.mark.multi_gpu
+@pytest.mark.gpu
 def test_ipc_killed_source_is_reported(gpu_workers):
     """ipc has no per-pull message: a source that exited is noticed through its closed
     control connection before its memory is read (by the pull, or already by the endpoint's
     reaper of idle links, after which the pull finds no server to connect to)."""
-    dst_w, _, _ = gpu_workers(("cuda:0", "cuda:1"))
-    src_w = Worker("cuda:1")
+    dst_w, _, _ = gpu_workers(_devices("ipc"))
+    src_w = Worker(_devices("ipc")[1])
     try:
-        desc = src_w.call("endpoint", "s", dict(FAIL_SPEC, device="cuda:1"), "ipc", {})
+        desc = src_w.call("endpoint", "s", dict(FAIL_SPEC, device=_devices("ipc")[1]), "ipc", {})
         dst_w.call("endpoint", "d", dict(FAIL_SPEC, seed=7, device="cuda:0"), "ipc", {})
         dst_w.call("pull", "d", desc, [0, 1], [2, 3], PULL_TIMEOUT_S,
                    timeout=CALL_TIMEOUT_S)  # maps the source
@@ -284,17 +289,16 @@ def test_ipc_killed_source_is_reported(gpu_workers):
         close_quietly(dst_w, "d")
 
 
-@pytest.mark.multi_gpu
-@pytest.mark.parametrize("backend", ["ipc", "nccl"])
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0] != "gloo"])
 def test_gpu_backends_reject_cpu_caches_and_mismatches(gpu_workers, backend):
-    dst_w, src_w, _ = gpu_workers(("cuda:0", "cuda:1"))
+    dst_w, src_w, _ = gpu_workers(_devices(backend))
     try:
         with pytest.raises(RemoteError, match="cache: on cpu") as info:
             dst_w.call("endpoint", "cpu", dict(FAIL_SPEC), backend, {})
         assert info.value.type_name == "ValueError"
-        other_dtype = src_w.call("endpoint", "f16", dict(FAIL_SPEC, device="cuda:1",
+        other_dtype = src_w.call("endpoint", "f16", dict(FAIL_SPEC, device=_devices(backend)[1],
                                                          dtype="float16"), backend, {})
-        desc = src_w.call("endpoint", "m", dict(FAIL_SPEC, device="cuda:1"), backend, {})
+        desc = src_w.call("endpoint", "m", dict(FAIL_SPEC, device=_devices(backend)[1]), backend, {})
         dst_w.call("endpoint", "m", dict(FAIL_SPEC, device="cuda:0"), backend, {})
         with pytest.raises(RemoteError, match="peer: cache geometry differs.*dtype"):
             dst_w.call("pull", "m", other_dtype, [0], [0], 10.0)
@@ -303,7 +307,7 @@ def test_gpu_backends_reject_cpu_caches_and_mismatches(gpu_workers, backend):
         with pytest.raises(RemoteError, match="dst_block_ids: duplicate id 1"):
             dst_w.call("pull", "m", desc, [0, 1], [1, 1], 10.0)
         if backend == "ipc":  # CUDA cannot map a process's own memory through IPC
-            own = dst_w.call("endpoint", "own", dict(FAIL_SPEC, device="cuda:1"), backend, {})
+            own = dst_w.call("endpoint", "own", dict(FAIL_SPEC, device=_devices(backend)[1]), backend, {})
             with pytest.raises(RemoteError, match="peer: lives in this process"):
                 dst_w.call("pull", "m", own, [0], [0], 10.0)
         # and the pair still works
@@ -330,19 +334,18 @@ def _pull_random_and_check(dst_w, src_w, name, desc, n, src_before, rng):
     return stats
 
 
-@pytest.mark.multi_gpu
-@pytest.mark.parametrize("backend", ["ipc", "nccl"])
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0] != "gloo"])
 def test_gpu_pulls_of_more_ids_than_one_launch_carries(gpu_workers, backend):
     """A launch carries at most 448 ids in its parameters: a longer ipc pull uploads its ids,
     and an nccl chunk of more blocks copies in several launches. Pulls of 448, 449 and 1500
     tiny blocks land byte for byte, and nothing else changes."""
-    dst_w, src_w, _ = gpu_workers(("cuda:0", "cuda:1"))
+    dst_w, src_w, _ = gpu_workers(_devices(backend))
     spec = {"num_layers": 2, "num_blocks": 1600, "block_size": 2, "num_kv_heads": 2,
             "head_size": 8, "dtype": "bfloat16", "layout": "flash"}
     options = {"chunk_bytes": 1 << 20} if backend == "nccl" else {}  # chunks up to 4096 blocks
     rng = random.Random(77)
     try:
-        desc = src_w.call("endpoint", "many", dict(spec, seed=1, device="cuda:1"), backend, options)
+        desc = src_w.call("endpoint", "many", dict(spec, seed=1, device=_devices(backend)[1]), backend, options)
         dst_w.call("endpoint", "many", dict(spec, seed=2, layout="flashinfer", device="cuda:0"),
                    backend, options)
         all_ids = list(range(spec["num_blocks"]))

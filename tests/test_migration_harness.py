@@ -56,6 +56,28 @@ def expected_blocks(spec, ids):
     return block_rows(make_cache(cpu_spec), ids)
 
 
+class StallFaults:
+    """The fault hooks of a test endpoint (vllm_ext.migration.base.Faults): the source pauses
+    `seconds` before serving chunk `chunk` (an int), or at a named step ("connect"); the
+    library's pull server (nccl) reads {chunk, microseconds} from `native_stall`."""
+
+    def __init__(self):
+        import ctypes
+
+        self.native_stall = (ctypes.c_int64 * 2)(-1, 0)
+        self.at = None
+
+    def stall(self, chunk, seconds):
+        self.at = None if chunk is None else (chunk, seconds)
+        native = isinstance(chunk, int) and not isinstance(chunk, bool)
+        self.native_stall[1] = int(seconds * 1e6) if native else 0
+        self.native_stall[0] = chunk if native else -1
+
+    def pause(self, step):
+        if self.at is not None and step == self.at[0]:
+            time.sleep(self.at[1])
+
+
 class RemoteError(Exception):
     """An exception raised in the worker: `type_name`, message, and MigrationError fields."""
 
@@ -84,7 +106,7 @@ def _worker_main(conn, device):
             result = _run(cmd, args, caches, endpoints)
             conn.send((request_id, "ok", result))
         except BaseException as e:  # noqa: BLE001 - reported to the parent
-            fields = {k: getattr(e, k, None) for k in ("remote_type", "dst_block_ids", "written")}
+            fields = {k: getattr(e, k, None) for k in ("remote_type", "dst_block_ids")}
             conn.send((request_id, "error",
                        (type(e).__name__, str(e), fields, traceback.format_exc())))
 
@@ -98,6 +120,7 @@ def _run(cmd, args, caches, endpoints):
             endpoints.pop(name).close()
         cache = make_cache(spec)
         ep = endpoints[name] = MigrationEndpoint(cache, backend=backend, **options)
+        ep._context.faults = StallFaults()
         caches[name] = cache
         # Count the data paths the backend builds (the "connects" command reads it).
         ep.test_connects, connect = 0, ep.backend.connect
@@ -143,8 +166,8 @@ def _run(cmd, args, caches, endpoints):
         return out
     if cmd == "links":  # (name,) -> (peers with a link, pairs served to peers, pairs parked)
         ep = endpoints[args[0]]
-        return (len(ep._links), len(getattr(ep.backend, "_serving", {})),
-                len(getattr(ep.backend, "_parked", [])))
+        parked = ep.backend.parked_count() if hasattr(ep.backend, "parked_count") else 0
+        return ep._destination.link_count(), ep._source.pair_count(), parked
     if cmd == "close":  # -> whether the endpoint existed
         ep = endpoints.pop(args[0], None)
         caches.pop(args[0], None)
@@ -170,7 +193,7 @@ def _run(cmd, args, caches, endpoints):
         return block_rows(caches[name], ids)
     if cmd == "stall":  # (name, chunk, seconds): the source pauses while serving that chunk
         name, chunk, seconds = args
-        endpoints[name].test_stall = (chunk, seconds)
+        endpoints[name]._context.faults.stall(chunk, seconds)
         return None
     if cmd == "pid":
         return os.getpid()

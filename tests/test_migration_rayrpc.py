@@ -56,7 +56,16 @@ class Instance:
         return ops.gather_blocks(self.endpoints[name].cache, list(ids))
 
     def stall(self, name, chunk, seconds):
-        self.endpoints[name].test_stall = (chunk, seconds)
+        import time
+
+        class Faults:  # the endpoint's fault hooks (vllm_ext.migration.base.Faults)
+            native_stall = None
+
+            def pause(self, step):
+                if step == chunk:
+                    time.sleep(seconds)
+
+        self.endpoints[name]._context.faults = Faults()
 
     def close(self, name):
         self.endpoints.pop(name).close()
@@ -137,7 +146,7 @@ def test_rayrpc_dead_or_stalled_source(actors, kill):
         elapsed = time.monotonic() - start
         assert status == "MigrationError", value
         message, dst_ids, _ = value
-        assert dst_ids == list(range(10, 20)) and "not written" in message
+        assert dst_ids == list(range(10, 20)) and "left undefined" in message
         assert elapsed < timeout + 2.0, f"MigrationError after {elapsed:.1f} s"
         if kill:
             assert elapsed < timeout, "a dead source must be noticed before the deadline"

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from vllm_ext import _lib
+from vllm_ext.migration import protocol
 
-REQUEST = struct.Struct("<IId")
-REPLY = struct.Struct("<IIII")
+REQUEST, REPLY = protocol.PULL_REQUEST, protocol.PULL_REPLY  # the frames, from their one home
 NUM_BLOCKS = 10
 
 _TRANSFER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int32, ctypes.c_int32,
@@ -43,7 +43,8 @@ def _serve(given_lanes):
         pytest.skip("the pull server is part of a CUDA build of the library")
     ours, theirs = socket.socketpair()
     stall = (ctypes.c_int64 * 2)(-1, 0)
-    srv = _lib.PullServer(theirs.detach(), _side(), given_lanes, 1, 1, 64, 16, 0, 0x4000, stall)
+    srv = _lib.PullServer(theirs.detach(), _side(), given_lanes, 1, 1, 64, 16, 0, 0x4000)
+    srv.test_stall(stall)
     ours.settimeout(10)
     return ours, srv, stall
 
@@ -62,7 +63,7 @@ def server():
     _end(ours, srv)
 
 
-def request(sock, ids, timeout=5.0, magic=_lib.PULL_REQUEST_MAGIC):
+def request(sock, ids, timeout=5.0, magic=protocol.PULL_REQUEST_MAGIC):
     sock.sendall(REQUEST.pack(magic, len(ids), timeout) + struct.pack(f"<{len(ids)}q", *ids))
 
 
@@ -73,7 +74,7 @@ def reply(sock):
         assert chunk, "the server closed the connection instead of replying"
         head += chunk
     magic, kind, length, _ = REPLY.unpack(head)
-    assert magic == _lib.PULL_REPLY_MAGIC
+    assert magic == protocol.PULL_REPLY_MAGIC
     message = b""
     while len(message) < length:
         chunk = sock.recv(length - len(message))
@@ -104,7 +105,7 @@ def test_refuses_bad_requests_and_keeps_serving(server):
                                     f"{_lib.PULL_MAX_CHUNKS} chunks")):
         request(sock, ids, timeout)
         kind, message = reply(sock)
-        assert kind == _lib.PULL_REFUSED
+        assert kind == protocol.PULL_REFUSED
         assert expected in message
     assert srv.wait(0.05) is None  # still serving
     sock.shutdown(socket.SHUT_WR)  # the destination leaves
@@ -115,7 +116,7 @@ def test_a_malformed_request_ends_the_server(server):
     sock, srv, _ = server
     request(sock, [1], magic=0x12345678)
     kind, message = reply(sock)
-    assert kind == _lib.PULL_FAILED and "malformed" in message
+    assert kind == protocol.PULL_FAILED and "malformed" in message
     reason, why = ended(srv)
     assert reason == _lib.SERVER_FAILED and "malformed" in why
     assert sock.recv(1) == b""  # and it closed the connection
@@ -123,8 +124,8 @@ def test_a_malformed_request_ends_the_server(server):
 
 def test_too_many_ids_is_malformed(server):
     sock, srv, _ = server
-    sock.sendall(REQUEST.pack(_lib.PULL_REQUEST_MAGIC, _lib.PULL_MAX_IDS + 1, 5.0))
-    assert reply(sock)[0] == _lib.PULL_FAILED
+    sock.sendall(REQUEST.pack(protocol.PULL_REQUEST_MAGIC, protocol.PULL_MAX_IDS + 1, 5.0))
+    assert reply(sock)[0] == protocol.PULL_FAILED
     assert ended(srv)[0] == _lib.SERVER_FAILED
 
 
@@ -139,7 +140,7 @@ def test_stop_ends_an_idle_server_and_the_peer_sees_it(server):
 
 def test_a_frame_cut_short_ends_the_server(server):
     sock, srv, _ = server
-    sock.sendall(REQUEST.pack(_lib.PULL_REQUEST_MAGIC, 3, 5.0) + struct.pack("<q", 1))
+    sock.sendall(REQUEST.pack(protocol.PULL_REQUEST_MAGIC, 3, 5.0) + struct.pack("<q", 1))
     sock.shutdown(socket.SHUT_WR)
     reason, why = ended(srv)
     assert reason == _lib.SERVER_PEER_CLOSED and "inside a request" in why
@@ -151,7 +152,7 @@ def test_a_valid_request_without_a_gpu_fails_cleanly(server):
     stall[0], stall[1] = 0, 1000  # the pause comes after the device check: not reached
     request(sock, [1, 2, 3])
     kind, message = reply(sock)
-    assert kind == _lib.PULL_FAILED and "cudaSetDevice" in message
+    assert kind == protocol.PULL_FAILED and "cudaSetDevice" in message
     reason, why = ended(srv)
     assert reason == _lib.SERVER_FAILED and "cudaSetDevice" in why
 
@@ -165,7 +166,7 @@ def test_refuses_a_request_of_more_ids_than_its_launches_may_carry():
         n = _lib.PULL_MAX_REQUEST_IDS + 1
         request(ours, [1] * n)
         kind, message = reply(ours)
-        assert kind == _lib.PULL_REFUSED
+        assert kind == protocol.PULL_REFUSED
         assert f"{n} blocks make 17 chunks; a request holds at most {_lib.PULL_MAX_CHUNKS} chunks and " \
                f"{_lib.PULL_MAX_REQUEST_IDS} ids" in message
         assert srv.wait(0.05) is None  # still serving
@@ -182,7 +183,7 @@ def test_start_refuses_bad_lanes(bad):
     ours, theirs = socket.socketpair()
     fd = theirs.detach()
     with pytest.raises(_lib.VllmExtError, match="lane") as info:
-        _lib.PullServer(fd, _side(), given, 1, 1, 64, 16, 0, 0x4000, (ctypes.c_int64 * 2)(-1, 0))
+        _lib.PullServer(fd, _side(), given, 1, 1, 64, 16, 0, 0x4000)
     assert info.value.status == _lib.ERR_INVALID_ARGUMENT
     with pytest.raises(OSError):  # the refused server's fd was closed
         os.fstat(fd)
@@ -194,10 +195,11 @@ def test_the_wire_constants_match_the_header():
     if not path.exists():
         pytest.skip("no csrc/ here (the tests of an installed wheel)")
     header = path.read_text().lower()
-    assert f"vllm_ext_pull_request_magic 0x{_lib.PULL_REQUEST_MAGIC:08x}u" in header
-    assert f"vllm_ext_pull_reply_magic 0x{_lib.PULL_REPLY_MAGIC:08x}u" in header
-    assert "vllm_ext_pull_max_ids (1u << 24)" in header and _lib.PULL_MAX_IDS == 1 << 24
-    assert f"vllm_ext_pull_max_chunks {_lib.PULL_MAX_CHUNKS} " in header
+    assert f"vllm_ext_pull_request_magic 0x{protocol.PULL_REQUEST_MAGIC:08x}u" in header
+    assert f"vllm_ext_pull_reply_magic 0x{protocol.PULL_REPLY_MAGIC:08x}u" in header
+    assert "vllm_ext_pull_max_ids (1u << 24)" in header and protocol.PULL_MAX_IDS == 1 << 24
+    assert f"vllm_ext_pull_max_chunks {protocol.PULL_MAX_CHUNKS} " in header
+    assert protocol.PULL_MAX_CHUNKS == _lib.PULL_MAX_CHUNKS
     assert "vllm_ext_pull_max_request_ids (vllm_ext_pull_max_chunks * vllm_ext_max_inline_ids)" in header
 
 
@@ -211,23 +213,24 @@ def _destination():
 
 def _server_reply(sock, kind, message=""):
     body = message.encode()
-    sock.sendall(REPLY.pack(_lib.PULL_REPLY_MAGIC, kind, len(body), 0) + body)
+    sock.sendall(REPLY.pack(protocol.PULL_REPLY_MAGIC, kind, len(body), 0) + body)
 
 
 @pytest.mark.parametrize("case", ["accepted", "refused", "failed", "closed", "malformed", "silent",
                                   "not done"])
 def test_the_destination_reads_every_outcome(case):
-    from vllm_ext.migration.base import Deadline, MigrationError
+    from vllm_ext.migration import MigrationError
     from vllm_ext.migration.nccl import _wait_for_pull
+    from vllm_ext.migration.timing import Deadline
 
     conn, server = _destination()
     done = case != "not done"
     if case in ("accepted", "not done"):
-        _server_reply(server, _lib.PULL_ACCEPTED)
+        _server_reply(server, protocol.PULL_ACCEPTED)
     elif case == "refused":
-        _server_reply(server, _lib.PULL_REFUSED, "src_block_ids: id 9 out of range")
+        _server_reply(server, protocol.PULL_REFUSED, "src_block_ids: id 9 out of range")
     elif case == "failed":
-        _server_reply(server, _lib.PULL_FAILED, "nccl send: not complete at the deadline of 1 s")
+        _server_reply(server, protocol.PULL_FAILED, "nccl send: not complete at the deadline of 1 s")
     elif case == "closed":
         server.close()
     elif case == "malformed":
@@ -254,9 +257,10 @@ def test_the_destination_reads_every_outcome(case):
 
 
 def test_a_failed_connect_reaches_the_destination_in_the_binary_format():
-    from vllm_ext.migration.base import Deadline, MigrationError
+    from vllm_ext.migration import MigrationError
     from vllm_ext.migration.control import Connection
     from vllm_ext.migration.nccl import _send_failed, _wait_for_pull
+    from vllm_ext.migration.timing import Deadline
 
     conn, server = _destination()
     source = Connection(server, "test destination")
@@ -270,21 +274,10 @@ def test_a_failed_connect_reaches_the_destination_in_the_binary_format():
         conn.close()
 
 
-def test_the_stall_hook_reaches_the_library():
-    from test_migration_harness import make_cache
-
-    from vllm_ext.migration import MigrationEndpoint
-
-    ep = MigrationEndpoint(make_cache({"num_layers": 1, "num_blocks": 4, "block_size": 2, "num_kv_heads": 1,
-                                       "head_size": 8, "dtype": "bfloat16", "layout": "flash", "seed": 1}),
-                           backend="gloo", stripes=1)
-    try:
-        assert list(ep.test_stall_native) == [-1, 0]
-        ep.test_stall = (3, 0.25)
-        assert list(ep.test_stall_native) == [3, 250000]
-        ep.test_stall = ("connect", 4.0)  # a named step: Python's, not the library's
-        assert list(ep.test_stall_native) == [-1, 0]
-        ep.test_stall = None
-        assert ep.test_stall is None and list(ep.test_stall_native) == [-1, 0]
-    finally:
-        ep.close()
+def test_the_test_stall_setter_is_separate_from_start():
+    """The fault hook of tests has its own entry point: vllm_ext_pull_server_start takes none."""
+    assert len(_lib._FUNCTIONS["vllm_ext_pull_server_start"][1]) == 11
+    path = Path(__file__).resolve().parents[1] / "csrc" / "vllm_ext.h"
+    if path.exists():
+        start = path.read_text().split("vllm_ext_pull_server_start(")[1].split(";")[0]
+        assert "stall" not in start

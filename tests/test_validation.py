@@ -72,8 +72,8 @@ def test_allocate_rejects(kwargs, exc, match):
     (torch.tensor([1.0]), None, TypeError, "block_ids: dtype torch.float32"),
     (torch.tensor([True]), None, TypeError, "block_ids: dtype torch.bool"),
     (torch.tensor([[1]]), None, ValueError, "block_ids: expected a 1-D tensor"),
-    ("12", None, TypeError, "block_ids: expected a list or tensor"),
-    (5, None, TypeError, "block_ids: expected a list or tensor"),
+    ("12", None, TypeError, "block_ids: expected a list or 1-D tensor"),
+    (5, None, TypeError, "block_ids: expected a list or 1-D tensor"),
     ([1, 2], lambda c: torch.empty(2, c.block_nbytes, dtype=torch.int8), TypeError, "out: dtype torch.int8"),
     ([1, 2], lambda c: torch.empty(1, c.block_nbytes, dtype=torch.uint8), ValueError, r"out: shape \[1, 768\]"),
     ([1, 2], lambda c: torch.empty(2, c.block_nbytes - 1, dtype=torch.uint8), ValueError, "out: shape"),
@@ -213,3 +213,63 @@ def test_close_of_a_cache_that_owns_its_tensors_changes_nothing(cache):
     rows = ops.gather_blocks(cache, [1, 4])
     cache.close()
     assert torch.equal(ops.gather_blocks(cache, [1, 4]), rows)
+
+
+# ---- one rejection table for ops.copy_blocks and MigrationEndpoint.pull ----------------------
+# The same block-id inputs are accepted or refused, with the same exception type, by both (they
+# share vllm_ext._ids); each entry: (ids, exception, words of the message).
+BAD_IDS = [
+    ([2 ** 64], ValueError, "out of range"),
+    ([-1], ValueError, "out of range"),
+    ([-2 ** 63 - 1], ValueError, "out of range"),
+    ([1.0], TypeError, "is not an int"),
+    ([True], TypeError, "is not an int"),
+    (["1"], TypeError, "is not an int"),
+    ("12", TypeError, "expected a list"),
+    (7, TypeError, "expected a list"),
+    ((i for i in [1]), TypeError, "expected a list"),
+    (torch.tensor([1.0]), TypeError, "expected an integer dtype"),
+    (torch.tensor([True]), TypeError, "expected an integer dtype"),
+    (torch.tensor([[1]]), ValueError, "1-D tensor"),
+    ([torch.tensor([1])], TypeError, "is not an int"),
+]
+
+
+@pytest.mark.parametrize("ids, exc, words", BAD_IDS, ids=[f"bad{i}" for i in range(len(BAD_IDS))])
+def test_ops_and_pull_refuse_the_same_ids(ids, exc, words):
+    import itertools
+
+    from vllm_ext.migration import MigrationEndpoint
+
+    def cache():
+        return KVCache.allocate(num_layers=1, num_blocks=8, block_size=2, num_kv_heads=1, head_size=8,
+                                dtype=torch.float16, device="cpu")
+
+    a, b = cache(), cache()
+    before = ops.gather_blocks(b, list(range(8))).clone()
+    first, second = itertools.tee(ids) if not isinstance(ids, (list, str, int, torch.Tensor)) else (ids, ids)
+    with pytest.raises(exc, match=words):
+        ops.copy_blocks(a, first, b, [0])
+    with MigrationEndpoint(a, "gloo", secret=b"s" * 32, stripes=1) as src, \
+            MigrationEndpoint(b, "gloo", secret=b"s" * 32, stripes=1) as dst:
+        with pytest.raises(exc, match=words):
+            dst.pull(src.descriptor(), second, [0])
+        assert dst._destination.link_count() == 0  # refused before any contact
+    assert torch.equal(ops.gather_blocks(b, list(range(8))), before)
+
+
+@pytest.mark.parametrize("good", [[3], (3,), range(3, 4), torch.tensor([3]), [torch.tensor(3)]],
+                         ids=["list", "tuple", "range", "tensor", "scalar-tensor"])
+def test_ops_and_pull_accept_the_same_ids(good):
+    from vllm_ext.migration import MigrationEndpoint
+
+    a = KVCache.allocate(num_layers=1, num_blocks=8, block_size=2, num_kv_heads=1, head_size=8,
+                         dtype=torch.float16, device="cpu")
+    b = KVCache.allocate(num_layers=1, num_blocks=8, block_size=2, num_kv_heads=1, head_size=8,
+                         dtype=torch.float16, device="cpu")
+    a.layers[0].copy_(torch.randn_like(a.layers[0]))
+    ops.copy_blocks(a, good, b, [0])
+    with MigrationEndpoint(a, "gloo", secret=b"s" * 32, stripes=1) as src, \
+            MigrationEndpoint(b, "gloo", secret=b"s" * 32, stripes=1) as dst:
+        dst.pull(src.descriptor(), good, [1], timeout=20)
+    assert torch.equal(ops.gather_blocks(b, [0, 1]), ops.gather_blocks(a, [3, 3]))

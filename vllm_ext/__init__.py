@@ -11,8 +11,9 @@ Importing the package loads neither torch nor the library: `build_info()` and
 """
 
 from ._version import __version__
+from .errors import Error, VllmExtError
 
-__all__ = ["KVCache", "ops", "build_info", "VllmExtError", "__version__"]
+__all__ = ["KVCache", "ops", "build_info", "Error", "VllmExtError", "__version__"]
 
 
 def build_info():
@@ -32,8 +33,4 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module(".ops", __name__)
-    if name == "VllmExtError":
-        from ._lib import VllmExtError
-
-        return VllmExtError
     raise AttributeError(f"module 'vllm_ext' has no attribute {name!r}")

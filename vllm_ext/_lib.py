@@ -9,23 +9,17 @@ import os
 import threading
 from pathlib import Path
 
+from .errors import VllmExtError
+
 _DIR = Path(__file__).resolve().parent
 # VLLM_EXT_LIBRARY loads another build of the library (tests use it for arch checks).
 LIBRARY_PATH = Path(os.environ.get("VLLM_EXT_LIBRARY") or _DIR / "libvllm_ext.so")
 BUILD_INFO_PATH = _DIR / "_build_info.json"
-ABI_VERSION = 5
+ABI_VERSION = 6
 IPC_HANDLE_BYTES = 64
 
 # vllm_ext_status
 OK, ERR_INVALID_ARGUMENT, ERR_NO_CUDA, ERR_CUDA, ERR_NO_KERNEL_IMAGE, ERR_TRANSFER = range(6)
-
-
-class VllmExtError(RuntimeError):
-    """A call into libvllm_ext failed; `status` is the vllm_ext_status code."""
-
-    def __init__(self, message, status):
-        super().__init__(message)
-        self.status = status
 
 
 class Side(ctypes.Structure):
@@ -68,12 +62,9 @@ class Staging(ctypes.Structure):
     ]
 
 
-# The pull server's wire format and outcomes (see vllm_ext_pull_server_start).
-PULL_REQUEST_MAGIC, PULL_REPLY_MAGIC = 0x31505856, 0x31525856
-PULL_MAX_IDS = 1 << 24
-PULL_MAX_CHUNKS = 256  # per request
-PULL_MAX_REQUEST_IDS = PULL_MAX_CHUNKS * MAX_INLINE_IDS  # per request
-PULL_ACCEPTED, PULL_REFUSED, PULL_FAILED = 0, 1, 2
+# The pull server's limits per request (its wire format is migration/protocol.py's) and ends.
+PULL_MAX_CHUNKS = 256
+PULL_MAX_REQUEST_IDS = PULL_MAX_CHUNKS * MAX_INLINE_IDS
 SERVER_PEER_CLOSED, SERVER_STOPPED, SERVER_FAILED, SERVER_DEADLINE = range(4)
 
 _i32, _i64, _u64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
@@ -103,10 +94,11 @@ _FUNCTIONS = {
     "vllm_ext_ramp_bounds": (_i64, [_i64, _i64, _ptr, _i64]),
     # int vllm_ext_pull_server_start(int32 fd, const side* cache, const staging* lanes,
     #     int32 num_lanes, int32 num_layers, int32 num_components, int64 chunk_nbytes,
-    #     int32 alignment, int32 device, void* done_event, const int64* stall,
-    #     pull_server** server)
+    #     int32 alignment, int32 device, void* done_event, pull_server** server)
     "vllm_ext_pull_server_start": (_i32, [_i32, _side_p, _staging_p, _i32, _i32, _i32, _i64, _i32, _i32, _ptr,
-                                          _ptr, ctypes.POINTER(_ptr)]),
+                                          ctypes.POINTER(_ptr)]),
+    # int vllm_ext_pull_server_test_stall(pull_server* server, const int64* stall)  (tests only)
+    "vllm_ext_pull_server_test_stall": (_i32, [_ptr, _ptr]),
     # int vllm_ext_pull_server_stop(pull_server* server)
     "vllm_ext_pull_server_stop": (_i32, [_ptr]),
     # int vllm_ext_pull_server_wait(pull_server* server, int64 timeout_us, int32* ended,
@@ -329,20 +321,28 @@ class PullServer:
     the server ends, then destroy(); stop() may come from any thread before destroy()."""
 
     def __init__(self, fd, cache, lanes, num_layers, num_components, chunk_nbytes, alignment, device,
-                 done_event, stall):
+                 done_event):
         """fd: a socket descriptor the server takes over (closed by destroy, or here on
-        failure); cache (Side), lanes (a ctypes array of Staging) and stall (c_int64 * 2) are
-        kept alive."""
+        failure); cache (Side) and lanes (a ctypes array of Staging) are kept alive."""
         handle = ctypes.c_void_p()
-        self._keep = (cache, lanes, stall)
+        self._keep = [cache, lanes]
         self._lock = threading.Lock()
         status = lib().vllm_ext_pull_server_start(fd, ctypes.byref(cache), lanes, len(lanes), num_layers,
                                                   num_components, chunk_nbytes, alignment, device, done_event,
-                                                  ctypes.addressof(stall), ctypes.byref(handle))
+                                                  ctypes.byref(handle))
         if status != OK:
             os.close(fd)
         check(status, "vllm_ext_pull_server_start")
         self._handle = handle
+
+    def test_stall(self, stall):
+        """Tests only: the {chunk, microseconds} array (c_int64 * 2, kept alive) the server
+        reads at every request (vllm_ext_pull_server_test_stall)."""
+        with self._lock:
+            if self._handle is not None:
+                self._keep.append(stall)
+                check(lib().vllm_ext_pull_server_test_stall(self._handle, ctypes.addressof(stall)),
+                      "vllm_ext_pull_server_test_stall")
 
     def stop(self):
         with self._lock:

@@ -23,13 +23,12 @@ naming it, and nothing is written.
 """
 
 import array
-import operator
 from typing import Optional, Sequence, Union
 
 import torch
 
 from . import _lib
-from ._ids import check_id_values
+from ._ids import check_id_tensor, check_id_values, id_values
 from .cache import KVCache, _pow2_alignment
 
 BlockIds = Union[Sequence[int], torch.Tensor]
@@ -179,11 +178,10 @@ def _check_cache(cache, name):
 
 def _count(block_ids, name):
     if isinstance(block_ids, torch.Tensor):
-        if block_ids.dim() != 1:
-            raise ValueError(f"{name}: expected a 1-D tensor of ids, got shape {list(block_ids.shape)}")
+        check_id_tensor(block_ids, name)
         return block_ids.shape[0]
     if isinstance(block_ids, (str, bytes)) or not hasattr(block_ids, "__len__"):
-        raise TypeError(f"{name}: expected a list or tensor of ints, got {type(block_ids).__name__}")
+        raise TypeError(f"{name}: expected a list or 1-D tensor of ints, got {type(block_ids).__name__}")
     return len(block_ids)
 
 
@@ -231,8 +229,7 @@ def _capturing(device):
 def _block_ids(block_ids, name, num_blocks, device, *, unique, check):
     """Validated ids as a contiguous int64 tensor on `device` (where the copy runs)."""
     if isinstance(block_ids, torch.Tensor):
-        if block_ids.dtype == torch.bool or block_ids.is_floating_point() or block_ids.is_complex():
-            raise TypeError(f"{name}: dtype {block_ids.dtype}, expected an integer dtype")
+        check_id_tensor(block_ids, name)
         ids = block_ids
         if ids.device.type == "cpu":
             if _capturing(device):
@@ -244,24 +241,13 @@ def _block_ids(block_ids, name, num_blocks, device, *, unique, check):
         if ids.dtype != torch.int64 or ids.device != device:
             ids = _move_ids(ids, device)
         return ids.contiguous()
-    values = [_index(v, name) for v in block_ids]
+    values = id_values(block_ids, name)
     if _capturing(device):
         raise ValueError(f"{name}: pass a CUDA tensor of ids while capturing a CUDA graph "
                          "(a Python list needs a host-to-device copy)")
     check_id_values(values, name, num_blocks, unique)
     ids = torch.tensor(values, dtype=torch.int64)
     return ids if device.type == "cpu" else _move_ids(ids, device)
-
-
-def _index(v, name):
-    """An id as a Python int: ints and integer scalars (numpy, 0-d integer tensors) only."""
-    if isinstance(v, bool) or isinstance(v, torch.Tensor) and (v.dim() != 0 or v.is_floating_point()
-                                                               or v.dtype == torch.bool):
-        raise TypeError(f"{name}: {v!r} is not an int")
-    try:
-        return operator.index(v)
-    except TypeError:
-        raise TypeError(f"{name}: {v!r} is not an int") from None
 
 
 def _move_ids(ids, device):
@@ -342,7 +328,7 @@ def _inline_ids(block_ids, name, num_blocks, device, *, unique):
     capture (whose refusal of host ids _block_ids reports)."""
     if isinstance(block_ids, torch.Tensor) or device.type != "cuda":
         return None
-    values = [_index(v, name) for v in block_ids]
+    values = id_values(block_ids, name)
     if len(values) > _lib.MAX_INLINE_IDS or _capturing(device):
         return None
     check_id_values(values, name, num_blocks, unique)

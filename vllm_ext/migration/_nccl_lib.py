@@ -11,12 +11,14 @@ import os
 import threading
 from typing import List, Optional
 
+from ..errors import Error
+
 NCCL_SO_ENV = "VLLM_EXT_NCCL_SO"
 
 ncclResult_t = ctypes.c_int
 ncclComm_t = ctypes.c_void_p
 cudaStream_t = ctypes.c_void_p
-NCCL_SUCCESS, NCCL_IN_PROGRESS = 0, 7
+NCCL_SUCCESS = 0
 NCCL_UINT8 = 1  # ncclDataType_t ncclUint8
 
 
@@ -39,8 +41,6 @@ _FUNCTIONS = {
     "ncclGroupEnd": (ncclResult_t, []),
     # ncclResult_t ncclCommAbort(ncclComm_t comm)
     "ncclCommAbort": (ncclResult_t, [ncclComm_t]),
-    # ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError)
-    "ncclCommGetAsyncError": (ncclResult_t, [ncclComm_t, ctypes.POINTER(ncclResult_t)]),
     # const char* ncclGetErrorString(ncclResult_t result)
     "ncclGetErrorString": (ctypes.c_char_p, [ncclResult_t]),
     # ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype,
@@ -54,8 +54,8 @@ _FUNCTIONS = {
 }
 
 
-class NcclError(RuntimeError):
-    pass
+class NcclError(Error, RuntimeError):
+    """An NCCL call failed."""
 
 
 class NcclLibrary:
@@ -128,11 +128,6 @@ class NcclLibrary:
 
     def abort(self, comm: int) -> None:
         self.check(self.ncclCommAbort(comm), "ncclCommAbort")
-
-    def async_error(self, comm: int) -> int:
-        r = ncclResult_t()
-        self.check(self.ncclCommGetAsyncError(comm, ctypes.byref(r)), "ncclCommGetAsyncError")
-        return r.value
 
     def send(self, ptr: int, nbytes: int, peer: int, comm: int, stream: int) -> None:
         self.check(self.ncclSend(ptr, nbytes, NCCL_UINT8, peer, comm, stream), "ncclSend")

@@ -1,118 +1,108 @@
-"""The control channel between endpoints: length-prefixed messages over one stream connection per
-(destination, source) pair, plus the server threads each endpoint runs.
+"""The control channel between endpoints: one stream connection per (destination, source) pair,
+carrying protocol.py's frames, and the server threads each endpoint runs.
 
-Transport: TCP; between two processes of one host (Linux, one network namespace), an abstract
-Unix socket named in the descriptor instead (no file to clean up; a peer in another namespace
-fails to connect to it at once and uses TCP). Measured on a 2-core host with Python: a small
-message costs 2.4 us of sendall and 10 us one way over the Unix socket, 17 and 35 us over
-loopback TCP, and a pull exchanges two.
+Transport: TCP (optionally TLS); between two processes of one host and one network namespace,
+an abstract Unix socket named in the descriptor instead (a few us per message instead of tens;
+a peer in another namespace fails to connect to it at once and uses TCP). The server accepts
+a local connection only from a process of its own user (SO_PEERCRED), and every connection,
+local or not, must authenticate (protocol.auth_proof) before it learns anything.
 
-A message is a frame `!II` (header length, payload length), a UTF-8 JSON header (a dict with
-an "op" for requests, "ok" for replies) and an optional binary payload (block ids as int64).
-JSON rather than pickle: a server must never execute what a peer sends. Requests on one
-connection are answered in order; a source that fails after accepting a request sends one
-unsolicited error message, which the destination sees while it waits for its data. A backend
-may take a connection over once its pair is built (nccl: binary pulls answered by a thread of
-the library, see nccl.py); the endpoint's thread then stops reading it.
-
-The destination never waits for a reply before it starts receiving data.
+Bounds: a frame's sizes are checked before its body is read; once a frame has started, the rest
+must arrive within _FRAME_S; an unauthenticated connection is dropped after _AUTH_S; at most
+_MAX_CONNECTIONS connections are served at once, and at most _MAX_UNAUTHENTICATED of them are
+still authenticating.
 """
 
-import array
-import json
 import logging
+import os
+import secrets
 import select
 import socket
+import ssl
 import struct
 import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .base import Deadline, MigrationError
+from ..errors import MigrationError
+from . import protocol
+from .protocol import FRAME, ProtocolError
+from .timing import Deadline
 
 logger = logging.getLogger(__name__)
 
-_FRAME = struct.Struct("!II")
-_MAX_HEADER = 1 << 20
-_MAX_PAYLOAD = 1 << 30
 # A send without a deadline of its own (a server's reply) gives up after this long.
 _SEND_TIMEOUT_S = 30.0
-# TCP keepalive on control connections: a peer whose host crashed or was cut off (no FIN ever
-# arrives) is noticed after about IDLE + INTERVAL * COUNT seconds, and what was built for it
-# is released (the server's thread or the pull server sees the connection fail).
+# TCP keepalive on control connections: a peer whose host crashed or was cut off is noticed
+# after about IDLE + INTERVAL * COUNT seconds.
 _KEEPALIVE_IDLE_S, _KEEPALIVE_INTERVAL_S, _KEEPALIVE_COUNT = 30, 10, 3
-# After a failed accept() (out of file descriptors, say), the server tries again this much later.
-_ACCEPT_RETRY_S = 0.1
-# join_serving() waits this long in all for the threads serving connections to end.
-_CLOSE_JOIN_S = 5.0
-# Abstract Unix socket names (a leading NUL byte) exist on Linux only.
-LOCAL_SOCKETS = sys.platform.startswith("linux")
+_ACCEPT_RETRY_S = 0.1  # after a failed accept() (out of descriptors, say)
+_CLOSE_JOIN_S = 5.0  # join_serving() waits this long in all for the serving threads
+_AUTH_S = 10.0  # an unauthenticated connection has this long to authenticate
+_FRAME_S = 10.0  # the rest of a frame, once its first byte arrived
+_MAX_CONNECTIONS = 256
+_MAX_UNAUTHENTICATED = 16
+_REFUSAL_LOG_S = 10.0  # at most one log line per cause and this many seconds
+LOCAL_SOCKETS = sys.platform.startswith("linux")  # abstract Unix socket names: Linux only
+_AUTH_FAILED = "authentication failed"
 
 
-def encode_ids(ids: List[int]) -> bytes:
-    """int64 little-endian bytes of a list of ids."""
-    a = array.array("q", ids)
-    if sys.byteorder != "little":  # pragma: no cover - every supported host is little endian
-        a.byteswap()
-    return a.tobytes()
+class TlsOptions:
+    """TLS for TCP control connections between hosts: this endpoint's certificate and key, and
+    the CA that signs its peers' certificates (both sides check each other). Local (Unix
+    socket) connections stay plain: only processes of the same user reach them."""
 
-
-def decode_ids(payload: bytes, count: int, name: str) -> List[int]:
-    if len(payload) != 8 * count:
-        raise ValueError(f"{name}: payload of {len(payload)} bytes for {count} ids")
-    a = array.array("q")
-    a.frombytes(payload)
-    if sys.byteorder != "little":  # pragma: no cover
-        a.byteswap()
-    return a.tolist()
+    def __init__(self, certfile: str, keyfile: str, cafile: str):
+        for name, path in (("certfile", certfile), ("keyfile", keyfile), ("cafile", cafile)):
+            if not isinstance(path, str) or not os.path.isfile(path):
+                raise ValueError(f"tls: {name} {path!r} is not a file")
+        self.server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=cafile)
+        self.server.load_cert_chain(certfile, keyfile)
+        self.server.verify_mode = ssl.CERT_REQUIRED
+        self.client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cafile)
+        self.client.load_cert_chain(certfile, keyfile)
+        self.client.check_hostname = False  # peers are named by address; the CA decides
 
 
 class Connection:
     """One end of a control connection. Not thread-safe: its owner serialises use."""
 
-    def __init__(self, sock: socket.socket, peer: str = ""):
+    def __init__(self, sock: socket.socket, peer: str = "", max_payload: int = 0):
         self.sock = sock
         self.peer = peer  # for messages
-        self.peer_id: Optional[str] = None  # endpoint id learned in the hello exchange
-        if sock.family != socket.AF_UNIX:
+        self.local = sock.family == socket.AF_UNIX
+        self.max_payload = max_payload  # the largest payload this side accepts
+        self.peer_id: Optional[str] = None  # the authenticated peer's endpoint id
+        if not self.local:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _keepalive(sock)
         self._closed = False
-        self.sent = 0  # messages sent (the server uses it to know if a request was answered)
-        self.state: Dict[str, Any] = {}  # the source-side backend's state for this pair
+        self.sent = 0  # messages sent (a server tells by it whether a request was answered)
 
-    @classmethod
-    def open(cls, host: str, port: int, deadline: Deadline, local: str = "") -> "Connection":
-        """A connection to the server at host:port, or at the abstract Unix socket `local`
-        (tried first when given; a server in another network namespace is not reachable
-        there, and TCP is used)."""
-        if local and LOCAL_SOCKETS:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.settimeout(max(deadline.remaining(), 1e-3))
-                sock.connect("\0" + local)
-                return cls(sock, f"{host}:{port}")
-            except OSError:
-                sock.close()
-        try:
-            sock = socket.create_connection((host, port), timeout=max(deadline.remaining(), 1e-3))
-        except OSError as e:
-            raise MigrationError(f"control channel: cannot connect to {host}:{port}: {e}") from e
-        return cls(sock, f"{host}:{port}")
+    # ---- addresses: where a data path between the two ends meets ---------------------------
+    def local_address(self) -> str:
+        """This end's address on the connection (loopback for a local socket)."""
+        return "127.0.0.1" if self.local else self.sock.getsockname()[0]
+
+    def peer_address(self) -> str:
+        """The peer's address on the connection (loopback for a local socket)."""
+        return "127.0.0.1" if self.local else self.sock.getpeername()[0]
 
     # ---- sending ---------------------------------------------------------------------------
     def send(self, header: Dict[str, Any], payload: bytes = b"",
              deadline: Optional[Deadline] = None) -> None:
-        data = json.dumps(header, separators=(",", ":")).encode()
-        self.send_bytes(_FRAME.pack(len(data), len(payload)) + data + payload, deadline)
+        self.send_bytes(protocol.encode_frame(header, payload), deadline)
         self.sent += 1
 
+    def send_message(self, message: protocol.Message, payload: bytes = b"",
+                     deadline: Optional[Deadline] = None) -> None:
+        self.send(message.header(), payload, deadline)
+
     def send_bytes(self, data: bytes, deadline: Optional[Deadline] = None) -> None:
-        """Raw bytes, no frame (a backend's own wire format after a hand-over). MigrationError
-        when the peer has not taken them by the deadline (without one, after _SEND_TIMEOUT_S):
-        a peer that stopped reading (frozen, cut off) must not hold the sender. A send cut
-        short leaves the connection unusable; its owner discards it."""
+        """Raw bytes. MigrationError when the peer has not taken them by the deadline (without
+        one, after _SEND_TIMEOUT_S): a peer that stopped reading must not hold the sender. A
+        send cut short leaves the connection unusable; its owner closes it."""
         timeout = _SEND_TIMEOUT_S if deadline is None else deadline.remaining()
         if timeout <= 0:
             raise MigrationError(f"control channel to {self.peer}: the deadline of "
@@ -127,37 +117,36 @@ class Connection:
         except OSError as e:
             raise MigrationError(f"control channel to {self.peer}: send failed: {e}") from e
 
-    def reply_ok(self, **fields) -> None:
-        fields["ok"] = True
-        self.send(fields)
+    def reply_ok(self, message: Optional[protocol.Message] = None, **fields) -> None:
+        self.send(dict(protocol.ok_reply(message), **fields))
 
-    def reply_error(self, exc: BaseException) -> None:
-        self.send({"ok": False, "type": type(exc).__name__, "error": str(exc)})
+    def reply_error(self, exc: BaseException, asynchronous: bool = False) -> None:
+        self.send(protocol.error_reply(type(exc).__name__, str(exc), asynchronous))
 
     # ---- receiving -------------------------------------------------------------------------
     def recv(self, deadline: Optional[Deadline] = None) -> Tuple[Dict[str, Any], bytes]:
-        """The next message. Raises MigrationError on EOF, a broken frame or the deadline;
-        without a deadline waits forever (server side, between requests), and raises EOFError
-        on a clean close."""
-        head = self._recv_exact(_FRAME.size, deadline, allow_eof=deadline is None)
-        header_len, payload_len = _FRAME.unpack(head)
-        if header_len > _MAX_HEADER or payload_len > _MAX_PAYLOAD:
-            raise MigrationError(f"control channel to {self.peer}: frame of {header_len}+"
-                                 f"{payload_len} bytes exceeds the limits")
-        body = self._recv_exact(header_len + payload_len, deadline)
-        try:
-            header = json.loads(body[:header_len])
-        except ValueError as e:
-            raise MigrationError(f"control channel to {self.peer}: bad header: {e}") from e
-        if not isinstance(header, dict):
-            raise MigrationError(f"control channel to {self.peer}: header is not an object")
-        return header, body[header_len:]
+        """The next message. Without a deadline it waits for the frame's first byte forever
+        (a server between requests; EOFError on a clean close), then for the rest _FRAME_S.
+        MigrationError on EOF inside a frame, a broken connection or the deadline;
+        ProtocolError for a frame out of bounds (nothing of its body is read)."""
+        if deadline is None:
+            first = self._recv_exact(1, None, allow_eof=True)
+            deadline = Deadline(_FRAME_S)
+            head = first + self._recv_exact(FRAME.size - 1, deadline)
+        else:
+            head = self._recv_exact(FRAME.size, deadline)
+        header_len, payload_len = FRAME.unpack(head)
+        protocol.check_frame(header_len, payload_len, self.max_payload)
+        header = protocol.decode_header(self._recv_exact(header_len, deadline))
+        payload = self._recv_exact(payload_len, deadline) if payload_len else b""
+        return header, payload
 
-    def recv_reply(self, deadline: Deadline, what: str) -> Dict[str, Any]:
-        """The next message as a reply: raises MigrationError when it reports an error."""
+    def recv_reply(self, deadline: Deadline, what: str, expect: Optional[type] = None):
+        """The next message as a reply: the typed message `expect` (else the header); MigrationError
+        when it is a refusal, a report of a failure or closing, or malformed."""
         header, _ = self.recv(deadline)
-        check_reply(header, self.peer, what)
-        return header
+        message = check_reply(header, self.peer, what, expect)
+        return header if expect is None else message
 
     def recv_bytes(self, n: int, deadline: Deadline) -> bytes:
         """Exactly n raw bytes; MigrationError on EOF, a broken connection or the deadline."""
@@ -165,13 +154,14 @@ class Connection:
 
     def readable(self) -> bool:
         """True when a message (or EOF) is waiting: never blocks."""
+        if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
+            return True
         return _poll_readable(self.sock)
 
     def spin_until_readable(self, seconds: float) -> bool:
-        """Polls, without sleeping, for up to `seconds` until a message (or EOF) waits; True
-        when one does. A server calls it after each request: the next request of a burst (a
-        migration's stages) is then read at once, without the ~40 us of waking a blocked
-        thread."""
+        """Polls, without sleeping, for up to `seconds` until a message (or EOF) waits: the next
+        request of a burst (a migration's stages) is then read without the ~40 us of waking a
+        blocked thread."""
         end = time.monotonic() + seconds
         ready = _readiness(self.sock)
         while not ready():
@@ -182,7 +172,7 @@ class Connection:
     def closed_by_peer(self) -> bool:
         """True when the peer closed the connection (EOF or reset); never blocks and leaves
         any waiting message in place."""
-        if not _poll_readable(self.sock):
+        if not _poll_readable(self.sock) or isinstance(self.sock, ssl.SSLSocket):
             return False
         # NOTE: MSG_DONTWAIT alone is not enough: on a socket with a timeout (every
         # _recv_exact leaves one) Python first waits up to that timeout for data.
@@ -238,8 +228,24 @@ class Connection:
         self.sock.close()
 
 
+def check_reply(header: Dict[str, Any], peer: str, what: str,
+                expect: Optional[type] = None) -> Optional[protocol.Message]:
+    """The message of a positive reply; MigrationError for a refusal, an asynchronous failure,
+    the source closing, or a malformed reply."""
+    if header.get("op") == protocol.Closing.op:
+        raise MigrationError(f"{what}: the peer ({peer}) is closing: {str(header.get('reason'))[:200]}",
+                             remote_type="ClosedError")
+    if header.get("ok") is True:
+        try:
+            return protocol.parse_reply(header, expect)
+        except ProtocolError as e:
+            raise MigrationError(f"{what}: a malformed reply from the peer ({peer}): {e}") from None
+    kind = str(header.get("type") or "error")[:64]
+    raise MigrationError(f"{what}: the peer ({peer}) refused: {kind}: "
+                         f"{str(header.get('error', header))[:4096]}", remote_type=kind)
+
+
 def _keepalive(sock: socket.socket) -> None:
-    """TCP keepalive with the probe timing above, where the platform has the options."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", _KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", _KEEPALIVE_INTERVAL_S),
                         ("TCP_KEEPCNT", _KEEPALIVE_COUNT)):
@@ -249,8 +255,8 @@ def _keepalive(sock: socket.socket) -> None:
 
 
 def _readiness(sock: socket.socket) -> Callable[[], bool]:
-    """A check, repeatable without blocking, of whether `sock` has data or EOF waiting. poll(),
-    not select(): select() cannot watch descriptors above 1023, common in a serving process."""
+    """A repeatable non-blocking check of whether `sock` has data or EOF waiting. poll(), not
+    select(): select() cannot watch descriptors above 1023, common in a serving process."""
     if not hasattr(select, "poll"):  # pragma: no cover - every supported host has poll()
         return lambda: bool(select.select([sock], [], [], 0)[0])
     poller = select.poll()
@@ -259,30 +265,88 @@ def _readiness(sock: socket.socket) -> Callable[[], bool]:
 
 
 def _poll_readable(sock: socket.socket) -> bool:
-    """True when `sock` has data or EOF waiting (or is broken); never blocks."""
     try:
         return _readiness(sock)()
     except (OSError, ValueError):
         return True
 
 
-def check_reply(header: Dict[str, Any], peer: str, what: str) -> None:
-    if header.get("ok") is True:
-        return
-    kind = header.get("type") or "error"
-    raise MigrationError(f"{what}: the peer ({peer}) refused: {kind}: "
-                         f"{header.get('error', header)}", remote_type=kind)
+def _peer_uid(sock: socket.socket) -> Optional[int]:
+    """The user id of the process at the other end of a local socket (Linux), else None."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):
+        return None
+    return struct.unpack("3i", creds)[1]
 
 
+# ---- the client's side of a connection ----------------------------------------------------------
+def open_connection(host: str, port: int, local: str, deadline: Deadline, *, client_id: str,
+                    server_id: str, secret: bytes, tls: Optional[TlsOptions] = None,
+                    max_payload: int = 0) -> Connection:
+    """An authenticated connection to the endpoint `server_id` at host:port, or at its abstract
+    Unix socket `local` (tried first when given). MigrationError when it cannot be reached, when
+    it fails to prove it holds `secret`, or refuses this side's proof."""
+    conn = None
+    if local and LOCAL_SOCKETS:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(max(deadline.remaining(), 1e-3))
+            sock.connect("\0" + local)
+            conn = Connection(sock, f"{host}:{port}", max_payload)
+        except OSError:
+            sock.close()
+    if conn is None:
+        try:
+            sock = socket.create_connection((host, port), timeout=max(deadline.remaining(), 1e-3))
+        except OSError as e:
+            raise MigrationError(f"control channel: cannot connect to {host}:{port}: {e}") from e
+        if tls is not None:
+            try:
+                sock = tls.client.wrap_socket(sock, server_hostname=host)
+            except (OSError, ssl.SSLError) as e:
+                sock.close()
+                raise MigrationError(f"control channel: TLS with {host}:{port} failed: {e}") from e
+        conn = Connection(sock, f"{host}:{port}", max_payload)
+    try:
+        _authenticate_client(conn, deadline, client_id, server_id, secret)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _authenticate_client(conn: Connection, deadline: Deadline, client_id: str, server_id: str,
+                         secret: bytes) -> None:
+    nonce = secrets.token_bytes(protocol.NONCE_BYTES)
+    conn.send_message(protocol.AuthHello(protocol.PROTOCOL, client_id, server_id, nonce.hex()), b"", deadline)
+    challenge = conn.recv_reply(deadline, "authentication", protocol.AuthChallenge)
+    server_nonce = bytes.fromhex(challenge.nonce)
+    expected = protocol.auth_proof(secret, "server", client_id, server_id, nonce, server_nonce)
+    if not protocol.proofs_match(expected, bytes.fromhex(challenge.proof)):
+        raise MigrationError(f"authentication: the peer at {conn.peer} did not prove it holds the "
+                             "secret (a wrong secret, or not the endpoint of this descriptor)")
+    proof = protocol.auth_proof(secret, "client", client_id, server_id, nonce, server_nonce)
+    conn.send_message(protocol.AuthProof(proof.hex()), b"", deadline)
+    conn.recv_reply(deadline, "authentication")
+    conn.peer_id = server_id
+
+
+# ---- the server ------------------------------------------------------------------------------
 class ControlServer:
-    """Accepts control connections and runs `handle_connection(conn)` on a thread per
-    connection (so one slow or dead peer never delays another). Listens on TCP at host:port
-    and, when `local` names one, on that abstract Unix socket (`self.local`: the name, or ""
-    where there is none)."""
+    """Accepts control connections, authenticates each on its own thread and then runs
+    `handle(conn)` there (one slow or dead peer never delays another). Listens on TCP at
+    host:port and, when `local` names one, on that abstract Unix socket (`self.local`: the
+    name, or "" where there is none)."""
 
-    def __init__(self, host: str, port: int, handle_connection: Callable[[Connection], None],
-                 name: str = "migration", local: str = ""):
-        self._handle = handle_connection
+    def __init__(self, host: str, port: int, handle: Callable[[Connection], None], *, endpoint_id: str,
+                 secret: bytes, max_payload: int, name: str = "migration", local: str = "",
+                 tls: Optional[TlsOptions] = None):
+        self._handle = handle
+        self._endpoint_id = endpoint_id
+        self._secret = secret
+        self._max_payload = max_payload
+        self._tls = tls
         self._listeners = [socket.create_server((host, port), reuse_port=False)]
         self.host, self.port = self._listeners[0].getsockname()[:2]
         self.local = ""
@@ -298,14 +362,26 @@ class ControlServer:
                 self._listeners.append(listener)
                 self.local = local
         self._connections: List[Connection] = []
-        self._serving: List[threading.Thread] = []  # one per connection being served
+        self._authenticated: List[Connection] = []
+        self._serving: List[threading.Thread] = []
+        self._unauthenticated = 0
         self._lock = threading.Lock()
         self._closed = False
+        self._logged: Dict[str, float] = {}
         self._threads = [threading.Thread(target=self._accept_loop, args=(listener,),
                                           name=f"{name}-accept", daemon=True)
                          for listener in self._listeners]
         for thread in self._threads:
             thread.start()
+
+    def _log_once(self, cause: str, message: str, *args) -> None:
+        """A warning per cause at most every _REFUSAL_LOG_S (a flood must not flood the log)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._logged.get(cause, -_REFUSAL_LOG_S) < _REFUSAL_LOG_S:
+                return
+            self._logged[cause] = now
+        logger.warning(message, *args)
 
     def _accept_loop(self, listener: socket.socket) -> None:
         while True:
@@ -314,55 +390,147 @@ class ControlServer:
             except OSError as e:
                 if self._closed:
                     return
-                # Out of descriptors or memory, an aborted handshake: this peer fails, the
-                # next one is served (a dead accept thread would leave every later peer
-                # waiting out its deadline on a backlog nobody reads).
                 logger.warning("control server: accept failed (%s); retrying", e)
                 time.sleep(_ACCEPT_RETRY_S)
                 continue
             peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "local peer"
+            with self._lock:
+                full = (len(self._connections) >= _MAX_CONNECTIONS
+                        or self._unauthenticated >= _MAX_UNAUTHENTICATED)
+                closed = self._closed
+            if closed or full:
+                if full:
+                    self._log_once("full", "control server: refusing %s: %d connections served, %d "
+                                   "authenticating (limits %d and %d)", peer, len(self._connections),
+                                   self._unauthenticated, _MAX_CONNECTIONS, _MAX_UNAUTHENTICATED)
+                sock.close()
+                if closed:
+                    return
+                continue
             try:
-                conn = Connection(sock, peer)
+                conn = Connection(sock, peer, self._max_payload)
             except OSError as e:
                 logger.warning("control server: connection from %s unusable (%s)", peer, e)
                 sock.close()
                 continue
+            thread = threading.Thread(target=self._run, args=(conn,), name="migration-serve", daemon=True)
             with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
                 self._connections.append(conn)
-            thread = threading.Thread(target=self._run, args=(conn,), name="migration-serve",
-                                      daemon=True)
+                self._unauthenticated += 1
+                self._serving.append(thread)
             try:
-                with self._lock:
-                    self._serving.append(thread)
-                    thread.start()
+                thread.start()
             except RuntimeError as e:  # no thread to serve it: the peer sees the close
                 logger.warning("control server: cannot serve %s (%s)", peer, e)
-                with self._lock:
-                    self._connections.remove(conn)
-                    self._serving.remove(thread)
+                self._forget(conn, thread, counted=True)
                 conn.close()
 
+    def _forget(self, conn: Connection, thread: threading.Thread, counted: bool) -> None:
+        """Drops a connection from the books; `counted`: it is still counted as authenticating."""
+        with self._lock:
+            if conn in self._connections:
+                self._connections.remove(conn)
+            if conn in self._authenticated:
+                self._authenticated.remove(conn)
+            if counted:
+                self._unauthenticated -= 1
+            if thread in self._serving:
+                self._serving.remove(thread)
+
     def _run(self, conn: Connection) -> None:
+        authenticated = False
         try:
-            self._handle(conn)
+            try:
+                authenticated = self._authenticate(conn)
+            finally:
+                with self._lock:
+                    self._unauthenticated -= 1
+                    if authenticated:
+                        self._authenticated.append(conn)
+            if authenticated and not self._closed:
+                self._handle(conn)
         except Exception as e:  # noqa: BLE001 - logged and reported, never a silent close
             if not self._closed:
                 logger.exception("migration control connection from %s failed", conn.peer)
-                try:  # the peer reads why instead of a bare "connection closed"
-                    conn.send({"ok": False, "async": True, "type": type(e).__name__,
-                               "error": f"the source's server failed: {e}"})
-                except Exception:  # noqa: BLE001 - the connection itself is what broke
-                    pass
+                if authenticated:  # the peer reads why instead of a bare "connection closed"
+                    try:
+                        conn.reply_error(MigrationError(f"the source's server failed: {type(e).__name__}: {e}"),
+                                        asynchronous=True)
+                    except Exception:  # noqa: BLE001 - the connection itself is what broke
+                        pass
         finally:
             conn.close()
-            with self._lock:
-                if conn in self._connections:
-                    self._connections.remove(conn)
-                if threading.current_thread() in self._serving:
-                    self._serving.remove(threading.current_thread())
+            self._forget(conn, threading.current_thread(), counted=False)
+
+    def _authenticate(self, conn: Connection) -> bool:
+        """The server's half of the exchange; False (logged, connection to be closed) when the
+        peer fails it. Before it succeeds the peer learns the protocol version, nothing else."""
+        deadline = Deadline(_AUTH_S)
+        if conn.local:
+            uid = _peer_uid(conn.sock)
+            if uid != os.getuid():
+                self._log_once("uid", "control server: refused a local connection from user id %s "
+                               "(this endpoint runs as %d)", uid, os.getuid())
+                return False
+        elif self._tls is not None:
+            try:
+                conn.sock.settimeout(max(deadline.remaining(), 1e-3))
+                conn.sock = self._tls.server.wrap_socket(conn.sock, server_side=True)
+            except (OSError, ssl.SSLError) as e:
+                self._log_once("tls", "control server: TLS with %s failed: %s", conn.peer, e)
+                return False
+        try:
+            conn.max_payload = 0  # nothing but headers until authenticated
+            header, _ = conn.recv(deadline)
+            if header.get("op") != protocol.AuthHello.op:
+                raise ProtocolError("authentication required first")
+            protocol._check_int("protocol", header.get("protocol"), 0, 1 << 31)
+            if header["protocol"] != protocol.PROTOCOL:
+                conn.reply_error(ProtocolError(
+                    f"migration protocol {header['protocol']} there, {protocol.PROTOCOL} here (mixed "
+                    "vllm-ext versions: upgrade both)"))
+                self._log_once("version", "control server: %s speaks migration protocol %s, this "
+                               "endpoint %d", conn.peer, header["protocol"], protocol.PROTOCOL)
+                return False
+            hello = protocol.AuthHello.parse(header)
+            if hello.server_id != self._endpoint_id:
+                raise ProtocolError("not addressed to this endpoint")
+            server_nonce = secrets.token_bytes(protocol.NONCE_BYTES)
+            client_nonce = bytes.fromhex(hello.nonce)
+            mine = protocol.auth_proof(self._secret, "server", hello.client_id, hello.server_id,
+                                       client_nonce, server_nonce)
+            conn.send(protocol.ok_reply(protocol.AuthChallenge(server_nonce.hex(), mine.hex())), b"", deadline)
+            header, _ = conn.recv(deadline)
+            if header.get("op") != protocol.AuthProof.op:
+                raise ProtocolError("expected the client's proof")
+            theirs = bytes.fromhex(protocol.AuthProof.parse(header).proof)
+            expected = protocol.auth_proof(self._secret, "client", hello.client_id, hello.server_id,
+                                           client_nonce, server_nonce)
+            if not protocol.proofs_match(expected, theirs):
+                raise ProtocolError("wrong proof")
+            conn.reply_ok()
+        except (ProtocolError, MigrationError, EOFError) as e:
+            self._log_once(f"auth {conn.peer.rsplit(':', 1)[0]}", "control server: %s failed "
+                           "authentication (%s); connection closed", conn.peer, e)
+            try:
+                conn.send(protocol.error_reply("MigrationError", _AUTH_FAILED), deadline=Deadline(0.5))
+            except MigrationError:
+                pass
+            return False
+        conn.peer_id = hello.client_id
+        conn.max_payload = self._max_payload
+        return True
+
+    def notify_closing(self, reason: str) -> None:
+        """Tells every authenticated peer that this endpoint is closing (best effort, bounded):
+        a pull in flight fails at once instead of at its deadline."""
+        with self._lock:
+            connections = list(self._authenticated)
+        for conn in connections:
+            try:
+                conn.send_message(protocol.Closing(reason[:1024]), b"", Deadline(0.05))
+            except (MigrationError, OSError):
+                pass
 
     def close(self) -> None:
         """Stops accepting and closes every connection; join_serving() then waits for the
@@ -381,11 +549,15 @@ class ControlServer:
         for thread in self._threads:
             thread.join(timeout=5)
 
+    def connection_count(self) -> Tuple[int, int]:
+        """(connections served, of which still authenticating)."""
+        with self._lock:
+            return len(self._connections), self._unauthenticated
+
     def join_serving(self, timeout: float = _CLOSE_JOIN_S) -> bool:
-        """After close(): waits up to `timeout` seconds in all for the threads that served
-        connections to end. They release what they served with (a backend's pairs), which
-        must not be left to the interpreter's exit: gloo's threads abort the process then.
-        False (and a warning) when one still runs."""
+        """After close(): waits up to `timeout` seconds in all for the serving threads to end.
+        They release what they served with (a backend's pairs), which must not be left to the
+        interpreter's exit: gloo's threads abort the process then. False when one still runs."""
         with self._lock:
             serving = [t for t in self._serving if t is not threading.current_thread()]
         end = time.monotonic() + timeout

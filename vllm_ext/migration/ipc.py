@@ -8,8 +8,8 @@ device buffers first), and the completion poll, on the current stream of the des
 GPU (so the copy follows the work already queued there). The
 source is therefore not asked per pull, and must offer only blocks whose writes are complete
 (a serving engine migrates blocks of finished steps).
-Before each pull the destination checks that the source's control connection is still open;
-a source that exited is reported as MigrationError instead of being read.
+Before each pull the destination checks that the source's control connection is still open
+and silent; a source that exited or is closing is reported as MigrationError instead of read.
 
 Source-side checks (same host, geometry, dtype) happen when the destination maps the cache;
 ids are checked on the destination against the block count the source reported then.
@@ -22,11 +22,13 @@ from typing import Any, Dict
 
 import torch
 
-from .base import Deadline, IdStaging, MigrationBackend, MigrationError, PullStats, wait_cuda_event
+from ..errors import Error, MigrationError
+from . import protocol
+from .base import IdStaging, MigrationBackend, Pair, PullStats, wait_cuda_event, watch_connection
+from .timing import Deadline
 
 logger = logging.getLogger(__name__)
 
-_HANDLE_BYTES_FIELDS = ("allocations",)
 _DRAIN_S = 5.0
 
 
@@ -50,15 +52,65 @@ def handle_from_json(d: Dict[str, Any]):
     return IpcCacheHandle(**d)
 
 
+class _IpcPair(Pair):
+    """The mapping of one source's cache, and the two sides of every launch (built once)."""
+
+    def __init__(self, backend: "IpcBackend", link, view):
+        from .. import ops
+
+        cache = backend.cache
+        self.backend = backend
+        self.conn = link.conn
+        self.view = view
+        self.ids = IdStaging(cache.device)
+        self.done = torch.cuda.Event()
+        self.sides = (ops._cache_side(view, None, cache.device), ops._cache_side(cache, None, cache.device),
+                      min(view.alignment, cache.alignment))
+        self._watch = watch_connection(link.conn, "ipc pull")
+
+    def pull(self, src_ids, dst_ids, deadline: Deadline) -> PullStats:
+        from .. import _lib, ops
+
+        cache = self.backend.cache
+        self._watch()  # an exited or closing source is reported, not read
+        n = len(src_ids)
+        if n <= _lib.MAX_INLINE_IDS:  # the ids travel in the launch itself
+            src_side, dst_side, alignment = self.sides
+            ids = array.array("q", src_ids)
+            ids.extend(dst_ids)
+            address = ids.buffer_info()[0]
+            ops._copy_inline(src_side, dst_side, address, address + n * ids.itemsize, n, cache, alignment,
+                             cache.device)
+        else:
+            src, dst = self.ids.upload(src_ids, dst_ids, deadline=deadline)
+            ops._copy_prechecked(self.view, src, cache, dst, cache.device)
+        self.done.record(torch.cuda.current_stream(cache.device))
+        wait_cuda_event(self.done, deadline, "ipc copy")
+        return PullStats(self.backend.name, n, n * cache.block_nbytes, 0.0)
+
+    def abort(self) -> None:
+        if not self.done.query():
+            # The copy is bounded, but it follows whatever else the caller's stream holds:
+            # wait a while, and keep the mapping and ids alive rather than unmap under it.
+            try:
+                wait_cuda_event(self.done, Deadline(_DRAIN_S), "ipc copy before the unmap")
+            except MigrationError:
+                logger.error("ipc: a copy from %s still runs %g s after a failed pull; its mapping is kept",
+                             self.conn.peer, _DRAIN_S)
+                self.backend.keep_until_done(self)
+                return
+        self.view.close()
+
+
 class IpcBackend(MigrationBackend):
     name = "ipc"
     same_host_only = True
     other_process_only = True
 
-    def __init__(self, endpoint):
-        super().__init__(endpoint)
+    def __init__(self, context):
+        super().__init__(context)
         self._export = None  # the source's handle, made once
-        self._unfinished = []  # (event, view, ids) of copies that outlived a discard
+        self._unfinished = []  # pairs whose copy outlived an abort
 
     @classmethod
     def is_available(cls):
@@ -70,95 +122,52 @@ class IpcBackend(MigrationBackend):
         if cache.device.type != "cuda":
             raise ValueError(f"cache: on {cache.device}; the ipc backend shares CUDA caches")
 
+    def keep_until_done(self, pair: _IpcPair) -> None:
+        self._unfinished.append(pair)
+
     # ---- destination side ----------------------------------------------------------------
-    def connect(self, link, deadline: Deadline) -> None:
+    def connect(self, link, deadline: Deadline) -> Pair:
         from .. import ops
         from ..cache import KVCache
 
-        cache = self.endpoint.cache
-        link.request({"op": "ipc.export"}, deadline)
-        reply = link.conn.recv_reply(deadline, "ipc export")
+        cache = self.cache
+        link.request(protocol.IpcExport(), deadline)
+        reply = link.conn.recv_reply(deadline, "ipc export", protocol.IpcExportReply)
         try:
-            handle = handle_from_json(reply["handle"])
+            handle = handle_from_json(reply.handle)
         except (KeyError, TypeError, ValueError) as e:
             raise MigrationError(f"ipc connect: bad handle from the peer: {e}") from e
-        if handle.num_blocks != link.hello.get("num_blocks"):
-            raise MigrationError(f"ipc connect: handle of {handle.num_blocks} blocks, the peer "
-                                 f"said {link.hello.get('num_blocks')}")
-        view = KVCache.import_ipc(handle, device=cache.device)
-        if view.geometry() != cache.geometry():
-            view.close()
-            raise MigrationError("ipc connect: the mapped cache's geometry differs")
-        # The per-pull launches skip the checks of ops.copy_blocks: make them here, once.
+        if handle.num_blocks != link.num_blocks:
+            raise MigrationError(f"ipc connect: handle of {handle.num_blocks} blocks, the peer said {link.num_blocks}")
         try:
-            ops._placement(view.device, view.pinned, "the peer's cache", cache.device,
-                           cache.pinned, "cache")
+            view = KVCache.import_ipc(handle, device=cache.device)
+        except (Error, ValueError) as e:
+            raise MigrationError(f"ipc connect: mapping the peer's cache failed: {e}") from e
+        try:
+            if view.geometry() != cache.geometry():
+                raise MigrationError("ipc connect: the mapped cache's geometry differs")
+            # The per-pull launches skip the checks of ops.copy_blocks: make them here, once.
+            ops._placement(view.device, view.pinned, "the peer's cache", cache.device, cache.pinned, "cache")
             view.prepare(cache.device)
-        except Exception:
+            return _IpcPair(self, link, view)
+        except BaseException:
             view.close()
             raise
-        link.state["view"] = view
-        link.state["ids"] = IdStaging(cache.device)
-        link.state["done"] = torch.cuda.Event()
-        # The two sides of every launch, without ids: built once.
-        link.state["sides"] = (ops._cache_side(view, None, cache.device),
-                               ops._cache_side(cache, None, cache.device),
-                               min(view.alignment, cache.alignment))
-
-    def pull(self, link, src_ids, dst_ids, deadline: Deadline) -> PullStats:
-        from .. import _lib, ops
-
-        cache = self.endpoint.cache
-        if link.conn.closed_by_peer():
-            raise MigrationError("ipc pull: the source closed its control connection (exited?)")
-        # Checked once at connect: same geometry, peer access; ids checked by the endpoint.
-        n = len(src_ids)
-        if n <= _lib.MAX_INLINE_IDS:  # the ids travel in the launch itself
-            src_side, dst_side, alignment = link.state["sides"]
-            ids = array.array("q", src_ids)
-            ids.extend(dst_ids)
-            address = ids.buffer_info()[0]
-            ops._copy_inline(src_side, dst_side, address, address + n * ids.itemsize, n, cache,
-                             alignment, cache.device)
-        else:
-            src, dst = link.state["ids"].upload(src_ids, dst_ids, deadline=deadline)
-            ops._copy_prechecked(link.state["view"], src, cache, dst, cache.device)
-        done = link.state["done"]
-        done.record(torch.cuda.current_stream(cache.device))
-        wait_cuda_event(done, deadline, "ipc copy")
-        return PullStats(self.name, len(src_ids), len(src_ids) * cache.block_nbytes, 0.0)
-
-    def discard(self, link) -> None:
-        done = link.state.pop("done", None)
-        view = link.state.pop("view", None)
-        if done is not None and not done.query():
-            # The copy is bounded, but it follows whatever else the caller's stream holds:
-            # wait a while, and keep the mapping and ids alive rather than unmap under it.
-            try:
-                wait_cuda_event(done, Deadline(_DRAIN_S), "ipc copy before the unmap")
-            except MigrationError:
-                logger.error("ipc: a copy from %s still runs %g s after a failed pull; its "
-                             "mapping is kept", link.peer.short(), _DRAIN_S)
-                self._unfinished.append((done, view, link.state.pop("ids", None)))
-                return
-        link.state.pop("ids", None)
-        link.state.pop("sides", None)
-        if view is not None:
-            view.close()
 
     # ---- source side ---------------------------------------------------------------------
-    def serve(self, conn, op: str, header: Dict[str, Any], payload: bytes) -> None:
-        if op != "ipc.export":
-            return super().serve(conn, op, header, payload)
+    def serve(self, session, request, payload) -> bool:
+        if not isinstance(request, protocol.IpcExport):
+            return super().serve(session, request, payload)
         if self._export is None:
-            self._export = handle_to_json(self.endpoint.cache.export_ipc())
-        conn.reply_ok(handle=self._export)
+            self._export = handle_to_json(self.cache.export_ipc())
+        session.conn.reply_ok(protocol.IpcExportReply(self._export))
+        return False
 
     def close(self) -> None:
         still = []
-        for done, view, ids in self._unfinished:
-            if not done.query():
-                still.append((done, view, ids))  # unmapping under a running copy: never
-            elif view is not None:
-                view.close()
+        for pair in self._unfinished:
+            if not pair.done.query():
+                still.append(pair)  # unmapping under a running copy: never
+            else:
+                pair.view.close()
         self._unfinished = still

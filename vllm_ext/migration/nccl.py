@@ -73,7 +73,6 @@ import array
 import ctypes
 import logging
 import os
-import struct
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -81,18 +80,19 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .. import _lib
+from ..errors import MigrationError
+from . import protocol
 from ._nccl_lib import NCCL_UINT8
 from .base import (
-    Deadline,
-    MigrationError,
-    PairedBackend,
+    MigrationBackend,
+    Pair,
     PullStats,
     blocks_per_chunk,
+    check_slot,
     chunk_ranges,
-    poll_until,
     wait_cuda_event,
 )
-from .control import encode_ids
+from .timing import Deadline, poll_until
 
 logger = logging.getLogger(__name__)
 
@@ -103,12 +103,8 @@ _MAX_CTAS = (1 << 31) - 1  # the C ABI's int32
 _DST_RANK, _SRC_RANK = 0, 1
 _DRAIN_GRACE_S = 5.0
 _SEGMENT_SLOTS = 128  # full slots per request: ramp chunks + 128 stay under PULL_MAX_CHUNKS
-_ABANDONED: List["_Pair"] = []  # pairs whose abort or drain gave up: their buffers stay alive
+_ABANDONED: List["_Lanes"] = []  # pairs whose abort or drain gave up: their buffers stay alive
 _WARMUP_BYTES = 4096
-# The pull server's frames (vllm_ext.h): request magic, count, timeout_s; reply magic, kind,
-# message length, 0.
-_REQUEST = struct.Struct("<IId")
-_REPLY = struct.Struct("<IIII")
 
 
 def _lib_nccl():
@@ -117,7 +113,7 @@ def _lib_nccl():
     return _nccl_lib.library()
 
 
-class _Pair:
+class _Lanes:
     """One side of a pair: its lanes (each a two-rank communicator with two staging slots,
     a copy stream, a comm stream and their events) and the pull's entry and done events. The
     whole enqueue sequence of a pull (gathers or scatters, sends or receives, the events
@@ -194,7 +190,8 @@ class _Pair:
 
     def serve(self, conn, stall) -> None:
         """Source side: hands the connection's further requests (binary pulls) to a library
-        thread, and returns when that thread has ended and is destroyed."""
+        thread, and returns when that thread has ended and is destroyed. `stall`: the fault
+        hook of tests (Faults.native_stall), or None."""
         cache = self.cache
         with self._server_lock:
             if self.retired:  # retired (the endpoint closing) before its server started
@@ -203,7 +200,9 @@ class _Pair:
             conn.sock.setblocking(True)
             self.server = _lib.PullServer(os.dup(conn.sock.fileno()), self.side, self.lanes,
                                           cache.num_layers, cache.num_components, cache.chunk_nbytes,
-                                          self.alignment, self.device.index, self.done.cuda_event, stall)
+                                          self.alignment, self.device.index, self.done.cuda_event)
+            if stall is not None:
+                self.server.test_stall(stall)
         try:
             while True:
                 ended = self.server.wait(1.0)
@@ -343,21 +342,68 @@ def _join(cache, uids: List[bytes], rank: int, deadline: Deadline) -> List[int]:
     return _run_bounded(setup, deadline, "nccl communicator set-up", on_abandoned=_abort_bounded)
 
 
-class NcclBackend(PairedBackend):
-    name = "nccl"
+class _NcclPair(Pair):
+    """The destination's pair: its lanes, over the link's connection to the pull server."""
 
-    def __init__(self, endpoint, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 copy_ctas: Optional[int] = None, lanes: int = DEFAULT_LANES):
-        super().__init__(endpoint)
+    def __init__(self, backend: "NcclBackend", link, lanes: _Lanes):
+        self.backend = backend
+        self.conn = link.conn
+        self.lanes = lanes
+
+    def pull(self, src_ids, dst_ids, deadline: Deadline) -> PullStats:
+        lanes = self.lanes
+        n = len(src_ids)
+        chunks = 0
+        for lo, hi in request_segments(n, lanes.chunk_blocks):  # one request unless very long
+            remaining = deadline.remaining()
+            if remaining <= 0:
+                when = "while connecting" if lo == 0 else f"after {lo} of {n} blocks"
+                raise MigrationError(f"nccl pull: the deadline of {deadline.timeout:g} s passed {when}")
+            # The request goes first (to the source's pull server): the source gathers while
+            # this side queues its receives.
+            self.conn.send_bytes(protocol.pull_request(src_ids[lo:hi], remaining), deadline)
+            chunks += lanes.enqueue(dst_ids[lo:hi])
+            _wait_for_pull(self.conn, lanes.done.query, deadline)
+            # The caller's streams see the blocks: the pull returns after `done` completed.
+        return PullStats(self.backend.name, n, n * self.backend.cache.block_nbytes, 0.0, chunks=chunks)
+
+    def abort(self) -> None:
+        self.lanes.abort()
+
+
+class _ServedPair:
+    """The source's lanes of one destination connection, served by the library's thread."""
+
+    def __init__(self, lanes: _Lanes):
+        self.lanes = lanes
+
+    def close(self) -> None:
+        if self.lanes.stop_server():
+            self.lanes.abort()
+
+    abort = close
+
+
+class NcclBackend(MigrationBackend):
+    name = "nccl"
+    supports_tls = False  # the pull server reads binary requests on the raw socket
+
+    def __init__(self, context, chunk_bytes: int = DEFAULT_CHUNK_BYTES, copy_ctas: Optional[int] = None,
+                 lanes: int = DEFAULT_LANES):
+        super().__init__(context)
         if int(chunk_bytes) <= 0:
             raise ValueError(f"chunk_bytes: must be positive, got {chunk_bytes!r}")
-        if not 1 <= int(lanes) <= _lib.MAX_LANES:
-            raise ValueError(f"lanes: must be 1 to {_lib.MAX_LANES}, got {lanes!r}")
+        if not 1 <= int(lanes) <= protocol.MAX_LANES:
+            raise ValueError(f"lanes: must be 1 to {protocol.MAX_LANES}, got {lanes!r}")
         self.lanes = int(lanes)
-        if copy_ctas is not None and not 0 <= int(copy_ctas) <= _MAX_CTAS:
-            raise ValueError(f"copy_ctas: must be 0 (the whole GPU) to {_MAX_CTAS}, got {copy_ctas!r}")
+        if copy_ctas is not None and not 0 <= int(copy_ctas) <= protocol.MAX_COPY_CTAS:
+            raise ValueError(f"copy_ctas: must be 0 (the whole GPU) to {protocol.MAX_COPY_CTAS}, got {copy_ctas!r}")
         self.chunk_bytes = int(chunk_bytes)
+        check_slot(blocks_per_chunk(self.chunk_bytes, context.cache.block_nbytes), context.cache.block_nbytes,
+                   "chunk_bytes")
         self.copy_ctas = None if copy_ctas is None else int(copy_ctas)
+        self._served: List[_ServedPair] = []
+        self._lock = threading.Lock()
 
     @classmethod
     def is_available(cls):
@@ -375,85 +421,64 @@ class NcclBackend(PairedBackend):
                              "(use gloo for host caches)")
 
     # ---- destination side ----------------------------------------------------------------
-    def connect(self, link, deadline: Deadline) -> None:
-        cache = self.endpoint.cache
+    def connect(self, link, deadline: Deadline) -> Pair:
+        cache = self.cache
         uids = [_lib_nccl().unique_id() for _ in range(self.lanes)]
         chunk_blocks = blocks_per_chunk(self.chunk_bytes, cache.block_nbytes)
         copy_ctas = self.copy_ctas
         if copy_ctas is None:
             sms = torch.cuda.get_device_properties(cache.device).multi_processor_count
             copy_ctas = max(1, sms // _COPY_SMS_PER_CTA)
-        link.request({"op": "nccl.connect", "uids": [uid.hex() for uid in uids], "chunk_blocks": chunk_blocks,
-                      "copy_ctas": copy_ctas,
-                      "timeout": deadline.remaining()}, deadline)
+        link.request(protocol.NcclConnect([uid.hex() for uid in uids], chunk_blocks, copy_ctas,
+                                          deadline.remaining()), deadline)
         link.conn.recv_reply(deadline, "nccl connect")
         comms = _join(cache, uids, _DST_RANK, deadline)
         try:
-            link.state["pair"] = _Pair(comms, cache, chunk_blocks, copy_ctas, _lib.STAGE_RECV)
+            return _NcclPair(self, link, _Lanes(comms, cache, chunk_blocks, copy_ctas, _lib.STAGE_RECV))
         except BaseException:
             _abort_bounded(comms)
             raise
 
-    def pull(self, link, src_ids, dst_ids, deadline: Deadline) -> PullStats:
-        pair: _Pair = link.state["pair"]
-        cache = self.endpoint.cache
-        n = len(src_ids)
-        chunks = 0
-        for lo, hi in request_segments(n, pair.chunk_blocks):  # one request unless very long
-            remaining = deadline.remaining()
-            if remaining <= 0:
-                when = "while connecting" if lo == 0 else f"after {lo} of {n} blocks"
-                raise MigrationError(f"nccl pull: the deadline of {deadline.timeout:g} s passed {when}")
-            # The request goes first (to the source's pull server): the source gathers while
-            # this side queues its receives.
-            link.conn.send_bytes(_REQUEST.pack(_lib.PULL_REQUEST_MAGIC, hi - lo, remaining)
-                                 + encode_ids(src_ids[lo:hi]), deadline)
-            try:
-                chunks += pair.enqueue(dst_ids[lo:hi])
-                _wait_for_pull(link.conn, pair.done.query, deadline)
-                # The caller's streams see the blocks: the pull returns after `done` completed.
-            except BaseException:
-                pair.abort()
-                raise
-        return PullStats(self.name, n, n * cache.block_nbytes, 0.0, chunks=chunks)
-
     # ---- source side ---------------------------------------------------------------------
-    def _serve_connect(self, conn, header) -> None:
-        deadline = Deadline(float(header["timeout"]))
-        uids = [bytes.fromhex(str(uid)) for uid in header["uids"]]
-        chunk_blocks, copy_ctas = int(header["chunk_blocks"]), int(header["copy_ctas"])
-        if (not 1 <= len(uids) <= _lib.MAX_LANES or any(len(uid) != 128 for uid in uids) or chunk_blocks < 1
-                or not 0 <= copy_ctas <= _MAX_CTAS):
-            raise ValueError(f"nccl connect: {len(uids)} uids of {[len(uid) for uid in uids]} bytes, "
-                             f"chunk_blocks {chunk_blocks}, copy_ctas {copy_ctas}")
-        cache = self.endpoint.cache
+    def serve(self, session, request, payload) -> bool:
+        if not isinstance(request, protocol.NcclConnect):
+            return super().serve(session, request, payload)
+        check_slot(request.chunk_blocks, self.cache.block_nbytes, "nccl connect")
+        deadline = Deadline(request.timeout)
+        uids = [bytes.fromhex(uid) for uid in request.uids]
+        conn = session.conn
         conn.reply_ok()
         # From here on this connection carries binary pulls, served by the library's thread;
         # this thread waits for it to end, then the pair is released and the connection closes.
         # A failure is reported in the binary format the destination now reads.
-        conn.state["handed_off"] = True
         comms: List[int] = []
         try:
-            self.endpoint.test_pause("connect")  # tests: a source that joins late
-            comms = _join(cache, uids, _SRC_RANK, deadline)
-            pair = _Pair(comms, cache, chunk_blocks, copy_ctas, _lib.STAGE_SEND)
-        except BaseException as e:
+            self.context.faults.pause("connect")  # tests: a source that joins late
+            comms = _join(self.cache, uids, _SRC_RANK, deadline)
+            lanes = _Lanes(comms, self.cache, request.chunk_blocks, request.copy_ctas, _lib.STAGE_SEND)
+        except Exception as e:  # noqa: BLE001 - reported to the peer in the binary format
             _abort_bounded(comms)
             _send_failed(conn, f"nccl connect: {e}")
-            raise
-        self.adopt(conn, pair)
+            logger.warning("nccl: serving the connect of %s failed: %s", conn.peer, e)
+            return True
+        session.pair = served = _ServedPair(lanes)
+        with self._lock:
+            self._served.append(served)
         try:
-            pair.serve(conn, self.endpoint.test_stall_native)
+            lanes.serve(conn, self.context.faults.native_stall)
+        except Exception:  # noqa: BLE001 - the peer no longer reads JSON here: logged only
+            logger.exception("nccl: serving %s failed", conn.peer)
         finally:
-            self.release(conn)
+            with self._lock:
+                self._served.remove(served)
+            self.session_closed(session)
+        return True
 
-    def _serve_pull(self, conn, header, payload) -> None:
-        raise ValueError("nccl pulls are binary requests to the pair's pull server, sent after "
-                         "nccl.connect on the same connection")
-
-    def retire(self, pair) -> None:
-        if pair.stop_server():
-            pair.abort()
+    def close(self) -> None:
+        with self._lock:
+            served = list(self._served)
+        for pair in served:  # ends their pull servers; their threads then end
+            pair.close()
 
 
 def request_segments(n: int, chunk_blocks: int) -> List[Tuple[int, int]]:
@@ -469,9 +494,8 @@ def request_segments(n: int, chunk_blocks: int) -> List[Tuple[int, int]]:
 
 def _send_failed(conn, message: str) -> None:
     """A FAILED reply in the pull server's format (the peer may be gone: nothing raised)."""
-    body = message.encode()[:4096]
     try:
-        conn.send_bytes(_REPLY.pack(_lib.PULL_REPLY_MAGIC, _lib.PULL_FAILED, len(body), 0) + body)
+        conn.send_bytes(protocol.pull_reply(protocol.PULL_FAILED, message))
     except MigrationError:
         pass
 
@@ -485,20 +509,20 @@ def _wait_for_pull(conn, done, deadline: Deadline) -> None:
     def check() -> None:
         if not conn.readable():
             return
-        magic, kind, length, _ = _REPLY.unpack(conn.recv_bytes(_REPLY.size, deadline))
-        if magic != _lib.PULL_REPLY_MAGIC:
-            raise MigrationError(f"nccl pull: a malformed reply from {conn.peer}")
+        try:
+            kind, length = protocol.parse_pull_reply(conn.recv_bytes(protocol.PULL_REPLY.size, deadline))
+        except protocol.ProtocolError:
+            raise MigrationError(f"nccl pull: a malformed reply from {conn.peer}") from None
         message = conn.recv_bytes(length, deadline).decode(errors="replace") if length else ""
-        if kind == _lib.PULL_ACCEPTED and not accepted:
+        if kind == protocol.PULL_ACCEPTED and not accepted:
             accepted.append(True)
-        elif kind == _lib.PULL_REFUSED:
+        elif kind == protocol.PULL_REFUSED:
             raise MigrationError(f"nccl pull: the peer ({conn.peer}) refused: ValueError: {message}",
                                  remote_type="ValueError")
-        elif kind == _lib.PULL_FAILED:
+        elif kind == protocol.PULL_FAILED:
             raise MigrationError(f"nccl pull: the peer ({conn.peer}) failed: {message}",
                                  remote_type="MigrationError")
         else:
             raise MigrationError(f"nccl pull: an unexpected reply (kind {kind}) from {conn.peer}")
 
     poll_until(lambda: bool(accepted) and done(), deadline, "nccl pull", check)
-

@@ -28,20 +28,14 @@ from typing import Any, Dict, List
 
 import torch
 
-from .base import (
-    Deadline,
-    MigrationBackend,
-    MigrationError,
-    PullStats,
-    blocks_per_chunk,
-    check_block_ids,
-    chunk_ranges,
-    geometry_mismatch,
-)
+from .._ids import block_id_list
+from ..errors import MigrationError
+from .base import MigrationBackend, Pair, PullStats, blocks_per_chunk, chunk_ranges, geometry_mismatch
+from .timing import Deadline
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 
-# Endpoints of this process by id, for the source-side call (runs in the actor's process).
+# Backends of this process by endpoint id, for the source-side call (runs in the actor's process).
 _ENDPOINTS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
 _ENDPOINTS_LOCK = threading.Lock()
 
@@ -55,8 +49,8 @@ def _serves(actor, endpoint_id: str, geometry: Dict[str, Any]) -> bool:
 
 
 def _serving_endpoint(actor, endpoint_id: str, geometry: Dict[str, Any]):
-    """Source side: the endpoint `endpoint_id` of this actor, whose cache has `geometry`;
-    ValueError otherwise."""
+    """Source side: the backend of endpoint `endpoint_id` of this actor, whose cache has
+    `geometry`; ValueError otherwise."""
     del actor
     with _ENDPOINTS_LOCK:
         endpoint = _ENDPOINTS.get(endpoint_id)
@@ -76,8 +70,8 @@ def _serve_chunk(actor, endpoint_id: str, geometry: Dict[str, Any], src_ids: Lis
 
     endpoint = _serving_endpoint(actor, endpoint_id, geometry)
     cache = endpoint.cache
-    ids = check_block_ids(src_ids, "src_block_ids", cache.num_blocks, unique=False)
-    endpoint.test_pause(chunk)
+    ids = block_id_list(src_ids, "src_block_ids", cache.num_blocks, unique=False)
+    endpoint.context.faults.pause(chunk)
     if cache.device.type == "cuda":
         rows = ops.gather_blocks(cache, ids)  # on the GPU, then one copy to host
         return rows.cpu().numpy()
@@ -136,8 +130,8 @@ class RayRpcBackend(MigrationBackend):
     name = "rayrpc"
     uses_control_channel = False
 
-    def __init__(self, endpoint, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_in_flight: int = 2):
-        super().__init__(endpoint)
+    def __init__(self, context, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_in_flight: int = 2):
+        super().__init__(context)
         import ray
 
         if int(chunk_bytes) <= 0:
@@ -155,7 +149,7 @@ class RayRpcBackend(MigrationBackend):
             raise RuntimeError(f"rayrpc: the endpoint must be created inside a Ray actor: {e}") \
                 from e
         with _ENDPOINTS_LOCK:
-            _ENDPOINTS[endpoint.endpoint_id] = endpoint
+            _ENDPOINTS[context.endpoint_id] = self
 
     @classmethod
     def is_available(cls):
@@ -169,43 +163,55 @@ class RayRpcBackend(MigrationBackend):
         return {"actor": self._actor}
 
     # ---- destination side ----------------------------------------------------------------
-    def connect(self, link, deadline: Deadline) -> None:
+    def connect(self, link, deadline: Deadline) -> Pair:
         """One round trip to the peer's actor: it lives, and serves that endpoint with the same
         geometry (Ray has nothing to build ahead)."""
-        actor = _actor_of(link)
-        _get(actor.__ray_call__.remote(_serves, link.peer.endpoint_id,
-                                       self.endpoint.cache.geometry()), deadline, "the connect")
+        actor = _actor_of(link.peer)
+        _get(actor.__ray_call__.remote(_serves, link.peer.endpoint_id, self.cache.geometry()), deadline,
+             "the connect")
+        return _RayPair(self, link.peer, actor)
 
-    def pull(self, link, src_ids, dst_ids, deadline: Deadline) -> PullStats:
+    def close(self) -> None:
+        with _ENDPOINTS_LOCK:
+            _ENDPOINTS.pop(self.context.endpoint_id, None)
+
+
+class _RayPair(Pair):
+    """Nothing is built: the peer's actor handle, and the calls of one pull."""
+
+    def __init__(self, backend: RayRpcBackend, peer, actor):
+        self.backend = backend
+        self.peer = peer
+        self.actor = actor
+
+    def pull(self, src_ids, dst_ids, deadline: Deadline) -> PullStats:
         import ray
 
         from .. import ops
 
-        actor = _actor_of(link)
-        cache = self.endpoint.cache
+        actor, backend = self.actor, self.backend
+        cache = backend.cache
         geometry = cache.geometry()
         n = len(src_ids)
-        chunks = chunk_ranges(n, blocks_per_chunk(self.chunk_bytes, cache.block_nbytes))
+        chunks = chunk_ranges(n, blocks_per_chunk(backend.chunk_bytes, cache.block_nbytes))
         refs: Dict[int, Any] = {}
 
         def submit(c: int) -> None:
             lo, hi = chunks[c]
-            refs[c] = actor.__ray_call__.remote(_serve_chunk, link.peer.endpoint_id, geometry,
-                                                src_ids[lo:hi], c)
+            refs[c] = actor.__ray_call__.remote(_serve_chunk, self.peer.endpoint_id, geometry, src_ids[lo:hi], c)
 
-        for c in range(min(self.max_in_flight, len(chunks))):
+        for c in range(min(backend.max_in_flight, len(chunks))):
             submit(c)
         try:
             for c, (lo, hi) in enumerate(chunks):
                 rows = _get(refs.pop(c), deadline, f"chunk {c}")
-                if c + self.max_in_flight < len(chunks):
-                    submit(c + self.max_in_flight)
+                if c + backend.max_in_flight < len(chunks):
+                    submit(c + backend.max_in_flight)
                 if isinstance(rows, list):  # a host source's chunk views
                     buf = _as_rows(rows, hi - lo, cache)
                 elif rows.dtype.itemsize != 1 or rows.shape != (hi - lo, cache.block_nbytes):
-                    raise MigrationError(f"rayrpc: chunk {c} has shape {rows.shape} dtype "
-                                         f"{rows.dtype}, expected ({hi - lo}, "
-                                         f"{cache.block_nbytes}) uint8")
+                    raise MigrationError(f"rayrpc: chunk {c} has shape {rows.shape} dtype {rows.dtype}, expected "
+                                         f"({hi - lo}, {cache.block_nbytes}) uint8")
                 else:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")  # the object store's arrays are read-only
@@ -221,15 +227,14 @@ class RayRpcBackend(MigrationBackend):
                     ray.cancel(ref)
                 except Exception:  # noqa: BLE001 - best effort
                     pass
-        return PullStats(self.name, n, n * cache.block_nbytes, 0.0, chunks=len(chunks))
+        return PullStats(backend.name, n, n * cache.block_nbytes, 0.0, chunks=len(chunks))
 
-    def close(self) -> None:
-        with _ENDPOINTS_LOCK:
-            _ENDPOINTS.pop(self.endpoint.endpoint_id, None)
+    def abort(self) -> None:
+        """Nothing to end: calls still in flight were cancelled by the pull."""
 
 
-def _actor_of(link):
-    actor = link.peer.extra.get("actor")
+def _actor_of(peer):
+    actor = peer.extra.get("actor")
     if actor is None:
         raise MigrationError("rayrpc: the peer descriptor carries no actor handle")
     return actor
