@@ -225,8 +225,8 @@ def main():
     }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = ("busy_source" if gpu_mode else "busy_source_cpu") + (
-        f"_switch{args.switch_interval:g}ms" if args.switch_interval else "")
+    stem = ("busy-source" if gpu_mode else "busy-source-cpu") + (
+        f"-switch{args.switch_interval:g}ms" if args.switch_interval else "")
     (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
     md = markdown(report)
     (out_dir / f"{stem}.md").write_text(md)

@@ -425,7 +425,7 @@ def main(argv=None):
     meta["host_us_per_call"] = host_us
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "kernels-" + ("cuda" if gpus else "cpu")
+    stem = "kernels" + ("" if gpus else "-cpu")
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     table = markdown(rows, meta)
     (out / f"{stem}.md").write_text(table)

@@ -937,7 +937,7 @@ def main():
     }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "migration" if gpu_mode else "migration_cpu"
+    stem = "migration" if gpu_mode else "migration-cpu"
     (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
     md = markdown(report)
     (out_dir / f"{stem}.md").write_text(md)
