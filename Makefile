@@ -151,7 +151,7 @@ test: ## Run the CPU test suite (sets up $(VENV) and builds first when needed)
 _test:
 	$(PY) -m pytest $(CPU_TEST_SELECTION) $(PYTEST_ARGS) tests
 
-bench: ## Run the benchmarks (GPU kernels and migration, or their CPU paths) into $(BENCH_OUT)
+bench: ## Run the benchmarks (GPU kernels and migration, or their CPU paths) into BENCH_OUT
 	@$(BUILT_CHECK) || $(MAKE) --no-print-directory develop
 	@$(MAKE) --no-print-directory _bench
 
