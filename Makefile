@@ -132,12 +132,15 @@ $(VENV_PY):
 DEVELOP_LOG := build/develop.log
 BUILD_PROGRESS := vllm-ext build:|^ *-- vllm_ext|^ *\[[0-9]+/[0-9]+\]|[Ee]rror|^Successfully installed
 
+# $(call editable_install,PYTHON): pip install -e . with that Python, showing the build's progress.
+editable_install = mkdir -p $(dir $(DEVELOP_LOG)) && \
+  echo "building vllm-ext (editable install; full log: $(DEVELOP_LOG))" && \
+  { $(1) -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | tee $(DEVELOP_LOG) | \
+  { $(if $(filter-out 0,$(VERBOSE)),cat,grep --line-buffered -E '$(BUILD_PROGRESS)' || true); } || \
+  { echo "the build failed; the end of $(DEVELOP_LOG):"; tail -n 40 $(DEVELOP_LOG); exit 1; }; }
+
 develop: $(VENV_PY) ## Create $(VENV) and build + install vllm-ext into it, editable
-	@mkdir -p $(dir $(DEVELOP_LOG))
-	@echo "building vllm-ext into $(VENV) (editable; full log: $(DEVELOP_LOG))"
-	@$(VENV_PY) -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | tee $(DEVELOP_LOG) | \
-	  { $(if $(filter-out 0,$(VERBOSE)),cat,grep --line-buffered -E '$(BUILD_PROGRESS)' || true); } || \
-	  { echo "the build failed; the end of $(DEVELOP_LOG):"; tail -n 40 $(DEVELOP_LOG); exit 1; }
+	@$(call editable_install,$(VENV_PY))
 	$(VENV_PY) -m vllm_ext.info
 
 # True when $(PY) can load torch and a built library (else `develop` runs first). A sub-make
@@ -227,7 +230,7 @@ _test-gpu-docker: _docker-ready
 	  python -m pytest $(GPU_TEST_SELECTION) $(PYTEST_ARGS) tests
 
 _test-gpu-host:
-	VLLM_EXT_TARGET_DEVICE=cuda $(if $(BUILD_REVISION),VLLM_EXT_GIT_REVISION=$(BUILD_REVISION)) \
-	  $(PYTHON) -m pip install --no-build-isolation --no-deps -e .
+	@export VLLM_EXT_TARGET_DEVICE=cuda $(if $(BUILD_REVISION),VLLM_EXT_GIT_REVISION=$(BUILD_REVISION)) && \
+	  $(call editable_install,$(PYTHON))
 	$(PYTHON) -m vllm_ext.info
 	$(PYTHON) -m pytest $(GPU_TEST_SELECTION) $(PYTEST_ARGS) tests
