@@ -17,6 +17,8 @@ TORCH_CUDA_ARCH_LIST ?= 8.0 8.6 8.9 9.0 10.0 12.0+PTX
 MAX_JOBS ?=
 #: archs one nvcc compiles in parallel (empty: setup.py picks from the same memory budget)
 NVCC_THREADS ?=
+#: where `make bench` writes its reports (git ignores it; benchmarks/results/ holds the published ones)
+BENCH_OUT ?= benchmarks/out
 #: extra pytest arguments, e.g. PYTEST_ARGS="-x -k copy"
 PYTEST_ARGS ?=
 #: where wheel/test-gpu build: docker (the Dockerfile's stages) or host (this machine's toolchain)
@@ -113,8 +115,9 @@ print-%:
 	@echo '$($*)'
 
 $(VENV_PY):
+	@echo "creating $(VENV) and installing what the build and the tests need (pip shows its progress)"
 	$(PYTHON) -m venv $(VENV)
-	$(VENV_PY) -m pip install -q --upgrade pip
+	$(VENV_PY) -m pip install --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1 && [ -f requirements-cuda.txt ]; then \
 	  echo "GPU found: installing requirements-cuda.txt"; \
 	  $(VENV_PY) -m pip install -r requirements-cuda.txt; \
@@ -124,8 +127,20 @@ $(VENV_PY):
 	fi
 	$(VENV_PY) -m pip install -r requirements-build.txt -r requirements-test.txt
 
+# pip hides a build's output unless run with -v; the full output goes to DEVELOP_LOG and the
+# terminal gets the knob values, CMake's progress and errors (VERBOSE=1: everything).
+DEVELOP_LOG := build/develop.log
+BUILD_PROGRESS := vllm-ext build:|^ *-- vllm_ext|^ *\[[0-9]+/[0-9]+\]|[Ee]rror|^Successfully installed
+
+# $(call editable_install,PYTHON): pip install -e . with that Python, showing the build's progress.
+editable_install = mkdir -p $(dir $(DEVELOP_LOG)) && \
+  echo "building vllm-ext (editable install; full log: $(DEVELOP_LOG))" && \
+  { $(1) -m pip install -v --no-build-isolation --no-deps -e . 2>&1 | tee $(DEVELOP_LOG) | \
+  { $(if $(filter-out 0,$(VERBOSE)),cat,grep --line-buffered -E '$(BUILD_PROGRESS)' || true); } || \
+  { echo "the build failed; the end of $(DEVELOP_LOG):"; tail -n 40 $(DEVELOP_LOG); exit 1; }; }
+
 develop: $(VENV_PY) ## Create $(VENV) and build + install vllm-ext into it, editable
-	$(VENV_PY) -m pip install --no-build-isolation --no-deps -e .
+	@$(call editable_install,$(VENV_PY))
 	$(VENV_PY) -m vllm_ext.info
 
 # True when $(PY) can load torch and a built library (else `develop` runs first). A sub-make
@@ -139,14 +154,16 @@ test: ## Run the CPU test suite (sets up $(VENV) and builds first when needed)
 _test:
 	$(PY) -m pytest $(CPU_TEST_SELECTION) $(PYTEST_ARGS) tests
 
-bench: ## Run the benchmarks: GPU kernels and migration, or their CPU paths without GPUs
+bench: ## Run the benchmarks (GPU kernels and migration, or their CPU paths) into BENCH_OUT
 	@$(BUILT_CHECK) || $(MAKE) --no-print-directory develop
 	@$(MAKE) --no-print-directory _bench
 
 _bench:
-	@$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q matplotlib
-	$(PY) benchmarks/kernels.py --out benchmarks/results
-	$(PY) benchmarks/migration.py --out benchmarks/results
+	@$(PY) -c 'import matplotlib' 2>/dev/null || { echo "installing matplotlib (for the plots)"; \
+	  $(PY) -m pip install matplotlib; }
+	$(PY) -m benchmarks.kernels --out $(BENCH_OUT)
+	$(PY) -m benchmarks.migration --out $(BENCH_OUT)
+	@echo "results in $(BENCH_OUT)/ (untracked); to publish a run: cp $(BENCH_OUT)/<name>.* benchmarks/results/"
 
 lint: ## ruff for Python, hadolint for the Dockerfiles (rules ignored in .hadolint.yaml say why)
 	$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) -m pip install -q ruff
@@ -213,7 +230,7 @@ _test-gpu-docker: _docker-ready
 	  python -m pytest $(GPU_TEST_SELECTION) $(PYTEST_ARGS) tests
 
 _test-gpu-host:
-	VLLM_EXT_TARGET_DEVICE=cuda $(if $(BUILD_REVISION),VLLM_EXT_GIT_REVISION=$(BUILD_REVISION)) \
-	  $(PYTHON) -m pip install --no-build-isolation --no-deps -e .
+	@export VLLM_EXT_TARGET_DEVICE=cuda $(if $(BUILD_REVISION),VLLM_EXT_GIT_REVISION=$(BUILD_REVISION)) && \
+	  $(call editable_install,$(PYTHON))
 	$(PYTHON) -m vllm_ext.info
 	$(PYTHON) -m pytest $(GPU_TEST_SELECTION) $(PYTEST_ARGS) tests

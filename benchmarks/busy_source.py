@@ -19,31 +19,27 @@ on a previous pull. Reported: median, p90 and max wall time of the destination's
 makes no request per pull (the source is not involved), so its figures show the destination
 alone.
 
-    python benchmarks/busy_source.py [--backends nccl,ipc,gloo] [--samples 10] [--out DIR]
+    python -m benchmarks.busy_source [--backends nccl,ipc,gloo] [--samples 10] [--out DIR]
                                      [--switch-interval MS]
 
 With two GPUs: destination on cuda:0, source on cuda:1, backends nccl, ipc and gloo; without:
-host caches and gloo. Outputs: busy_source[_cpu].md, .json, .png (with matplotlib).
+host caches and gloo. Outputs: busy-source[-cpu].md, .json, .png (with matplotlib).
 """
 
 import argparse
-import datetime
-import json
-import multiprocessing as mp
 import os
-import platform
 import random
 import select
 import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import migration as common  # noqa: E402  (the migration benchmark's caches and helpers)
+from .common import report as common_report
+from .common.geometry import TINY_BLOCKS, make_cache, make_tiny_cache
+from .common.runner import WAIT_S, log, recv_within, spawn, stop
 
 MODES = ["idle", "busy", "busy + short I/O"]
 BIG_BLOCKS = 8  # 64 MiB of Llumnix's geometry
@@ -71,9 +67,9 @@ def source_main(conn, device, backends, switch_interval):
 
     endpoints = {}
     for backend in backends:
-        endpoints[backend] = MigrationEndpoint(common.make_cache(device, NUM_BLOCKS, seed=1),
+        endpoints[backend] = MigrationEndpoint(make_cache(device, NUM_BLOCKS, seed=1),
                                                backend=backend)
-        endpoints[f"{backend}:tiny"] = MigrationEndpoint(common.make_tiny_cache(device, seed=3),
+        endpoints[f"{backend}:tiny"] = MigrationEndpoint(make_tiny_cache(device, seed=3),
                                                          backend=backend)
     conn.send({k: ep.descriptor() for k, ep in endpoints.items()})
     stop, thread = threading.Event(), None
@@ -101,19 +97,19 @@ def measure(conn, device, backends, samples, budget_s):
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    descs = common.recv_within(conn, "the source's descriptors", 2 * common.WAIT_S)
+    descs = recv_within(conn, "the source's descriptors", 2 * WAIT_S)
     rng = random.Random(0)
     results = {}
     for backend in backends:
-        eps = {"control": (MigrationEndpoint(common.make_tiny_cache(device, seed=4), backend=backend),
-                           descs[f"{backend}:tiny"], 1, common.TINY_BLOCKS),
-               "64 MiB": (MigrationEndpoint(common.make_cache(device, NUM_BLOCKS, seed=2),
+        eps = {"control": (MigrationEndpoint(make_tiny_cache(device, seed=4), backend=backend),
+                           descs[f"{backend}:tiny"], 1, TINY_BLOCKS),
+               "64 MiB": (MigrationEndpoint(make_cache(device, NUM_BLOCKS, seed=2),
                                             backend=backend), descs[backend], BIG_BLOCKS, NUM_BLOCKS)}
         for ep, desc, _, _ in eps.values():
             ep.pull(desc, [0], [0], timeout=PULL_TIMEOUT_S)  # builds the pair
         for mode in MODES:
             conn.send(("mode", mode))
-            assert common.recv_within(conn, "mode") == "ok"
+            assert recv_within(conn, "mode") == "ok"
             entry = results.setdefault(backend, {}).setdefault(mode, {})
             for kind, (ep, desc, n, blocks) in eps.items():
                 times, end = [], time.monotonic() + budget_s
@@ -124,11 +120,11 @@ def measure(conn, device, backends, samples, budget_s):
                     ep.pull(desc, src, dst, timeout=PULL_TIMEOUT_S)
                     times.append(time.perf_counter() - t)
                 entry[kind] = times
-                common.log(f"  {backend:<5} {mode:<17} {kind:<8} median "
+                log(f"  {backend:<5} {mode:<17} {kind:<8} median "
                            f"{statistics.median(times) * 1e3:9.3f} ms, max {max(times) * 1e3:9.3f} ms"
                            f" ({len(times)} pulls)")
         conn.send(("mode", "idle"))
-        common.recv_within(conn, "mode")
+        recv_within(conn, "mode")
         for ep, _, _, _ in eps.values():
             ep.close()
     conn.send(("exit", None))
@@ -157,7 +153,7 @@ def markdown(report):
 
 
 def plot(report, path):
-    plt = common.pyplot()
+    plt = common_report.pyplot()
     if plt is None:
         return False
     backends = list(report["results"])
@@ -173,13 +169,13 @@ def plot(report, path):
     ax.set_title(f"Pulls from a busy source, {report['meta']['mode']}")
     ax.grid(True, axis="y", which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    common.save_figure(plt, fig, path)
+    common_report.save_figure(plt, fig, path)
     return True
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.busy_source", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(common_report.DEFAULT_OUT))
     parser.add_argument("--backends", default=None, help="comma list (default: nccl,ipc,gloo with 2 "
                         "GPUs, else gloo)")
     parser.add_argument("--samples", type=int, default=10, help="pulls per backend, mode and size")
@@ -200,40 +196,28 @@ def main():
                 else ["nccl", "ipc", "gloo"] if gpu_mode else ["gloo"])
     mode = (f"2 GPUs ({torch.cuda.get_device_name(0)})" if gpu_mode
             else f"CPU, {os.cpu_count()} cores")
-    common.log(f"busy-source benchmark: {mode}; backends {backends}")
+    log(f"busy-source benchmark: {mode}; backends {backends}")
     start = time.time()
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
     switch_s = args.switch_interval / 1e3 if args.switch_interval else None
-    src = ctx.Process(target=source_main, args=(b, devices[1], backends, switch_s), daemon=True)
-    src.start()
+    conn, src = spawn(source_main, devices[1], backends, switch_s)
     try:
-        raw = measure(a, devices[0], backends, args.samples, args.budget)
+        raw = measure(conn, devices[0], backends, args.samples, args.budget)
     finally:
-        src.join(20)
-        if src.is_alive():
-            src.kill()
+        stop([src], 20)
     report = {
         "meta": {"mode": mode, "backends": backends, "samples": args.samples,
                  "switch_interval_ms": (switch_s or sys.getswitchinterval()) * 1e3,
-                 "torch": torch.__version__,
-                 "python": platform.python_version(), "date": datetime.datetime.now().isoformat(),
                  "seconds": round(time.time() - start, 1)},
         "results": {b: {m: {k: summary(v) for k, v in kinds.items()} for m, kinds in modes.items()}
                     for b, modes in raw.items()},
         "samples_s": raw,
     }
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = ("busy_source" if gpu_mode else "busy_source_cpu") + (
-        f"_switch{args.switch_interval:g}ms" if args.switch_interval else "")
-    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    name = common_report.stem("busy-source", not gpu_mode) + (
+        f"-switch{args.switch_interval:g}ms" if args.switch_interval else "")
     md = markdown(report)
-    (out_dir / f"{stem}.md").write_text(md)
-    png = plot(report, out_dir / f"{stem}.png")
-    common.log("\n" + md)
-    common.log(f"wrote {out_dir / (stem + '.md')}, .json" + (", .png" if png else "")
-               + f" in {report['meta']['seconds']} s")
+    log("\n" + md)
+    common_report.write(args.out, name, report, md, lambda path: plot(report, path))
+    log(f"busy-source benchmark: {report['meta']['seconds']} s")
 
 
 if __name__ == "__main__":

@@ -19,13 +19,14 @@ CUDA events around each call after a warm-up; inputs rotate over enough id sets 
 that the working set exceeds L2. Every measured op's output is checked against the memcpy
 baseline's (`wrong` column).
 
-    python benchmarks/kernels.py [--out benchmarks/results] [--quick]
-Without a GPU it measures the CPU implementation against a host memcpy ceiling.
+    python -m benchmarks.kernels [--out DIR] [--quick] [--iters N] [--sizes 1,8,68]
+Without a GPU it measures the CPU implementation (gather and scatter of host caches, timed on
+the host clock) next to torch's copy_ of the same bytes, a reference rather than a ceiling.
+Outputs: kernels[-cpu].md, .json, .png (when matplotlib is installed).
 """
 
 import argparse
 import ctypes
-import json
 import math
 import os
 import platform
@@ -33,17 +34,17 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from vllm_ext import KVCache, _lib, build_info, ops
 
-GEOMETRY = {"num_layers": 32, "block_size": 16, "num_kv_heads": 32, "head_size": 128}
-DTYPE = torch.bfloat16
+from .common import report
+from .common.geometry import DTYPE, GEOMETRY, MIB
+
 SIZES_BLOCKS = [1, 2, 4, 8, 16, 32, 68, 128]
 ROTATE_BYTES = 512 << 20  # working set per size: well past the H200's 50 MB L2
-MIB = 1 << 20
+WARMUP_CALLS = 3  # per op and size, before the timed calls
 
 TARGETS = [
     # (op, min blocks, min fraction of ceiling, label)
@@ -106,7 +107,7 @@ class Timer:
         samples = [self._once(graph.replay) / count for _ in range(replays)]
         return statistics.median(samples), min(samples), max(samples)
 
-    def median_ms(self, fns, iters, warmup=3):
+    def median_ms(self, fns, iters, warmup=WARMUP_CALLS):
         for i in range(warmup):
             fns[i % len(fns)]()
         if self.device.type == "cuda":
@@ -202,9 +203,11 @@ def bench_size(n, cache, rng, timer, iters, peer=None):
         results[op] = entry
         graph_note = (f"graph {entry['graph_gbps']:.0f} GB/s {entry['graph_pct_of_ceiling']:.1f}%  "
                       if graph is not None else "")
-        log(f"  {op:8s} {nbytes / MIB:7.0f} MiB  {entry['gbps']:8.1f} GB/s  {entry['pct_of_ceiling']:5.1f}% "
-            f"of {entry['ceiling_gbps']:.0f}  {graph_note}" + "  ".join(f"x{entry[f'speedup_vs_{b}']:.1f} vs {b}"
-                                                           for b in baselines) + f"  wrong={wrong}")
+        versus = (f"{entry['pct_of_ceiling']:5.1f}% of {entry['ceiling_gbps']:.0f}" if dev.type == "cuda" else
+                  f"{entry['pct_of_ceiling'] / 100:.2f}x torch copy_ ({entry['ceiling_gbps']:.0f})")
+        speedups = "  ".join(f"x{entry[f'speedup_vs_{b}']:.1f} vs {b}" for b in baselines)
+        log(f"  {op:8s} {nbytes / MIB:7.0f} MiB  {entry['gbps']:8.1f} GB/s  {versus}  {graph_note}{speedups}"
+            f"  wrong={wrong}")
 
     # ceiling: one contiguous copy of the same bytes
     srcs = [torch.full((nbytes,), 3, dtype=torch.uint8, device=dev) for _ in range(sets)]
@@ -304,6 +307,12 @@ def host_overhead_us(cache, device, repeats=2000):
 
 # ---- output -------------------------------------------------------------------------------------
 def markdown(rows, meta):
+    if meta["gpus"]:
+        return markdown_cuda(rows, meta)
+    return markdown_cpu(rows, meta)
+
+
+def markdown_cuda(rows, meta):
     lines = [f"# vllm-ext kernel benchmark ({meta['device_name']})", "",
              f"Geometry: {meta['geometry']}, {meta['block_mib']:.0f} MiB per block. GB/s = 1e9 bytes/s of "
              "payload; ceiling = one contiguous copy of the same bytes in the same run; speed-up = baseline "
@@ -324,9 +333,32 @@ def markdown(rows, meta):
                      f"{r['speedup_vs_torch']:.1f} | {r['wrong']} |")
     lines += ["", "Host time per call (enqueue only, 1 block): " +
               ", ".join(f"{k} {v} us" for k, v in meta.get("host_us_per_call", {}).items()) + "."]
-    lines += ["", "## Targets", "", "| target | worst measured | met |", "|---|---|---|"]
-    for label, worst, met in meta["targets"]:
-        lines.append(f"| {label} | {worst} | {'yes' if met else 'NO'} |")
+    if meta["targets"]:
+        lines += ["", "## Targets", "", "| target | worst measured | met |", "|---|---|---|"]
+        for label, worst, met in meta["targets"]:
+            lines.append(f"| {label} | {worst} | {'yes' if met else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown_cpu(rows, meta):
+    """The CPU run: host caches, the host clock, no ceiling (torch's copy_ of one contiguous
+    buffer is a reference the threaded CPU implementation may beat)."""
+    lines = [f"# vllm-ext kernel benchmark, CPU implementation ({meta['device_name']}, "
+             f"{os.cpu_count()} cores)", "",
+             f"No GPU: gather and scatter of host caches by the CPU implementation "
+             f"({meta['threads']} threads). Geometry: {meta['geometry']}, {meta['block_mib']:.0f} MiB per "
+             f"block. Time = median of {meta['iters']} calls on the host clock after {WARMUP_CALLS} warm-up "
+             "calls; GB/s = 1e9 bytes/s of payload. *vs copy_* = our GB/s / the GB/s of torch's copy_ of one "
+             "contiguous buffer of the same bytes, in the same run: a reference, not a ceiling. "
+             "Speed-up = torch index_select / index_copy_ per layer, time / our time.", "",
+             "| op | size (MiB) | blocks | time (us) | GB/s | copy_ GB/s | vs copy_ | x vs torch | wrong |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['op']} | {r['bytes'] / MIB:.0f} | {r['blocks']} | {r['time_ms'] * 1e3:.1f} | "
+                     f"{r['gbps']:.1f} | {r['ceiling_gbps']:.1f} | {r['pct_of_ceiling'] / 100:.2f}x | "
+                     f"{r['speedup_vs_torch']:.1f} | {r['wrong']} |")
+    lines += ["", "Host time per call (1 block): " +
+              ", ".join(f"{k} {v} us" for k, v in meta.get("host_us_per_call", {}).items()) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -348,21 +380,17 @@ def evaluate_targets(rows):
     return out
 
 
-def plot(rows, path, title):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib not installed: no plot (pip install matplotlib)")
+def plot(rows, path, title, cuda):
+    plt = report.pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(8, 5))
     for op in dict.fromkeys(r["op"] for r in rows):
         sel = [r for r in rows if r["op"] == op]
         x = [r["bytes"] / MIB for r in sel]
         line, = ax.plot(x, [r["gbps"] for r in sel], marker="o", label=f"{op} (vllm-ext)")
-        ax.plot(x, [r["ceiling_gbps"] for r in sel], ls="--", color=line.get_color(), label=f"{op} ceiling")
+        ax.plot(x, [r["ceiling_gbps"] for r in sel], ls="--", color=line.get_color(),
+                label=f"{op} {'ceiling' if cuda else 'torch copy_ (reference)'}")
         for baseline, style in (("memcpy", ":"), ("torch", "-.")):
             base = [r for r in sel if f"{baseline}_ms" in r]
             if base:
@@ -375,14 +403,13 @@ def plot(rows, path, title):
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    report.save_figure(plt, fig, path)
     return True
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(report.DEFAULT_OUT))
     parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--sizes", default=None, help="comma-separated block counts, e.g. 1,8,68")
@@ -400,17 +427,23 @@ def main(argv=None):
         f"{' + cuda:1 (peer)' if gpus >= 2 else ''}, sizes {sizes} blocks, {iters} iterations")
     rng = random.Random(0)
     cache = KVCache.allocate(num_blocks=num_blocks, dtype=DTYPE, device=device, **GEOMETRY)
+    log(f"filling a cache of {num_blocks} blocks ({num_blocks * cache.block_nbytes / MIB:.0f} MiB) "
+        f"on {device} with random bytes")
     random_fill(cache, 1)
     peer = None
     if gpus >= 2:
         dst = KVCache.allocate(num_blocks=num_blocks, dtype=DTYPE, device="cuda:1", **GEOMETRY)
+        log("filling the same on cuda:1 (the peer copy's destination)")
         random_fill(dst, 2)
         peer = (dst, Timer(torch.device("cuda", 1), peer_device=device))
     elif gpus == 1:
         log("one GPU: peer copy not measured (needs two)")
     timer = Timer(device)
+    log("host time per call: 50 warm-up calls, then 2000 timed calls of each variant (1 block)")
     host_us = host_overhead_us(cache, device)
     log(f"host time per call (no sync, 1 block): {host_us}")
+    log(f"per size and op: {WARMUP_CALLS} warm-up calls, then {iters} timed calls"
+        + ("; device time from a CUDA graph of 32 calls" if gpus else " on the host clock"))
     rows = []
     for n in sizes:
         log(f"[{sizes.index(n) + 1}/{len(sizes)}] {n} blocks ({n * cache.block_nbytes / MIB:.0f} MiB)")
@@ -419,19 +452,14 @@ def main(argv=None):
     rows.sort(key=lambda r: (["gather", "scatter", "peer"].index(r["op"]), r["blocks"]))
     name = torch.cuda.get_device_name(0) if gpus else platform.processor() or "CPU"
     meta = {"device_name": name, "gpus": gpus, "geometry": GEOMETRY | {"dtype": str(DTYPE), "layout": "flash"},
-            "block_mib": cache.block_nbytes / MIB, "iters": iters, "build": build_info(),
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "block_mib": cache.block_nbytes / MIB, "iters": iters, "threads": torch.get_num_threads(),
+            "timing": "cuda events and graphs" if gpus else "host clock"}
     meta["targets"] = evaluate_targets(rows) if gpus else []
     meta["host_us_per_call"] = host_us
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "kernels-" + ("cuda" if gpus else "cpu")
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     table = markdown(rows, meta)
-    (out / f"{stem}.md").write_text(table)
-    plotted = plot(rows, out / f"{stem}.png", f"vllm-ext kernels on {name}")
     print(table)
-    log(f"wrote {out / (stem + '.json')}, {stem}.md" + (f", {stem}.png" if plotted else ""))
+    report.write(args.out, report.stem("kernels", not gpus), {"meta": meta, "rows": rows}, table,
+                 lambda path: plot(rows, path, f"vllm-ext kernels on {name}", bool(gpus)), indent=2)
     return 1 if any(r["wrong"] for r in rows) else 0
 
 

@@ -12,8 +12,8 @@ for variant in "$@"; do
   cmake -S . -B "$dir/build" -GNinja -DVLLM_EXT_OUTPUT_DIR="$dir" -DVLLM_EXT_CUDA_GENCODE="$arch" \
     -DCMAKE_CUDA_FLAGS="-DVLLM_EXT_DEEP_UNROLL=$1 -DVLLM_EXT_MIN_CTAS_PER_SM=$2 -DVLLM_EXT_THREADS=$3" >/dev/null
   cmake --build "$dir/build" >/dev/null
-  VLLM_EXT_LIBRARY="$dir/libvllm_ext.so" python3 benchmarks/kernels.py --sizes "${TUNE_SIZES:-1,8,16,32,68}" --out "$dir" >/dev/null 2>&1
-  python3 - "$dir/kernels-cuda.json" "unroll $1, min CTAs/SM $2, threads $3" <<'PY'
+  VLLM_EXT_LIBRARY="$dir/libvllm_ext.so" python3 -m benchmarks.kernels --sizes "${TUNE_SIZES:-1,8,16,32,68}" --out "$dir" >/dev/null 2>&1
+  python3 - "$dir/kernels.json" "unroll $1, min CTAs/SM $2, threads $3" <<'PY'
 import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]
 cells = [f"{r['op']} {r['bytes'] >> 20} MiB {r['graph_pct_of_ceiling']:.1f}%" for r in rows if "graph_pct_of_ceiling" in r]
