@@ -281,7 +281,7 @@ def test_ipc_killed_source_is_reported(gpu_workers):
         with pytest.raises(RemoteError) as info:
             dst_w.call("pull", "d", desc, [0, 1], [4, 5], 10.0, timeout=CALL_TIMEOUT_S)
         assert info.value.type_name == "MigrationError"
-        assert ("closed its control connection" in info.value.message
+        assert ("connection closed by the peer" in info.value.message
                 or "control channel: cannot connect" in info.value.message), info.value.message
         assert time.monotonic() - start < 5.0, "a dead ipc source must be noticed at once"
     finally:

@@ -52,14 +52,17 @@ def make_plan(args, gpu_mode, have_ray):
     devices and notes for this machine."""
     notes = []
     if gpu_mode:
-        default = ["ipc", "nccl", "gloo"]
+        default = ["ipc", "nccl", "gloo"] if gpu_mode == 2 else ["ipc", "gloo"]
         sizes = list(range(1, 69)) + [BIG_BLOCKS]
         slow = [1, 2, 3, 4, 6, 8, 12, 16, 24, 29, 32, 48, 64, 68, BIG_BLOCKS]
         if args.quick:
             sizes, slow = [1, 2, 4, 8, 16, 29, 64, 68], [1, 4, 16, 64]
         table = [1, 2, 4, 8, 16, 29, 64, 68, BIG_BLOCKS]
         num_blocks = 256
-        devices = ("cuda:0", "cuda:1")
+        devices = ("cuda:0", "cuda:1") if gpu_mode == 2 else ("cuda:0", "cuda:0")
+        if gpu_mode == 1:
+            notes.append("one GPU: both processes on it; ipc's ceiling is a same-GPU copy; nccl needs two "
+                         "GPUs (NCCL refuses two ranks on one GPU) and is absent.")
         if not have_ray:
             notes.append("rayrpc skipped: ray is not installed on this machine; it is measured "
                          "on a host without GPUs, with host caches (see that run's report).")
@@ -70,7 +73,7 @@ def make_plan(args, gpu_mode, have_ray):
         num_blocks = 64
         devices = ("cpu", "cpu")
         notes.append(f"host caches on the CPU ({os.cpu_count()} cores): "
-                     + ("fewer than 2 GPUs" if not args.cpu else "--cpu") + "; GPU rows absent.")
+                     + ("no GPU" if not args.cpu else "--cpu") + "; GPU rows absent.")
         if not have_ray:
             notes.append("rayrpc skipped: ray is not installed.")
     return {"backends": args.backends.split(",") if args.backends else default,
@@ -89,7 +92,7 @@ def main():
     from vllm_ext import _lib
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() and _lib.built_with_cuda() else 0
-    gpu_mode = gpus >= 2 and not args.cpu
+    gpu_mode = 0 if args.cpu else min(gpus, 2)  # 2: two GPUs, 1: both processes on one
     try:
         import ray  # noqa: F401
 
@@ -98,7 +101,7 @@ def main():
         have_ray = False
     plan = make_plan(args, gpu_mode, have_ray)
     backends, samples, slow, notes = plan["backends"], plan["samples"], plan["slow_sizes"], plan["notes"]
-    mode = (f"2 GPUs ({torch.cuda.get_device_name(0)})" if gpu_mode
+    mode = (f"{gpu_mode} GPU(s) ({torch.cuda.get_device_name(0)})" if gpu_mode
             else f"CPU, {os.cpu_count()} cores")
     log(f"migration benchmark: {mode}; backends {backends}; {samples} samples per size; "
         f"geometry {GEOMETRY} bf16 = 8 MiB per block")
@@ -136,7 +139,8 @@ def main():
     }
     md = markdown(report)
     log("\n" + md)
-    common_report.write(args.out, common_report.stem("migration", not gpu_mode), report, md,
+    name = "migration-1gpu" if gpu_mode == 1 else common_report.stem("migration", not gpu_mode)
+    common_report.write(args.out, name, report, md,
                         lambda path: plot(report, path))
     log(f"migration benchmark: {report['meta']['seconds']} s")
     wrong = sum(e.get("wrong", 0) for r in results.values() for e in r.values())

@@ -208,13 +208,17 @@ class Bench:
             self.record(f"{kind} (Llumnix-style baseline)", n, times, self.check(src, dst))
 
     def local_copies(self, sizes, samples):
-        """Peer copy GPU1 -> GPU0 and pinned host <-> device, one contiguous buffer."""
+        """Peer copy GPU1 -> GPU0 (a same-GPU copy on a one-GPU host, where ipc's two processes
+        share the GPU) and pinned host <-> device, one contiguous buffer."""
+        from .report import SAME_GPU_COPY
+
         top = max(sizes) * BLOCK_NBYTES
         dst = torch.empty(top, dtype=torch.uint8, device=self.device)
-        peer = torch.empty(top, dtype=torch.uint8, device=torch.device("cuda", 1))
+        two = torch.cuda.device_count() > 1
+        peer = torch.empty(top, dtype=torch.uint8, device=torch.device("cuda", 1 if two else 0))
         pinned = torch.empty(top, dtype=torch.uint8, pin_memory=True)
         for label, fn in (
-                ("peer copy GPU1->GPU0 (ceiling)", lambda k: dst[:k].copy_(peer[:k])),
+                ("peer copy GPU1->GPU0 (ceiling)" if two else SAME_GPU_COPY, lambda k: dst[:k].copy_(peer[:k])),
                 ("pinned H2D copy (ceiling)", lambda k: dst[:k].copy_(pinned[:k], non_blocking=True)),
                 ("pinned D2H copy (ceiling)", lambda k: pinned[:k].copy_(dst[:k], non_blocking=True))):
             for n in sizes:

@@ -17,8 +17,10 @@ ROW_ORDER = [
     ("gloo (Llumnix-style baseline)", "gloo send/recv, one stream (ceiling)", None),
     ("rayrpc (ours)", "Ray object store, actor to actor (ceiling)", "rayrpc"),
 ]
-EXTRA_RATIOS = {"nccl (ours)": (NCCL_TOGETHER, "nccl (ours) / start-together ceiling")}
-CEILING_ROWS = ["peer copy GPU1->GPU0 (ceiling)", "NCCL send/recv (ceiling)", NCCL_TOGETHER,
+SAME_GPU_COPY = "same-GPU copy (ceiling)"  # ipc's ceiling when both processes share one GPU
+EXTRA_RATIOS = {"nccl (ours)": (NCCL_TOGETHER, "nccl (ours) / start-together ceiling"),
+                "ipc (ours)": (SAME_GPU_COPY, "ipc (ours) / same-GPU copy")}
+CEILING_ROWS = ["peer copy GPU1->GPU0 (ceiling)", SAME_GPU_COPY, "NCCL send/recv (ceiling)", NCCL_TOGETHER,
                 "gloo send/recv, one stream (ceiling)", "pinned H2D copy (ceiling)",
                 "pinned D2H copy (ceiling)", "host memcpy (ceiling)", RAY_CEILING]
 

@@ -78,6 +78,8 @@ class Connection:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _keepalive(sock)
         self._closed = False
+        self._tls = isinstance(sock, ssl.SSLSocket)
+        self._ready = _readiness(sock)  # one poll object for the connection's life
         self.sent = 0  # messages sent (a server tells by it whether a request was answered)
 
     # ---- addresses: where a data path between the two ends meets ---------------------------
@@ -154,9 +156,12 @@ class Connection:
 
     def readable(self) -> bool:
         """True when a message (or EOF) is waiting: never blocks."""
-        if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
+        if self._tls and self.sock.pending():
             return True
-        return _poll_readable(self.sock)
+        try:
+            return self._ready()
+        except (OSError, ValueError):
+            return True
 
     def spin_until_readable(self, seconds: float) -> bool:
         """Polls, without sleeping, for up to `seconds` until a message (or EOF) waits: the next
@@ -476,6 +481,7 @@ class ControlServer:
             try:
                 conn.sock.settimeout(max(deadline.remaining(), 1e-3))
                 conn.sock = self._tls.server.wrap_socket(conn.sock, server_side=True)
+                conn._tls, conn._ready = True, _readiness(conn.sock)
             except (OSError, ssl.SSLError) as e:
                 self._log_once("tls", "control server: TLS with %s failed: %s", conn.peer, e)
                 return False

@@ -14,14 +14,13 @@ peers and pulls blocks from them. A thin facade over two halves:
     ep.disconnect(peer_desc)               # the peer left: release the pair built for it
 """
 
-import contextlib
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from .._ids import block_id_list
 from ..errors import ClosedError, Error, MigrationError
@@ -111,9 +110,11 @@ class _Destination:
         start = time.perf_counter()
 
         def pull(pair) -> PullStats:
+            step = max(peer.num_blocks, 1)
+            if len(src) <= step:
+                return pair.pull(src, dst, deadline)
             # A source takes at most as many ids per request as it has blocks (its frame bound):
             # a longer pull (ids repeated) goes as several.
-            step = max(peer.num_blocks, 1)
             parts = [pair.pull(src[lo:lo + step], dst[lo:lo + step], deadline) for lo in range(0, len(src), step)]
             return PullStats(self._backend.name, len(src), sum(p.nbytes for p in parts), 0.0,
                              chunks=sum(p.chunks for p in parts))
@@ -170,31 +171,15 @@ class _Destination:
                 self._reaper.start()
             return link
 
-    @contextlib.contextmanager
-    def _hold(self, link: _PeerLink, deadline: Deadline, what: str, dst=None) -> Iterator[None]:
-        if not link.lock.acquire(timeout=max(deadline.remaining(), 0)):
-            raise MigrationError(f"{what} {link.peer.short()}: another pull or connect for this peer held "
-                                 f"it past the deadline ({deadline.timeout:g} s)",
-                                 peer=link.peer.endpoint_id, dst_block_ids=dst)
-        try:
-            yield
-        finally:
-            if self.closed:  # close() gave up waiting for this call: its link is released here
-                link.close(failed=True)
-            link.lock.release()
+    def _hold(self, link: _PeerLink, deadline: Deadline, what: str, dst=None) -> "_Held":
+        """`with self._hold(link, ...)`: the block runs with link.lock held."""
+        return _Held(self, link, deadline, what, dst)
 
-    @contextlib.contextmanager
-    def _locked(self, peer: PeerDescriptor, deadline: Deadline, what: str, dst=None) -> Iterator[_PeerLink]:
-        """The current link to `peer`, its lock held for the block. A link that was dropped
-        while this call waited for its lock is left alone: the call takes a new one."""
-        while True:
-            link = self._register(peer, what)
-            with self._hold(link, deadline, what, dst):
-                with self._lock:
-                    current = self._links.get(peer.endpoint_id) is link
-                if current:
-                    yield link
-                    return
+    def _locked(self, peer: PeerDescriptor, deadline: Deadline, what: str, dst=None) -> "_Current":
+        """`with self._locked(peer, ...) as link`: the current link to `peer`, its lock held
+        for the block. A link that was dropped while this call waited for its lock is left
+        alone: the call takes a new one."""
+        return _Current(self, peer, deadline, what, dst)
 
     def _use(self, link: _PeerLink, deadline: Deadline, what: str, dst=None,
              action: Optional[Callable[[Any], Any]] = None) -> Tuple[bool, Any]:
@@ -286,6 +271,47 @@ class _Destination:
         if backend.uses_control_channel and not peer.secret and self._shared_secret is None:
             raise ValueError("peer: its descriptor carries no secret and this endpoint has no deployment "
                              f"secret: give both endpoints the same one ({auth.ENV_SECRET} or secret=)")
+
+
+class _Held:
+    """A link's lock, held for a `with` block (taken in __enter__, released in __exit__)."""
+
+    __slots__ = ("dest", "link", "deadline", "what", "dst")
+
+    def __init__(self, dest: _Destination, link: _PeerLink, deadline: Deadline, what: str, dst):
+        self.dest, self.link, self.deadline, self.what, self.dst = dest, link, deadline, what, dst
+
+    def __enter__(self) -> _PeerLink:
+        link = self.link
+        if not link.lock.acquire(timeout=max(self.deadline.remaining(), 0)):
+            raise MigrationError(f"{self.what} {link.peer.short()}: another pull or connect for this peer "
+                                 f"held it past the deadline ({self.deadline.timeout:g} s)",
+                                 peer=link.peer.endpoint_id, dst_block_ids=self.dst)
+        return link
+
+    def __exit__(self, *exc) -> None:
+        if self.dest.closed:  # close() gave up waiting for this call: its link is released here
+            self.link.close(failed=True)
+        self.link.lock.release()
+
+
+class _Current(_Held):
+    """The current link to a peer, its lock held for a `with` block (see _Destination._locked)."""
+
+    __slots__ = ("peer",)
+
+    def __init__(self, dest: _Destination, peer: PeerDescriptor, deadline: Deadline, what: str, dst):
+        super().__init__(dest, None, deadline, what, dst)
+        self.peer = peer
+
+    def __enter__(self) -> _PeerLink:
+        dest, key = self.dest, self.peer.endpoint_id
+        while True:
+            self.link = dest._register(self.peer, self.what)
+            link = super().__enter__()
+            if dest._links.get(key) is link:  # a dict read: atomic; removals hold this lock
+                return link
+            link.lock.release()
 
 
 class _Source:
