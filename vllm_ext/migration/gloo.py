@@ -3,8 +3,7 @@ hosts without a GPU interconnect, and for CPU caches.
 
 Per pair, the destination creates a private TCPStore and `stripes` two-rank gloo process
 groups (rank 0 = destination, 1 = source), each with its own device and so its own TCP
-connection and I/O thread: one gloo stream tops out near 3.3 GB/s on loopback, several run in
-parallel. The store listens only on the destination's address of the authenticated control
+connection and I/O thread, so several streams run in parallel (benchmarks/TUNING.md). The store listens only on the destination's address of the authenticated control
 connection, and the source connects to that same peer address (no address travels in a
 message). A pull is cut into chunks of about `chunk_bytes`; each chunk into `stripes` byte
 ranges, one per group. Two staging slots per side pipeline the stages:

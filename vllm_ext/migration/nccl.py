@@ -1,72 +1,47 @@
 """nccl: blocks cross GPU-to-GPU (NVLink, PCIe or the network) through NCCL send/recv, staged in
 GPU memory.
 
-Pairwise communicators: the destination makes NCCL unique ids and sends them over the control
-channel; both sides join two-rank communicators (rank 0 = destination, 1 = source) used for
-pulls in that direction only, cached per peer. No third instance and no global group are ever
-involved, so instances join and leave freely (each communicator costs NCCL buffers, tens of
-MB of GPU memory).
+Pairwise communicators: the destination makes NCCL unique ids and sends them over the
+authenticated control channel; both sides join two-rank communicators (rank 0 = destination,
+1 = source), cached per peer and used for pulls in that direction only. No global group: instances
+join and leave freely. A pair's `lanes` communicators are set up in one NCCL group, so their
+set-ups overlap.
 
-Pipeline: a pair has `lanes` (default 2), each its own communicator with two staging slots, a
-copy stream and a comm stream. Chunks grow 1, 2, 4, ... blocks up to `chunk_bytes`
-(vllm_ext_ramp_bounds: the first send starts after one block's gather, long pulls need few
-NCCL calls) and alternate between the lanes:
+Pipeline: each lane has two staging slots, a copy stream and a comm stream. Chunks grow 1, 2,
+4, ... blocks up to `chunk_bytes` (vllm_ext_ramp_bounds: the first send starts after one block's
+gather) and alternate between the lanes, so one chunk's start-up and tail overlap the next one's
+transfer:
 
     source:       gather c+1 (copy stream)     | ncclSend c (comm stream)
     destination:  ncclRecv c+1 (comm stream)   | scatter c (copy stream)
 
-Neighbouring chunks travel on different communicators at once, so one send's start-up and
-tail overlap the next one's transfer instead of adding to it, and NCCL drives each lane
-with its own channels. Measured on two H200s with a diagnostic script (the pipeline without
-its control messages, source posted first), against one raw NCCL send/recv of the same bytes
-at 64 MiB / 128 MiB / 544 MiB / 1.6 GiB: one lane with 64 MiB chunks 80 / 92 / 86 / 84%, two
-lanes with 32 MiB chunks 87 / 108 / 107 / 97%. Two lanes with 32 MiB chunks hold the same
-staging memory (128 MiB per side and pair) as one lane with 64 MiB chunks.
+The destination's copies first wait for the work queued on the caller's current stream; the
+source reads its blocks at once (it offers blocks whose writes are complete). Each side enqueues
+a whole request with one call into the library (vllm_ext_staged_transfer, which calls
+ncclSend/ncclRecv through their addresses), then polls one event against the deadline.
 
-The destination's copy streams first wait for the work queued on the caller's current stream;
-the source reads its blocks at once (it offers blocks whose writes are complete, as for ipc).
-Everything is enqueued up front with events between the streams, by one call into vllm_ext's
-library per request and side (it calls ncclSend/ncclRecv through their addresses, and the copies
-carry their block ids in the kernel parameters: no id upload); the host then polls one
-event against the deadline. NCCL kernels wait forever for a peer that is gone, so on the
-deadline (or when the control connection reports the peer's failure or exit) the side aborts
-its communicators (ncclCommAbort ends the kernels), drains its streams, discards the pair, and
-the next pull builds a new one. Communicator set-up runs on a helper thread joined with the
-deadline; a set-up that never completes is abandoned. The lanes' communicators are set up in
-one NCCL group, so that their set-ups overlap: on two H200s a new peer's first pull took
-192-211 ms, against 210-232 ms with the two joined one after the other (the first pair of a
-process also pays NCCL's one-time initialisation: 0.43-0.76 s in all over six runs). A
-set-up abandoned at its deadline holds all of the pair's communicators in that group until
-it returns, if ever (then they are aborted); while the peer has not joined, that is a thread
-waiting in NCCL's bootstrap and host memory, no GPU buffers. Non-blocking communicators
-(ncclConfig_t.blocking = 0), whose set-up can be aborted while it waits, were tried: with
-NCCL 2.28 every later ncclSend/ncclRecv on them also answered ncclInProgress (its launch
-finishing in the background), which a transfer enqueued in one call, chunk after chunk
-with events between them, cannot use.
+The source side runs without Python: once the pair is built its control connection carries
+binary pull requests (protocol.PULL_REQUEST), which a library thread reads, checks, enqueues and
+answers (vllm_ext_pull_server_*), so a source whose Python is busy does not delay pulls. The
+connection's Python thread only waits for that thread to end, then aborts the communicators.
 
-A pull is one request unless it holds more than 128 slots' worth of blocks (or of 448-id
-launches): then it goes as several requests, one after the other (request_segments), so that
-neither side ever queues more than the pull server's 256 chunks: a full CUDA launch queue
+Failures: NCCL kernels wait forever for a peer that is gone, so at the deadline, or when the
+control connection reports the peer's failure or exit, a side aborts its communicators
+(ncclCommAbort ends the kernels), drains its streams and drops the pair; the next pull builds a
+new one. Set-up runs on a helper thread joined with the deadline; a set-up that never completes
+is abandoned (it holds host memory and a thread in NCCL's bootstrap, no GPU buffers) and its
+communicators are aborted if it ever returns. The communicators are blocking ones.
+NOTE: non-blocking communicators (whose set-up could be aborted) answer ncclInProgress to every
+later send and receive, which a transfer enqueued in one call cannot use.
+
+A pull is one request unless it holds more than 128 slots' worth of blocks (request_segments):
+neither side ever queues more than the pull server's 256 chunks, since a full CUDA launch queue
 would block a thread inside a launch, out of any deadline's reach.
 
-The source side of pulls runs without Python: once the pair is built, its control connection
-carries binary pull requests (ids and a deadline), which a thread of vllm_ext's library reads,
-checks, enqueues and answers (vllm_ext_pull_server_*). A source process whose Python is busy
-would otherwise hand every request to its server thread through the GIL: 5 ms per hand-over
-with a busy loop (the switch interval), seconds when that loop also releases the GIL often.
-The connection's Python thread only waits for the library thread to end (the destination
-closed the connection, a pull failed or passed its deadline, the endpoint closes), then
-aborts the communicators.
-
-The gathers and scatters run with a capped grid (`copy_ctas`, default one CTA per 2 SMs):
-still far faster than the link, and the NCCL kernels of neighbouring chunks keep SM room and
-memory bandwidth (one lane, 544 MiB / 1.6 GiB: 257 / 266 GiB/s with a full grid, 270 / 285
-with 66 CTAs, 249 / 278 with 16).
-
-The destination chooses the pair's parameters and sends them to the source at connect.
-Options: chunk_bytes (largest chunk, default 32 MiB), lanes (communicators per pair, 1 to 8,
-default 2; staging memory per side and pair is lanes x 2 x chunk_bytes), copy_ctas (None =
-one per 2 SMs, 0 = the whole GPU).
+Options (the destination's values apply to a pair): chunk_bytes (largest chunk, default 32 MiB),
+lanes (1 to 8, default 2; staging per side and pair: lanes x 2 x chunk_bytes), copy_ctas (grid
+cap of the staging copies, so NCCL keeps SM room; default one CTA per 2 SMs, 0 = the whole GPU).
+benchmarks/TUNING.md has the measurements behind these defaults.
 """
 
 import array

@@ -15,9 +15,7 @@ Errors: a source actor that died raises RayActorError, a stalled one misses the 
 `ray.get`; both become MigrationError. Ray is optional: `pip install vllm-ext[ray]`.
 
 Options: chunk_bytes (default 64 MiB), max_in_flight (default 2). Each chunk is one Ray call and
-one object, and each costs milliseconds of Ray's own work on a small host: measured on 2 cores
-(host caches), 64 MiB chunks moved 2.5-2.7 GiB/s at 64 MiB and 3.4-3.6 at 232 MiB, 32 MiB
-chunks 1.2-2.2 and 3.2-3.5, 16 MiB chunks 2.0-2.2 and 2.5-2.6.
+one object, each costing milliseconds of Ray's own work on a small host (benchmarks/TUNING.md).
 """
 
 import ctypes
