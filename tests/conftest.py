@@ -1,8 +1,15 @@
 """Hardware markers: `gpu` tests need one CUDA GPU and a CUDA build, `multi_gpu` two GPUs with
-peer access. Without them the tests are skipped with the reason; they never pass silently."""
+peer access. Without them the tests are skipped with the reason; they never pass silently.
+Tests live by area (ops/, migration/, build/, docs/); their shared code in helpers/."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+HELPERS = Path(__file__).resolve().parent / "helpers"
+sys.path.insert(0, str(HELPERS))
 
 
 def _gpu_state():

@@ -12,8 +12,8 @@ import torch
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install vllm-ext[ray])")
 
-from test_migration import LAYOUT_PAIRS, random_spec, same_geometry  # noqa: E402
-from test_migration_harness import make_cache  # noqa: E402
+from migration_harness import make_cache  # noqa: E402
+from specs import LAYOUT_PAIRS, random_spec, same_geometry  # noqa: E402
 
 from vllm_ext.migration import MigrationEndpoint  # noqa: E402
 
@@ -74,8 +74,10 @@ class Instance:
 @pytest.fixture(scope="module")
 def ray_node():
     here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(here)
-    path = os.pathsep.join(p for p in (here, root, os.environ.get("PYTHONPATH")) if p)
+    tests = os.path.dirname(here)
+    root = os.path.dirname(tests)
+    path = os.pathsep.join(p for p in (here, os.path.join(tests, "helpers"), root, os.environ.get("PYTHONPATH"))
+                           if p)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield

@@ -14,8 +14,8 @@ import time
 
 import pytest
 import torch
-from test_migration import LAYOUT_PAIRS, random_spec, same_geometry
-from test_migration_harness import RemoteError, Worker, close_quietly, start_workers
+from migration_harness import RemoteError, Worker, close_quietly, start_workers
+from specs import LAYOUT_PAIRS, random_spec, same_geometry
 
 NUM_CASES = 4
 OPTIONS = {

@@ -191,7 +191,7 @@ def test_start_refuses_bad_lanes(bad):
 
 
 def test_the_wire_constants_match_the_header():
-    path = Path(__file__).resolve().parents[1] / "csrc" / "vllm_ext.h"
+    path = Path(__file__).resolve().parents[2] / "csrc" / "vllm_ext.h"
     if not path.exists():
         pytest.skip("no csrc/ here (the tests of an installed wheel)")
     header = path.read_text().lower()
@@ -277,7 +277,7 @@ def test_a_failed_connect_reaches_the_destination_in_the_binary_format():
 def test_the_test_stall_setter_is_separate_from_start():
     """The fault hook of tests has its own entry point: vllm_ext_pull_server_start takes none."""
     assert len(_lib._FUNCTIONS["vllm_ext_pull_server_start"][1]) == 11
-    path = Path(__file__).resolve().parents[1] / "csrc" / "vllm_ext.h"
+    path = Path(__file__).resolve().parents[2] / "csrc" / "vllm_ext.h"
     if path.exists():
         start = path.read_text().split("vllm_ext_pull_server_start(")[1].split(";")[0]
         assert "stall" not in start
