@@ -3,10 +3,10 @@ hosts without a GPU interconnect, and for CPU caches.
 
 Per pair, the destination creates a private TCPStore and `stripes` two-rank gloo process
 groups (rank 0 = destination, 1 = source), each with its own device and so its own TCP
-connection and I/O thread, so several streams run in parallel (benchmarks/TUNING.md). The store listens only on the destination's address of the authenticated control
-connection, and the source connects to that same peer address (no address travels in a
-message). A pull is cut into chunks of about `chunk_bytes`; each chunk into `stripes` byte
-ranges, one per group. Two staging slots per side pipeline the stages:
+connection and I/O thread, so several streams run in parallel (benchmarks/TUNING.md). The
+store listens only on the destination's address of the authenticated control connection, and
+the source connects to that same peer address (no address travels in a message). A pull is
+cut into chunks of about `chunk_bytes`; each chunk into `stripes` byte ranges, one per group. Two staging slots per side pipeline the stages:
 
     source:       gather c+1, copy to host    | send c (stripes in parallel)
     destination:  receive c+1                 | copy to GPU, scatter c
@@ -14,9 +14,9 @@ ranges, one per group. Two staging slots per side pipeline the stages:
 A CUDA cache stages through its GPU: the kernel gathers into a device slot and the copy engine
 moves the slot to pinned host memory (and back on the other side).
 
-Both sides poll their gloo operations and watch the control connection meanwhile, so a peer
-that dies, reports a failure or closes its endpoint ends the transfer within milliseconds, not
-at its deadline. A pair that failed midway is parked (a gloo group's destructor can wait for
+Both sides wait for their gloo operations on helper threads and watch the control connection
+meanwhile, so a peer that dies, reports a failure or closes its endpoint ends the transfer
+within _WATCH_S, not at its deadline. A pair that failed midway is parked (a gloo group's destructor can wait for
 its pending operations) and rebuilt on the next pull; an idle pair that ends is freed at once.
 
 Options: stripes (default: a quarter of the cores, 1..8), chunk_bytes (default 16 MiB).
@@ -49,7 +49,7 @@ from .base import (
     watch_connection,
 )
 from .protocol import encode_ids
-from .timing import Deadline, poll_until
+from .timing import Deadline
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ _DST_RANK, _SRC_RANK = 0, 1
 _STRIPE_ALIGN = 4096
 _DRAIN_S = 1.0
 _MAX_PARKED = 16  # failed pairs kept; the oldest is let go beyond this (its operations have timed out)
-_POLL_SLEEP_S = 2e-3  # the longest sleep between two looks at the operations and the connection
+_WATCH_S = 0.05  # the longest wait between two looks at the peer's control connection
 
 
 def default_stripes() -> int:
@@ -190,9 +190,16 @@ def _listening_store(address: str, deadline: Deadline):
 
 def _wait(futures, deadline: Deadline, what: str, watch) -> None:
     """Waits for the futures of gloo operations, running `watch` (a look at the peer's control
-    connection) meanwhile; MigrationError on a failure, the peer's report or exit, or the
-    deadline."""
-    poll_until(lambda: all(f.done() for f in futures), deadline, what, watch, max_sleep_s=_POLL_SLEEP_S)
+    connection) at least every _WATCH_S; MigrationError on a failure, the peer's report or exit,
+    or the deadline. It sleeps on the futures (no spinning: a small host's cores belong to
+    gloo's I/O threads) and wakes as soon as they are done."""
+    pending = set(futures)
+    while pending:
+        watch()
+        remaining = deadline.remaining()
+        if remaining <= 0:
+            raise MigrationError(f"{what}: not complete at the deadline of {deadline.timeout:g} s")
+        _, pending = concurrent.futures.wait(pending, timeout=min(remaining, _WATCH_S))
     for future in futures:
         try:
             future.result(timeout=0)
