@@ -6,7 +6,8 @@ groups (rank 0 = destination, 1 = source), each with its own device and so its o
 connection and I/O thread, so several streams run in parallel (benchmarks/TUNING.md). The
 store listens only on the destination's address of the authenticated control connection, and
 the source connects to that same peer address (no address travels in a message). A pull is
-cut into chunks of about `chunk_bytes`; each chunk into `stripes` byte ranges, one per group. Two staging slots per side pipeline the stages:
+cut into chunks of about `chunk_bytes`; each chunk into `stripes` byte ranges, one per group.
+Two staging slots per side pipeline the stages:
 
     source:       gather c+1, copy to host    | send c (stripes in parallel)
     destination:  receive c+1                 | copy to GPU, scatter c
