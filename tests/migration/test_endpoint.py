@@ -393,3 +393,22 @@ def test_descriptor_is_small_and_picklable(local_pair):
     assert len(data) < 1024
 
 
+
+
+def test_a_bug_inside_a_backend_keeps_its_type_and_drops_the_link(local_pair):
+    """A failure of the transfer is a MigrationError; a bug (here a KeyError) is not dressed up
+    as one, and still leaves nothing behind."""
+    a, b = local_pair
+    desc = b.descriptor()
+    a.pull(desc, [1], [1], timeout=30)
+    link = a._destination._links[desc.endpoint_id]
+
+    def broken(src, dst, deadline):
+        raise KeyError("a bug")
+
+    link.pair.pull = broken
+    with pytest.raises(KeyError, match="a bug"):
+        a.pull(desc, [2], [2], timeout=30)
+    assert desc.endpoint_id not in a._destination._links
+    a.pull(desc, [3], [3], timeout=30)  # a new link, a new pair
+    assert torch.equal(expected_blocks_of(a, [3]), expected_blocks(dict(SPEC, seed=2, num_blocks=8), [3]))
