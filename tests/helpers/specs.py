@@ -3,6 +3,9 @@
 LAYOUT_PAIRS = [("flash", "flash"), ("flash", "flashinfer"), ("flashinfer", "flash"),
                 ("mla", "mla")]
 DTYPES = ["bfloat16", "float16", "float32", "uint8"]
+# A small cache for tests in one process.
+SMALL_SPEC = {"num_layers": 2, "num_blocks": 16, "block_size": 4, "num_kv_heads": 2, "head_size": 16,
+              "dtype": "bfloat16", "layout": "flash", "seed": 1}
 
 
 def random_spec(rng, layout, seed, num_blocks=None):

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 from migration_harness import Worker, make_cache
+from specs import SMALL_SPEC
 
 from vllm_ext.migration import (
     BACKEND_NAMES,
@@ -20,9 +21,7 @@ from vllm_ext.migration import (
 )
 from vllm_ext.migration.timing import Deadline
 
-# A small cache in one process (the specs of helpers/migration_harness.make_cache).
-SPEC = {"num_layers": 2, "num_blocks": 16, "block_size": 4, "num_kv_heads": 2, "head_size": 16,
-        "dtype": "bfloat16", "layout": "flash", "seed": 1}
+SPEC = SMALL_SPEC
 
 
 def test_chunk_ranges_cover_the_ids_in_order():

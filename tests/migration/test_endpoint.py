@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 from migration_harness import StallFaults, expected_blocks, make_cache
+from specs import SMALL_SPEC
 
 from vllm_ext.migration import (
     ClosedError,
@@ -21,9 +22,7 @@ from vllm_ext.migration import (
 from vllm_ext.migration.control import LOCAL_SOCKETS, Connection
 from vllm_ext.migration.timing import Deadline
 
-# ---- rejections (in one process: they never reach a transfer) -------------------------------
-SPEC = {"num_layers": 2, "num_blocks": 16, "block_size": 4, "num_kv_heads": 2, "head_size": 16,
-        "dtype": "bfloat16", "layout": "flash", "seed": 1}
+SPEC = SMALL_SPEC  # in one process: rejections never reach a transfer
 
 
 @pytest.fixture
