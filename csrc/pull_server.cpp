@@ -87,6 +87,7 @@ bool peer_closed(int fd) {
 struct vllm_ext_pull_server {
   int fd = -1;
   vllm_ext_side cache{};
+  const volatile int32_t* grants = nullptr;  // [host] per-block grant counts, or NULL: every block
   std::vector<vllm_ext_staging> lanes;
   int32_t num_layers = 0, num_components = 0, alignment = 1, device = 0;
   int64_t chunk_nbytes = 0;
@@ -174,6 +175,10 @@ struct vllm_ext_pull_server {
       if (id < 0 || id >= cache.num_blocks) {
         reply(VLLM_EXT_PULL_REFUSED, "src_block_ids: id " + std::to_string(id) + " out of range for a cache of " +
                                          std::to_string(cache.num_blocks) + " blocks");
+        return true;
+      }
+      if (grants != nullptr && grants[id] <= 0) {
+        reply(VLLM_EXT_PULL_REFUSED, "src_block_ids: block " + std::to_string(id) + " is not granted by the source");
         return true;
       }
     }
@@ -280,7 +285,8 @@ extern "C" {
 
 int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cache, const vllm_ext_staging* lanes,
                                int32_t num_lanes, int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
-                               int32_t alignment, int32_t device, void* done_event, vllm_ext_pull_server** server) {
+                               int32_t alignment, int32_t device, void* done_event, const int32_t* grants,
+                               vllm_ext_pull_server** server) {
   if (server == nullptr || cache == nullptr || lanes == nullptr || done_event == nullptr || fd < 0)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "null argument or negative fd to vllm_ext_pull_server_start");
   *server = nullptr;
@@ -301,6 +307,7 @@ int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cache, const vll
   s->alignment = alignment;
   s->device = device;
   s->done = static_cast<cudaEvent_t>(done_event);
+  s->grants = grants;
   try {
     s->thread = std::thread([s] { s->run(); });
   } catch (const std::exception& e) {

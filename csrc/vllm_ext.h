@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define VLLM_EXT_ABI_VERSION 6
+#define VLLM_EXT_ABI_VERSION 7
 
 /* The library is built with hidden visibility; only these functions are exported. */
 #if defined(__GNUC__)
@@ -163,7 +163,10 @@ VLLM_EXT_API int64_t vllm_ext_ramp_bounds(int64_t n, int64_t slot_blocks, int64_
  * past it, it sends FAILED and ends (as it does after a failed enqueue, or on a stop during a
  * pull); a peer that closes the connection ends it too. After the thread ends, the caller must
  * end the communicator (ncclCommAbort) before reusing the slots: a pull may be half enqueued.
- * `cache` and the lanes are copied; done_event and the streams, events, slots and
+ * `grants` ([host], may be NULL: every block is served) holds one int32 per block of `cache`,
+ * read at every request: a request naming a block whose count is not positive is REFUSED (the
+ * source serves only blocks it granted, e.g. those of live leases).
+ * `cache` and the lanes are copied; done_event, `grants` and the streams, events, slots and
  * communicators that the lanes name must stay valid until destroy.
  */
 #define VLLM_EXT_PULL_REQUEST_MAGIC 0x31505856u /* "VXP1" */
@@ -182,7 +185,8 @@ typedef enum {
 typedef struct vllm_ext_pull_server vllm_ext_pull_server;
 VLLM_EXT_API int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cache, const vllm_ext_staging* lanes,
                                int32_t num_lanes, int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
-                               int32_t alignment, int32_t device, void* done_event, vllm_ext_pull_server** server);
+                               int32_t alignment, int32_t device, void* done_event, const int32_t* grants,
+                               vllm_ext_pull_server** server);
 /* Tests only, never called in production: `stall` ([host], NULL to end it) holds {chunk,
  * microseconds}, read at every later request; the thread pauses that long (bounded by the
  * deadline, ended by a stop or the peer leaving) before enqueueing that chunk. It must stay

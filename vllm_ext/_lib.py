@@ -15,7 +15,7 @@ _DIR = Path(__file__).resolve().parent
 # VLLM_EXT_LIBRARY loads another build of the library (tests use it for arch checks).
 LIBRARY_PATH = Path(os.environ.get("VLLM_EXT_LIBRARY") or _DIR / "libvllm_ext.so")
 BUILD_INFO_PATH = _DIR / "_build_info.json"
-ABI_VERSION = 6
+ABI_VERSION = 7
 IPC_HANDLE_BYTES = 64
 
 # vllm_ext_status
@@ -94,9 +94,9 @@ _FUNCTIONS = {
     "vllm_ext_ramp_bounds": (_i64, [_i64, _i64, _ptr, _i64]),
     # int vllm_ext_pull_server_start(int32 fd, const side* cache, const staging* lanes,
     #     int32 num_lanes, int32 num_layers, int32 num_components, int64 chunk_nbytes,
-    #     int32 alignment, int32 device, void* done_event, pull_server** server)
+    #     int32 alignment, int32 device, void* done_event, const int32* grants, pull_server** server)
     "vllm_ext_pull_server_start": (_i32, [_i32, _side_p, _staging_p, _i32, _i32, _i32, _i64, _i32, _i32, _ptr,
-                                          ctypes.POINTER(_ptr)]),
+                                          _ptr, ctypes.POINTER(_ptr)]),
     # int vllm_ext_pull_server_test_stall(pull_server* server, const int64* stall)  (tests only)
     "vllm_ext_pull_server_test_stall": (_i32, [_ptr, _ptr]),
     # int vllm_ext_pull_server_stop(pull_server* server)
@@ -321,14 +321,16 @@ class PullServer:
     the server ends, then destroy(); stop() may come from any thread before destroy()."""
 
     def __init__(self, fd, cache, lanes, num_layers, num_components, chunk_nbytes, alignment, device,
-                 done_event):
+                 done_event, grants=None):
         """fd: a socket descriptor the server takes over (closed by destroy, or here on
-        failure); cache (Side) and lanes (a ctypes array of Staging) are kept alive."""
+        failure); cache (Side), lanes (a ctypes array of Staging) and grants (c_int32 * num_blocks,
+        or None: every block) are kept alive."""
         handle = ctypes.c_void_p()
-        self._keep = [cache, lanes]
+        self._keep = [cache, lanes, grants]
         self._lock = threading.Lock()
         status = lib().vllm_ext_pull_server_start(fd, ctypes.byref(cache), lanes, len(lanes), num_layers,
                                                   num_components, chunk_nbytes, alignment, device, done_event,
+                                                  None if grants is None else ctypes.addressof(grants),
                                                   ctypes.byref(handle))
         if status != OK:
             os.close(fd)

@@ -37,13 +37,13 @@ def lanes(count=2, **changes):
     return (_lib.Staging * count)(*[_lib.Staging(**dict(fields, **(changes if i else {}))) for i in range(count)])
 
 
-def _serve(given_lanes):
+def _serve(given_lanes, grants=None):
     """(the destination's socket, the PullServer, its stall array) over a socket pair."""
     if not _lib.built_with_cuda():
         pytest.skip("the pull server is part of a CUDA build of the library")
     ours, theirs = socket.socketpair()
     stall = (ctypes.c_int64 * 2)(-1, 0)
-    srv = _lib.PullServer(theirs.detach(), _side(), given_lanes, 1, 1, 64, 16, 0, 0x4000)
+    srv = _lib.PullServer(theirs.detach(), _side(), given_lanes, 1, 1, 64, 16, 0, 0x4000, grants)
     srv.test_stall(stall)
     ours.settimeout(10)
     return ours, srv, stall
@@ -110,6 +110,21 @@ def test_refuses_bad_requests_and_keeps_serving(server):
     assert srv.wait(0.05) is None  # still serving
     sock.shutdown(socket.SHUT_WR)  # the destination leaves
     assert ended(srv) == (_lib.SERVER_PEER_CLOSED, "")
+
+
+def test_a_server_with_grants_refuses_blocks_not_granted():
+    grants = (ctypes.c_int32 * NUM_BLOCKS)()
+    grants[3] = 1
+    sock, srv, _ = _serve(lanes(), grants)
+    try:
+        request(sock, [3, 4])
+        assert reply(sock) == (protocol.PULL_REFUSED, "src_block_ids: block 4 is not granted by the source")
+        grants[3] = 0  # revoked: read at the next request
+        request(sock, [3])
+        assert reply(sock) == (protocol.PULL_REFUSED, "src_block_ids: block 3 is not granted by the source")
+        assert srv.wait(0.05) is None  # refusals leave it serving
+    finally:
+        _end(sock, srv)
 
 
 def test_a_malformed_request_ends_the_server(server):
@@ -276,7 +291,7 @@ def test_a_failed_connect_reaches_the_destination_in_the_binary_format():
 
 def test_the_test_stall_setter_is_separate_from_start():
     """The fault hook of tests has its own entry point: vllm_ext_pull_server_start takes none."""
-    assert len(_lib._FUNCTIONS["vllm_ext_pull_server_start"][1]) == 11
+    assert len(_lib._FUNCTIONS["vllm_ext_pull_server_start"][1]) == 12
     path = Path(__file__).resolve().parents[2] / "csrc" / "vllm_ext.h"
     if path.exists():
         start = path.read_text().split("vllm_ext_pull_server_start(")[1].split(";")[0]

@@ -430,3 +430,37 @@ def test_tls_is_refused_where_the_backend_cannot_carry_it(tmp_path):
     tls = _certificates(tmp_path)
     with pytest.raises(ValueError, match="tls: not supported by the nccl backend"):
         MigrationEndpoint(make_cache(1), "nccl", tls=tls("a"))
+
+
+# ---- serve="granted": a source serves only the blocks it granted ------------------------------
+def test_a_source_serves_only_granted_blocks(monkeypatch):
+    monkeypatch.setenv(ENV_SECRET, SECRET.decode())
+    src = MigrationEndpoint(make_cache(1), "gloo", serve="granted", **GLOO)
+    dst_cache = make_cache(2)
+    dst = MigrationEndpoint(dst_cache, "gloo", **GLOO)
+    try:
+        desc = src.descriptor()
+        with pytest.raises(MigrationError, match="block 3 is not granted by the source") as info:
+            dst.pull(desc, [3], [0], timeout=10)
+        assert info.value.remote_type == "ValueError"
+        src.grant([3, 4, 4])
+        dst.pull(desc, [4, 3], [0, 1], timeout=10)
+        assert torch.equal(ops.gather_blocks(dst_cache, [0, 1]), ops.gather_blocks(src.cache, [4, 3]))
+        src.revoke([3, 4])  # block 4 was granted twice: still served once more
+        dst.pull(desc, [4], [2], timeout=10)
+        with pytest.raises(MigrationError, match="block 3 is not granted"):
+            dst.pull(desc, [3], [2], timeout=10)
+        with pytest.raises(ValueError, match="block 3 revoked more often than granted"):
+            src.revoke([4, 3])
+        src.revoke([4])  # the failed revoke changed nothing: 4 is still granted once
+        with pytest.raises(ValueError, match="block_ids: id 99 out of range"):
+            src.grant([99])
+        with pytest.raises(ValueError, match="serves every block"):
+            dst.grant([0])
+        with pytest.raises(ValueError, match="serve: 'all' or 'granted'"):
+            MigrationEndpoint(make_cache(3), "gloo", serve="some")
+        with pytest.raises(ValueError, match="not possible with the ipc backend"):
+            MigrationEndpoint(make_cache(3), "ipc", serve="granted")
+    finally:
+        src.close()
+        dst.close()

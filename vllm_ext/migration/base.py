@@ -29,7 +29,8 @@ it gets a BackendContext (the cache, the endpoint id, the fault hooks of tests).
     is_available() (classmethod)        (True, "") or (False, why): checked before construction.
 
 Peer rules are class attributes: `same_host_only`, `other_process_only`,
-`uses_control_channel` (rayrpc talks through Ray), `supports_tls`.
+`uses_control_channel` (rayrpc talks through Ray), `supports_tls`, `can_grant` (whether the
+source can serve granted blocks only: ipc maps the whole cache, so it cannot).
 """
 
 import abc
@@ -37,6 +38,7 @@ import array
 import ctypes
 import dataclasses
 import math
+import threading
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from ..errors import MigrationError
@@ -119,6 +121,39 @@ class Faults:
         ("connect")."""
 
 
+class Grants:
+    """The blocks a source serves when it serves only what it granted (serve="granted"): a count
+    per block, raised by grant and lowered by revoke (two leases may share a block). The
+    library's pull server reads the same counts (`counts`) at every request."""
+
+    def __init__(self, num_blocks: int):
+        self.counts = (ctypes.c_int32 * max(num_blocks, 1))()
+        self._lock = threading.Lock()
+
+    def grant(self, ids: List[int]) -> None:
+        with self._lock:
+            for i in ids:
+                self.counts[i] += 1
+
+    def revoke(self, ids: List[int]) -> None:
+        with self._lock:
+            need: Dict[int, int] = {}
+            for i in ids:
+                need[i] = need.get(i, 0) + 1
+            bad = [i for i, n in need.items() if self.counts[i] < n]
+            if bad:
+                raise ValueError(f"block_ids: block {bad[0]} revoked more often than granted (nothing revoked)")
+            for i in ids:
+                self.counts[i] -= 1
+
+    def check(self, ids: List[int]) -> None:
+        """ValueError (a refusal, sent to the peer) naming the first block not granted."""
+        counts = self.counts
+        for i in ids:
+            if counts[i] <= 0:
+                raise ValueError(f"src_block_ids: block {i} is not granted by the source")
+
+
 @dataclasses.dataclass
 class BackendContext:
     """What a backend may know of its endpoint."""
@@ -126,6 +161,7 @@ class BackendContext:
     cache: Any  # vllm_ext.KVCache
     endpoint_id: str
     faults: Faults = dataclasses.field(default_factory=Faults)
+    grants: Optional[Grants] = None  # serve="granted": the blocks peers may pull; None: every block
 
 
 class Link:
@@ -174,6 +210,7 @@ class MigrationBackend(abc.ABC):
     other_process_only: ClassVar[bool] = False  # ... in two processes (ipc)
     uses_control_channel: ClassVar[bool] = True  # rayrpc talks through Ray
     supports_tls: ClassVar[bool] = True  # nccl: the library's pull server reads the raw socket
+    can_grant: ClassVar[bool] = True  # ipc maps the whole cache: it cannot serve granted blocks only
 
     def __init__(self, context: BackendContext, **options):
         self.context = context

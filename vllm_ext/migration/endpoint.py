@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from .._ids import block_id_list
 from ..errors import ClosedError, Error, MigrationError
 from . import auth, protocol, registry
-from .base import BackendContext, Link, PeerDescriptor, PullStats, Session, geometry_mismatch
+from .base import BackendContext, Grants, Link, PeerDescriptor, PullStats, Session, geometry_mismatch
 from .control import Connection, ControlServer, TlsOptions, open_connection
 from .protocol import ProtocolError
 from .timing import Deadline, check_timeout
@@ -408,11 +408,13 @@ class MigrationEndpoint:
             secret of this endpoint's own that its descriptor carries (see auth.py).
         tls: control.TlsOptions for TCP control connections between hosts (None: plain TCP,
             still authenticated).
+        serve: "all" (peers may pull any block) or "granted" (only blocks given to grant() and
+            not yet revoked, e.g. those of live leases; not with ipc, which maps the whole cache).
         **options: backend options (see each backend's docstring).
     """
 
     def __init__(self, cache, backend: str = "gloo", *, host: str = "127.0.0.1", port: int = 0,
-                 secret=None, tls: Optional[TlsOptions] = None, **options):
+                 secret=None, tls: Optional[TlsOptions] = None, serve: str = "all", **options):
         from ..cache import KVCache
 
         if not isinstance(cache, KVCache):
@@ -421,7 +423,12 @@ class MigrationEndpoint:
             raise ValueError("cache: an imported peer view cannot be served; pass a cache that owns its tensors")
         if tls is not None and not isinstance(tls, TlsOptions):
             raise TypeError(f"tls: expected vllm_ext.migration.TlsOptions, got {type(tls).__name__}")
+        if serve not in ("all", "granted"):
+            raise ValueError(f"serve: 'all' or 'granted', got {serve!r}")
         backend_class = registry.get_backend_class(backend)
+        if serve == "granted" and not backend_class.can_grant:
+            raise ValueError(f"serve: 'granted' is not possible with the {backend} backend (a peer maps the "
+                             "whole cache); use serve='all', whose peers hold the secret")
         if tls is not None and not backend_class.supports_tls:
             raise ValueError(f"tls: not supported by the {backend} backend (its pull requests are served by the "
                              "library on the raw socket); its control connections are authenticated, not encrypted")
@@ -431,7 +438,8 @@ class MigrationEndpoint:
         self.cache = cache
         self.endpoint_id = uuid.uuid4().hex
         self._secret, own = auth.endpoint_secret(secret)
-        self._context = BackendContext(cache, self.endpoint_id)
+        self._context = BackendContext(cache, self.endpoint_id,
+                                       grants=Grants(cache.num_blocks) if serve == "granted" else None)
         self.backend = backend_class(self._context, **options)
         self.backend.check_cache(cache)
         self._closed = False
@@ -498,6 +506,23 @@ class MigrationEndpoint:
             raise TypeError(f"peer: expected PeerDescriptor (from descriptor()), got {type(peer).__name__}")
         check_timeout(timeout, zero_ok=True)
         return self._destination.disconnect(peer, timeout)
+
+    def grant(self, block_ids) -> None:
+        """serve="granted": peers may pull these blocks until they are revoked (as often as they
+        were granted). ValueError for bad ids, or on an endpoint that serves every block."""
+        ids = block_id_list(block_ids, "block_ids", self.cache.num_blocks, unique=False)
+        self._grants("grant").grant(ids)
+
+    def revoke(self, block_ids) -> None:
+        """Withdraws one grant of each block; a pull already accepted finishes. ValueError (and
+        nothing revoked) for a block revoked more often than granted."""
+        ids = block_id_list(block_ids, "block_ids", self.cache.num_blocks, unique=False)
+        self._grants("revoke").revoke(ids)
+
+    def _grants(self, what: str) -> Grants:
+        if self._context.grants is None:
+            raise ValueError(f"{what}: this endpoint serves every block (serve='all')")
+        return self._context.grants
 
     def _check_open(self, what: str) -> None:
         if self._closed:

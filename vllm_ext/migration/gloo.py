@@ -376,6 +376,8 @@ class GlooBackend(MigrationBackend):
         deadline = Deadline(request.timeout)
         src_ids = protocol.decode_ids(payload, request.n, "src_block_ids")
         check_id_values(src_ids, "src_block_ids", self.cache.num_blocks, False)
+        if self.context.grants is not None:
+            self.context.grants.check(src_ids)
         if session.pair is None:
             raise ValueError("gloo pull: no data path with this peer (connect first)")
         staging = session.pair.staging

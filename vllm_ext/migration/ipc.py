@@ -106,6 +106,7 @@ class IpcBackend(MigrationBackend):
     name = "ipc"
     same_host_only = True
     other_process_only = True
+    can_grant = False  # the destination maps the whole cache
 
     def __init__(self, context):
         super().__init__(context)

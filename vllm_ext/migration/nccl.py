@@ -163,10 +163,11 @@ class _Lanes:
                              after_event=self.entry.cuda_event, done=self.done.cuda_event)
         return len(bounds) - 1
 
-    def serve(self, conn, stall) -> None:
+    def serve(self, conn, stall, grants) -> None:
         """Source side: hands the connection's further requests (binary pulls) to a library
         thread, and returns when that thread has ended and is destroyed. `stall`: the fault
-        hook of tests (Faults.native_stall), or None."""
+        hook of tests (Faults.native_stall), or None; `grants`: the Grants the server checks
+        every request against, or None (every block)."""
         cache = self.cache
         with self._server_lock:
             if self.retired:  # retired (the endpoint closing) before its server started
@@ -175,7 +176,8 @@ class _Lanes:
             conn.sock.setblocking(True)
             self.server = _lib.PullServer(os.dup(conn.sock.fileno()), self.side, self.lanes,
                                           cache.num_layers, cache.num_components, cache.chunk_nbytes,
-                                          self.alignment, self.device.index, self.done.cuda_event)
+                                          self.alignment, self.device.index, self.done.cuda_event,
+                                          None if grants is None else grants.counts)
             if stall is not None:
                 self.server.test_stall(stall)
         try:
@@ -440,7 +442,7 @@ class NcclBackend(MigrationBackend):
         with self._lock:
             self._served.append(served)
         try:
-            lanes.serve(conn, self.context.faults.native_stall)
+            lanes.serve(conn, self.context.faults.native_stall, self.context.grants)
         except Exception:  # noqa: BLE001 - the peer no longer reads JSON here: logged only
             logger.exception("nccl: serving %s failed", conn.peer)
         finally:

@@ -69,6 +69,8 @@ def _serve_chunk(actor, endpoint_id: str, geometry: Dict[str, Any], src_ids: Lis
     endpoint = _serving_endpoint(actor, endpoint_id, geometry)
     cache = endpoint.cache
     ids = block_id_list(src_ids, "src_block_ids", cache.num_blocks, unique=False)
+    if endpoint.context.grants is not None:
+        endpoint.context.grants.check(ids)
     endpoint.context.faults.pause(chunk)
     if cache.device.type == "cuda":
         rows = ops.gather_blocks(cache, ids)  # on the GPU, then one copy to host
