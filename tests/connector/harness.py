@@ -112,7 +112,7 @@ def vllm_env(core: str, extra_pythonpath: str = "") -> dict:
 
 
 def start_vllm(name, model: Path, log_dir: Path, *, core: str, kv_config=None, extra_args=(),
-               extra_pythonpath: str = "") -> Process:
+               extra_pythonpath: str = "", extra_env=None) -> Process:
     port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", "tiny", "--skip-tokenizer-init", "--dtype", DTYPE,
@@ -120,7 +120,9 @@ def start_vllm(name, model: Path, log_dir: Path, *, core: str, kv_config=None, e
             "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "16", *extra_args]
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config)]
-    return Process(name, argv, vllm_env(core, extra_pythonpath), log_dir / f"{name}.log", port)
+    env = vllm_env(core, extra_pythonpath)
+    env.update(extra_env or {})
+    return Process(name, argv, env, log_dir / f"{name}.log", port)
 
 
 def post(url: str, body: dict, timeout: float = REQUEST_TIMEOUT_S):

@@ -250,6 +250,8 @@ class LeaseClient:
                 except (ChannelError, EOFError, OSError) as e:
                     self._drop()
                     if fresh or attempt == 1 or time.monotonic() >= deadline:
+                        if isinstance(e, ChannelError) and str(e).startswith("lease channel"):
+                            raise
                         raise ChannelError(f"lease channel {self.host}:{self.port}: {e}") from e
         if not reply.get("ok"):
             raise ChannelError(f"lease channel {self.host}:{self.port} refused: {reply.get('error')}")

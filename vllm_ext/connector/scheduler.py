@@ -66,6 +66,7 @@ class SchedulerHalf:
         self._finished_sending: List[str] = []
         self._new_leases: Dict[str, List[int]] = {}
         self._recvs: List[RecvJob] = []
+        self._warned: set = set()
         self._handshake: Optional[VllmExtHandshake] = None
         self._stats = VllmExtStats()
         self._server = None
@@ -113,6 +114,7 @@ class SchedulerHalf:
         """Side-effect free: the external tokens beyond the (block-aligned) local hit."""
         remote, error = self._remote(request)
         if error is not None:
+            self._warn_once(request.request_id, error)
             if self.failure_policy == "fail" and request.num_tokens - 1 > num_computed_tokens:
                 return request.num_tokens - 1 - num_computed_tokens, True  # failed by the worker at once
             return 0, False
@@ -129,7 +131,6 @@ class SchedulerHalf:
             return
         request.kv_transfer_params["do_remote_prefill"] = False  # a preempted request recomputes
         if error is not None:
-            logger.warning("request %s: refusing its kv_transfer_params: %s", request.request_id, error)
             self._recvs.append(RecvJob(req_id=request.request_id, error=error))
             return
         end = remote.num_tokens
@@ -139,6 +140,17 @@ class SchedulerHalf:
             req_id=request.request_id, lease=remote.lease, lease_host=remote.lease_host,
             lease_port=remote.lease_port, endpoint_id=remote.endpoint_id, fingerprint=remote.fingerprint,
             first_block=first, src_block_ids=remote.block_ids[first:last], dst_block_ids=list(block_ids[first:last])))
+
+    def _warn_once(self, req_id: str, error: str) -> None:
+        """One log line per refused request (vLLM may ask about a waiting request many times)."""
+        if req_id in self._warned:
+            return
+        if len(self._warned) > 10000:
+            self._warned.clear()
+        self._warned.add(req_id)
+        logger.warning("request %s: refusing its kv_transfer_params (policy %r: %s): %s", req_id,
+                       self.failure_policy, "it fails" if self.failure_policy == "fail" else "computed here",
+                       error)
 
     # ---- producer ------------------------------------------------------------------------
     def request_finished(self, request, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
