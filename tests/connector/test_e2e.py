@@ -122,6 +122,14 @@ def test_streaming_through_the_proxy(servers):
     assert stream(servers["proxy"].url, prompt) == reference(servers, prompt)
 
 
+def test_models_and_health_through_the_proxy(servers):
+    with urllib.request.urlopen(servers["proxy"].url + "/v1/models", timeout=30) as r:
+        assert [m["id"] for m in json.loads(r.read())["data"]] == ["tiny"]
+    with urllib.request.urlopen(servers["proxy"].url + "/health", timeout=30) as r:
+        health = json.loads(r.read())
+    assert health == {"prefill": {servers["prefill"].url: True}, "decode": {servers["decode"].url: True}}
+
+
 def test_prefill_kv_usage_returns_to_zero(servers):
     deadline = time.monotonic() + KV_DRAIN_TIMEOUT_S
     while True:

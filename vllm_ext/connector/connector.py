@@ -169,7 +169,10 @@ def _static_fields(vllm_config) -> dict:
 
     backends = set()
     try:
-        from vllm.model_executor.layers.attention.attention import Attention
+        try:
+            from vllm.model_executor.layers.attention.attention import Attention
+        except ImportError:  # 0.26
+            from vllm.attention.layer import Attention
 
         for layer in vllm_config.compilation_config.static_forward_context.values():
             if isinstance(layer, Attention):

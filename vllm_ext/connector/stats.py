@@ -60,7 +60,9 @@ class VllmExtStats(KVConnectorStats):
 class VllmExtPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        def create_metric_per_engine(metric, labelvalues):  # one child per engine index
+            return {idx: metric.labels(*values) for idx, values in labelvalues.items()}
 
         def counter(name, doc):
             return create_metric_per_engine(self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
