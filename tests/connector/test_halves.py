@@ -448,3 +448,18 @@ def test_lease_channel_bounds_frames_and_never_trusts_unauthenticated_input(prod
             except (ConnectionResetError, socket.timeout):
                 pass
     assert lease_client(sched).request({"op": "describe"}, 5)["fingerprint"]  # and keeps serving
+
+
+def test_kv_both_is_producer_and_consumer(producer):
+    _, worker = producer
+    both = SchedulerHalf(is_producer=True, is_consumer=True, block_size=BLOCK_SIZE, lease_s=30.0,
+                         lease_host="127.0.0.1", lease_port=0, secret=SECRET, failure_policy="fail")
+    try:
+        both.set_handshake({0: worker.handshake()})
+        delay, params = finish_prefill(both, list(range(40)))
+        assert delay and params["remote_num_tokens"] == 40
+        req = make_request(range(40), params, req_id="d-0")
+        assert both.get_num_new_matched_tokens(req, 0) == (40, True)
+        assert not both.has_pending_frees()  # a live lease is not a pending free
+    finally:
+        both.shutdown()

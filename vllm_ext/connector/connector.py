@@ -150,7 +150,7 @@ class VllmExtConnector(KVConnectorBase_V1):
         self._scheduler.set_handshake(metadata)
 
     def has_pending_block_frees(self) -> bool:
-        return self._scheduler.has_pending() if self._scheduler is not None else False
+        return self._scheduler.has_pending_frees() if self._scheduler is not None else False
 
     # ==== class methods (also called in the API server) ====================================
     @classmethod

@@ -240,9 +240,11 @@ class SchedulerHalf:
         self._recvs = []
         return meta
 
-    def has_pending(self) -> bool:
+    def has_pending_frees(self) -> bool:
+        """Leases ended whose blocks go back at the next step (live leases are not counted: a
+        scheduler short of blocks preempts rather than waits up to lease_s for them)."""
         with self._lock:
-            return bool(self._leases or self._finished_sending)
+            return bool(self._finished_sending)
 
     def get_stats(self) -> Optional[VllmExtStats]:
         if self._stats.is_empty():
