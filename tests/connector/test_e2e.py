@@ -1,5 +1,6 @@
 """End to end with real servers on 127.0.0.1: a vLLM CPU prefill server (producer), a decode
-server (consumer, kv_load_failure_policy "recompute") and the P/D proxy, with gloo as transport
+server (consumer, kv_load_failure_policy "recompute"), a second decode server with policy "fail",
+and the P/D proxy, with gloo as transport
 and a small seeded random Llama written by the test.
 
 Deadlines (generous on purpose, never assertions on speed): server start-up 420 s, each request
@@ -52,15 +53,21 @@ def servers(tmp_path_factory):
             kv_config={"kv_connector": "VllmExtConnector", "kv_role": "kv_consumer",
                        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra})
         started.append(decode)
-        prefill.wait_healthy()
-        decode.wait_healthy()
+        decode_fail = h.start_vllm(
+            "decode-fail", model, work, core="1",
+            kv_config={"kv_connector": "VllmExtConnector", "kv_role": "kv_consumer",
+                       "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra})
+        started.append(decode_fail)
+        for server in started:
+            server.wait_healthy()
         port = h.free_port()
         proxy = h.Process("proxy", [sys.executable, "-m", "vllm_ext.proxy", "--prefill", prefill.url,
                                     "--decode", decode.url, "--port", str(port)],
                           h.vllm_env("0"), work / "proxy.log", port)
         started.append(proxy)
         proxy.wait_healthy(timeout=60)
-        yield {"prefill": prefill, "decode": decode, "proxy": proxy, "corrupt": corrupt, "work": work}
+        yield {"prefill": prefill, "decode": decode, "decode_fail": decode_fail, "proxy": proxy,
+               "corrupt": corrupt, "work": work}
     finally:
         for p in reversed(started):
             p.stop()
@@ -178,13 +185,38 @@ def test_bad_kv_transfer_params_fail_only_that_request(servers):
     assert complete(servers["proxy"].url, list(range(800, 845)))[0] == reference(servers, list(range(800, 845)))
 
 
+def assert_failed(status, body):
+    """vLLM's answer to a request failed by its KV load (policy "fail")."""
+    failed = status >= 400 or body.get("choices", [{}])[0].get("finish_reason") in ("error", "abort")
+    assert failed, (status, body)
+
+
+def test_bad_kv_transfer_params_with_policy_fail(servers):
+    d = servers["decode_fail"].url
+    bad = {"do_remote_prefill": True, "vllm_ext": 1, "remote_lease": "nope"}
+    status, body = h.post(d + "/v1/completions", {"model": "tiny", "prompt": list(range(40)), "max_tokens": 4,
+                                                   "temperature": 0, "kv_transfer_params": bad})
+    assert_failed(status, body)
+    prompt = list(range(300, 345))
+    assert complete(d, prompt)[0] == reference(servers, prompt)  # the engine serves the next request
+
+
 def test_killed_prefill_server_gives_the_failure_policy(servers):
-    """After the prefill leg the prefill server dies: the decode server recomputes (policy
-    "recompute") within the pull deadline, gives the right tokens, and keeps serving."""
+    """After the prefill leg the prefill server dies: the decode server with policy "recompute"
+    recomputes within the pull deadline and gives the right tokens, the one with "fail" fails
+    that request; both keep serving."""
     prompt = list(range(900, 981))
     want = reference(servers, prompt)
     _, body = complete(servers["prefill"].url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    _, body_fail = complete(servers["prefill"].url, prompt[:-1], 1, kv_transfer_params={"do_remote_decode": True})
     servers["prefill"].kill()
+    started = time.monotonic()
+    status, answer = h.post(servers["decode_fail"].url + "/v1/completions",
+                            {"model": "tiny", "prompt": prompt[:-1], "max_tokens": 4, "temperature": 0,
+                             "kv_transfer_params": body_fail["kv_transfer_params"]})
+    assert time.monotonic() - started < PULL_TIMEOUT_S + 60
+    assert_failed(status, answer)
+    assert complete(servers["decode_fail"].url, list(range(10, 60)))[0]
     d = servers["decode"].url
     failed_before = h.metrics(d)["vllm:vllm_ext_failed_transfers_total"]
     started = time.monotonic()
