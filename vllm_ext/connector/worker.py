@@ -29,6 +29,9 @@ logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
 CHANNEL_TIMEOUT_S = 5.0
 MAX_CONCURRENT_PULLS = 2
+# Producers a consumer keeps a lease connection to (their addresses come from requests): past
+# this many, the least recently added is closed.
+MAX_PRODUCERS = 64
 
 
 class TransferFailed(RuntimeError):
@@ -185,8 +188,11 @@ class WorkerHalf:
         with self._lock:
             client = self._clients.get((host, port))
             if client is None:
+                if len(self._clients) >= MAX_PRODUCERS:
+                    oldest = next(iter(self._clients))
+                    self._clients.pop(oldest).close()
                 client = self._clients[(host, port)] = LeaseClient(self._secret, host, port)
-                self._peer_locks[(host, port)] = threading.Lock()
+                self._peer_locks.setdefault((host, port), threading.Lock())
             return client
 
     def _peer(self, host: str, port: int, endpoint_id: Optional[str]) -> PeerDescriptor:
