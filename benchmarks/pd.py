@@ -305,6 +305,9 @@ def write_results(args, backend, rows):
     b.plot(x, [1e3 * r["ttft_single_s"] for r in rows], "s--", label="single instance")
     b.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="ms", title="TTFT")
     b.legend()
+    for ax in (a, b):
+        ax.set_xticks(x, [str(v) for v in x])
+        ax.minorticks_off()
     fig.tight_layout()
     fig.savefig(args.out / "pd.png", dpi=120)
 

@@ -41,7 +41,9 @@ def servers(tmp_path_factory):
     corrupt = work / "corrupt-now"
     started = []
     try:
-        extra = {"lease_s": 30, "pull_timeout_s": PULL_TIMEOUT_S}
+        # "decode" moves every block, the partial last one too (load_whole_blocks off); "decode-fail"
+        # keeps the CPU default (whole blocks only, the tail computed there)
+        extra = {"lease_s": 30, "pull_timeout_s": PULL_TIMEOUT_S, "load_whole_blocks": False}
         prefill = h.start_vllm(
             "prefill", model, work, core="0", extra_args=["--no-enable-prefix-caching"],
             extra_pythonpath=str(HERE), extra_env={"VLLM_EXT_TEST_CORRUPT": str(corrupt)},
@@ -56,7 +58,8 @@ def servers(tmp_path_factory):
         decode_fail = h.start_vllm(
             "decode-fail", model, work, core="1",
             kv_config={"kv_connector": "VllmExtConnector", "kv_role": "kv_consumer",
-                       "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra})
+                       "kv_load_failure_policy": "fail",
+                       "kv_connector_extra_config": dict(extra, load_whole_blocks=True)})
         started.append(decode_fail)
         for server in started:
             server.wait_healthy()
@@ -189,6 +192,19 @@ def assert_failed(status, body):
     """vLLM's answer to a request failed by its KV load (policy "fail")."""
     failed = status >= 400 or body.get("choices", [{}])[0].get("finish_reason") in ("error", "abort")
     assert failed, (status, body)
+
+
+def test_whole_block_loads(servers):
+    """The CPU default: the decode side loads the whole blocks before the last token and
+    computes the rest; outputs equal a single instance's."""
+    d = servers["decode_fail"].url
+    hits = h.metrics(d)["vllm:external_prefix_cache_hits_total"]
+    for n in (40, 64, 95, 129):
+        prompt = [(7 * i + n) % 1000 + 3 for i in range(n)]
+        _, leg = complete(servers["prefill"].url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+        got, _ = complete(d, prompt, kv_transfer_params=leg["kv_transfer_params"])
+        assert got == reference(servers, prompt)
+    assert h.metrics(d)["vllm:external_prefix_cache_hits_total"] - hits == 32 + 32 + 64 + 128
 
 
 def test_bad_kv_transfer_params_with_policy_fail(servers):

@@ -463,3 +463,22 @@ def test_kv_both_is_producer_and_consumer(producer):
         assert not both.has_pending_frees()  # a live lease is not a pending free
     finally:
         both.shutdown()
+
+
+@pytest.mark.parametrize("n,local_hit,expected", [(40, 0, 32), (48, 0, 32), (49, 0, 48), (16, 0, 0), (17, 0, 16),
+                                                  (64, 16, 32), (33, 32, 0)])
+def test_whole_block_loads_stop_before_the_last_token(producer, n, local_hit, expected):
+    sched, worker = producer
+    d = SchedulerHalf(is_producer=False, is_consumer=True, block_size=BLOCK_SIZE, lease_s=30.0,
+                      lease_host="127.0.0.1", lease_port=0, secret=SECRET, failure_policy="fail", whole_blocks=True)
+    d.set_handshake({0: worker.handshake()})
+    _, params = finish_prefill(sched, list(range(n)))
+    req = make_request(range(n), params, req_id="d-0")
+    assert d.get_num_new_matched_tokens(req, local_hit) == ((expected, True) if expected else (0, False))
+    if expected:
+        nblocks = -(-n // BLOCK_SIZE)
+        d.update_state_after_alloc(req, list(range(30, 30 + nblocks)), expected)
+        (job,) = d.build_connector_meta().recvs
+        first, last = local_hit // BLOCK_SIZE, (local_hit + expected) // BLOCK_SIZE
+        assert job.src_block_ids == params["remote_block_ids"][first:last]
+        assert job.dst_block_ids == list(range(30 + first, 30 + last))

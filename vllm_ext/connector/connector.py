@@ -13,6 +13,9 @@ WorkerHalf; each half gets values, not this object. Configuration
     lease_s          how long a producer holds a finished request's blocks (default 30)
     pull_timeout_s   deadline of one pull on the consumer (default 10)
     connect_to       ["host:port", ...] producers' lease channels to connect to at start-up
+    load_whole_blocks  load only whole blocks before the last token, compute the rest (< 1 block)
+                     here (default: on CPU, where vLLM 0.32's AMX attention fails a first step that
+                     starts inside a block)
 
 The deployment secret (VLLM_EXT_AUTH_SECRET or VLLM_EXT_AUTH_SECRET_FILE) must be set on every
 instance. Failed receives follow vLLM's `kv_load_failure_policy` ("fail" or "recompute").
@@ -72,7 +75,8 @@ class VllmExtConnector(KVConnectorBase_V1):
                 block_size=vllm_config.cache_config.block_size,
                 lease_s=_check_number(extra, "lease_s", 30.0, 0, 3600),
                 lease_host=str(extra.get("lease_host", "127.0.0.1")), lease_port=int(extra.get("lease_port", 0)),
-                secret=secret, failure_policy=policy)
+                secret=secret, failure_policy=policy,
+                whole_blocks=bool(extra.get("load_whole_blocks", vllm_config.device_config.device_type == "cpu")))
         else:
             from .worker import WorkerHalf
 

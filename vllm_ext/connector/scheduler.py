@@ -53,12 +53,13 @@ class SchedulerHalf:
 
     def __init__(self, *, is_producer: bool, is_consumer: bool, block_size: int, lease_s: float,
                  lease_host: str, lease_port: int, secret: bytes, failure_policy: str,
-                 clock: Callable[[], float] = time.monotonic):
+                 whole_blocks: bool = False, clock: Callable[[], float] = time.monotonic):
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.block_size = block_size
         self.lease_s = lease_s
         self.failure_policy = failure_policy
+        self.whole_blocks = whole_blocks
         self._clock = clock
         self._lock = threading.Lock()  # leases and _finished_sending: engine thread + channel threads
         self._leases: Dict[str, Lease] = {}
@@ -118,9 +119,18 @@ class SchedulerHalf:
             if self.failure_policy == "fail" and request.num_tokens - 1 > num_computed_tokens:
                 return request.num_tokens - 1 - num_computed_tokens, True  # failed by the worker at once
             return 0, False
-        if remote is None or remote.num_tokens <= num_computed_tokens:
+        end = self._load_end(request, remote) if remote is not None else 0
+        if end <= num_computed_tokens:
             return 0, False
-        return remote.num_tokens - num_computed_tokens, True
+        return end - num_computed_tokens, True
+
+    def _load_end(self, request, remote) -> int:
+        """Tokens [0, end) come from the producer. With whole_blocks, `end` stops at the last
+        block boundary before the request's last token, so that the step after the load starts
+        on a block boundary as after a local prefix hit (the rest, < one block, is computed here)."""
+        if not self.whole_blocks:
+            return remote.num_tokens
+        return min(remote.num_tokens, request.num_tokens - 1) // self.block_size * self.block_size
 
     def update_state_after_alloc(self, request, block_ids: List[int], num_external_tokens: int) -> None:
         """`block_ids`: all of the request's blocks (local-hit blocks first)."""
@@ -133,7 +143,7 @@ class SchedulerHalf:
         if error is not None:
             self._recvs.append(RecvJob(req_id=request.request_id, error=error))
             return
-        end = remote.num_tokens
+        end = self._load_end(request, remote)
         start = end - num_external_tokens
         first, last = start // self.block_size, -(-end // self.block_size)
         self._recvs.append(RecvJob(
