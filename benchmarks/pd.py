@@ -143,7 +143,7 @@ def ceiling_pull(params, secret, device, timeout=60.0):
     cache = KVCache.allocate(num_layers=g["num_layers"], num_blocks=len(src), block_size=g["block_size"],
                              num_kv_heads=g["num_kv_heads"], head_size=g["head_size"],
                              dtype=getattr(torch, g["dtype"]), device=device, layout="blocks")
-    ep = make_endpoint(cache, peer.backend, "127.0.0.1", {})
+    ep = make_endpoint(cache, peer.backend, "127.0.0.1", {}, secret)
     try:
         ep.connect(peer, timeout=timeout)
         ep.pull(peer, src, list(range(len(src))), timeout=timeout)

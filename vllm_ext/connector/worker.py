@@ -38,9 +38,11 @@ class TransferFailed(RuntimeError):
     """A receive failed for a reason worth one log line (the request is failed or recomputed)."""
 
 
-def make_endpoint(cache: KVCache, backend: str, host: str, options: Dict[str, Any]) -> MigrationEndpoint:
-    """The one place the connector builds its MigrationEndpoint (the deployment secret goes
-    here once MigrationEndpoint takes one)."""
+def make_endpoint(cache: KVCache, backend: str, host: str, options: Dict[str, Any],
+                  secret: bytes) -> MigrationEndpoint:
+    """The one place the connector builds its MigrationEndpoint. `secret` is the deployment
+    secret; it is to be passed to MigrationEndpoint once that authenticates its peers (issue 13)."""
+    del secret  # not taken by MigrationEndpoint yet
     return MigrationEndpoint(cache, backend, host=host, **options)
 
 
@@ -124,7 +126,7 @@ class WorkerHalf:
             "device_type": first.device.type,
         }
         self.fingerprint = layout_fingerprint(self.fingerprint_fields)
-        self.endpoint = make_endpoint(self.cache, backend, self._endpoint_host, self._endpoint_options)
+        self.endpoint = make_endpoint(self.cache, backend, self._endpoint_host, self._endpoint_options, self._secret)
         if first.is_cuda:
             self._stream = torch.cuda.Stream(device=first.device)
         logger.info("vllm-ext connector: %r serving %d layers [%s] over %s, fingerprint %s", self.cache,
