@@ -160,7 +160,7 @@ def main():
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--backend", default=None, help="migration backend (default: gloo on CPU, ipc on CUDA)")
     ap.add_argument("--dtype", default="float32", help="model dtype (CPU: float32, see docs/connector.md)")
-    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--block-size", type=int, default=32, help="vLLM block size (CPU: a multiple of 32)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 8000])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -179,8 +179,8 @@ def main():
     extra = {"backend": backend, "lease_s": 60, "pull_timeout_s": 60}
     common = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
               "--served-model-name", "m", "--skip-tokenizer-init", "--dtype", args.dtype,
-              "--max-model-len", str(max_len), "--block-size", str(args.block_size), "--enforce-eager",
-              "--host", "127.0.0.1", *args.server_arg]
+              "--max-model-len", str(max_len), "--block-size", str(args.block_size),
+              "--host", "127.0.0.1", *(["--enforce-eager"] if args.device == "cpu" else []), *args.server_arg]
     servers = []
     try:
         for name, role, core, more in (("prefill", "kv_producer", "0", ["--no-enable-prefix-caching"]),
