@@ -140,6 +140,35 @@ def test_models_and_health_through_the_proxy(servers):
     assert health == {"prefill": {servers["prefill"].url: True}, "decode": {servers["decode"].url: True}}
 
 
+def test_a_down_backend_is_skipped(servers):
+    """A proxy that lists a dead prefill and a dead decode server beside the live ones (both
+    policies) answers every request right and says which server it skipped."""
+    dead = f"http://127.0.0.1:{h.free_port()}"
+    for policy in ("round_robin", "least_loaded"):
+        port = h.free_port()
+        proxy = h.Process(f"proxy-{policy}", [sys.executable, "-m", "vllm_ext.proxy", "--prefill", dead,
+                                               servers["prefill"].url, "--decode", servers["decode"].url, dead,
+                                               "--port", str(port), "--policy", policy],
+                          h.vllm_env("0"), servers["work"] / f"proxy-{policy}.log", port)
+        try:
+            deadline = time.monotonic() + 60
+            while True:  # /health answers 200 once one server of each stage is up
+                try:
+                    with urllib.request.urlopen(proxy.url + "/health", timeout=10) as r:
+                        assert json.loads(r.read())["prefill"][dead] is False
+                        break
+                except (urllib.error.URLError, OSError):
+                    assert time.monotonic() < deadline, proxy.log_tail()
+                    time.sleep(0.5)
+            for i in range(3):
+                prompt = [(13 * j + i) % 1000 + 3 for j in range(33 + i)]
+                assert complete(proxy.url, prompt)[0] == reference(servers, prompt)
+            log = proxy.log_tail()
+            assert f"prefill server {dead} is down" in log and f"decode server {dead} is down" in log
+        finally:
+            proxy.stop()
+
+
 def test_prefill_kv_usage_returns_to_zero(servers):
     deadline = time.monotonic() + KV_DRAIN_TIMEOUT_S
     while True:
