@@ -42,6 +42,22 @@ def write_checkpoint(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def write_tokenizer(path: Path) -> Path:
+    """A word-level tokenizer ("w<id>" is token <id>) with a plain chat template, so that the
+    servers also answer /v1/chat/completions."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(MODEL_CONFIG["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2",
+                                   pad_token="w0")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(path)
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -112,10 +128,12 @@ def vllm_env(core: str, extra_pythonpath: str = "") -> dict:
 
 
 def start_vllm(name, model: Path, log_dir: Path, *, core: str, kv_config=None, extra_args=(),
-               extra_pythonpath: str = "", extra_env=None) -> Process:
+               extra_pythonpath: str = "", extra_env=None, tokenizer: bool = False) -> Process:
+    """A vLLM OpenAI server of `model` (token-id prompts only, unless `tokenizer`: the model
+    folder then holds one, see write_tokenizer)."""
     port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--served-model-name", "tiny", "--skip-tokenizer-init", "--dtype", DTYPE,
+            "--served-model-name", "tiny", *([] if tokenizer else ["--skip-tokenizer-init"]), "--dtype", DTYPE,
             "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE), "--enforce-eager",
             "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "16", *extra_args]
     if kv_config is not None:

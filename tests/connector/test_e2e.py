@@ -1,7 +1,7 @@
 """End to end with real servers on 127.0.0.1: a vLLM CPU prefill server (producer), a decode
 server (consumer, kv_load_failure_policy "recompute"), a second decode server with policy "fail",
 and the P/D proxy, with gloo as transport
-and a small seeded random Llama written by the test.
+and a small seeded random Llama (and a word-level tokenizer with a chat template) written by the test.
 
 Deadlines (generous on purpose, never assertions on speed): server start-up 420 s, each request
 120 s, the prefill side's KV returning to zero 60 s, a receive from a killed prefill server the
@@ -38,6 +38,7 @@ def servers(tmp_path_factory):
     start-up or a test fails."""
     work = tmp_path_factory.mktemp("pd")
     model = h.write_checkpoint(work / "model")
+    h.write_tokenizer(model)
     corrupt = work / "corrupt-now"
     started = []
     try:
@@ -46,17 +47,17 @@ def servers(tmp_path_factory):
         extra = {"lease_s": 30, "pull_timeout_s": PULL_TIMEOUT_S, "load_whole_blocks": False}
         prefill = h.start_vllm(
             "prefill", model, work, core="0", extra_args=["--no-enable-prefix-caching"],
-            extra_pythonpath=str(HERE), extra_env={"VLLM_EXT_TEST_CORRUPT": str(corrupt)},
+            extra_pythonpath=str(HERE), extra_env={"VLLM_EXT_TEST_CORRUPT": str(corrupt)}, tokenizer=True,
             kv_config={"kv_connector": "FaultInjectingConnector", "kv_connector_module_path": "fault_connector",
                        "kv_role": "kv_producer", "kv_connector_extra_config": extra})
         started.append(prefill)
         decode = h.start_vllm(
-            "decode", model, work, core="1",
+            "decode", model, work, core="1", tokenizer=True,
             kv_config={"kv_connector": "VllmExtConnector", "kv_role": "kv_consumer",
                        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra})
         started.append(decode)
         decode_fail = h.start_vllm(
-            "decode-fail", model, work, core="1",
+            "decode-fail", model, work, core="1", tokenizer=True,
             kv_config={"kv_connector": "VllmExtConnector", "kv_role": "kv_consumer",
                        "kv_load_failure_policy": "fail",
                        "kv_connector_extra_config": dict(extra, load_whole_blocks=True)})
@@ -130,6 +131,36 @@ def test_outputs_through_the_proxy_equal_a_single_instance(servers):
 def test_streaming_through_the_proxy(servers):
     prompt = list(range(200, 277))
     assert stream(servers["proxy"].url, prompt) == reference(servers, prompt)
+
+
+def chat(url, text, stream=False):
+    """The assistant's answer to one user message, greedy (streamed: the deltas joined)."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "stream": stream}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=h.REQUEST_TIMEOUT_S) as r:
+        if not stream:
+            return json.loads(r.read())["choices"][0]["message"]["content"]
+        parts = []
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    parts.append(choice.get("delta", {}).get("content") or "")
+        return "".join(parts)
+
+
+def test_chat_completions_through_the_proxy(servers):
+    d = servers["decode"].url
+    transfers = h.metrics(d)["vllm:vllm_ext_transfers_total"]
+    rng = random.Random(5)
+    for n, stream_it in ((20, False), (47, True), (70, False)):
+        text = " ".join(f"w{rng.randrange(3, 1000)}" for _ in range(n))
+        want = chat(servers["prefill"].url, text)
+        assert want.strip()
+        assert chat(servers["proxy"].url, text, stream=stream_it) == want
+    assert h.metrics(d)["vllm:vllm_ext_transfers_total"] == transfers + 3
 
 
 def test_models_and_health_through_the_proxy(servers):
