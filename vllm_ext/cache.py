@@ -7,9 +7,13 @@ or the single latent of MLA), and each component of a block is one contiguous ch
     flash       [2, num_blocks, block_size, num_kv_heads, head_size]   (vLLM FlashAttention)
     flashinfer  [num_blocks, 2, block_size, num_kv_heads, head_size]
     mla         [num_blocks, block_size, head_size]                     (one component)
+    blocks      [num_blocks, num_kv_heads, block_size, C]                (one component)
 
 The block and component dimensions may have any stride (padding between blocks is fine); the
-dimensions inside a block half must be dense, in this order.
+dimensions inside a block half must be dense, in this order. `blocks` is vLLM's per-layer view
+(0.32: `[B, H, N, C]` of one allocation in any of its LB**/BL** physical orders; 0.26: the
+FlashAttention tensor `[B, H, N, 2 * head_size]`): its dimensions after the first may be dense
+in any order, and the whole block of a layer, as it lies in memory, is the one chunk.
 """
 
 import dataclasses
@@ -23,7 +27,7 @@ import torch
 
 from . import _lib
 
-LAYOUTS = ("flash", "flashinfer", "mla")
+LAYOUTS = ("flash", "flashinfer", "mla", "blocks")
 _MAX_ALIGNMENT = 16
 
 
@@ -87,7 +91,7 @@ class KVCache:
         self.device = torch.device(device)
         self.layers = layers
         self.pinned = pinned
-        self.num_components = 1 if layout == "mla" else 2
+        self.num_components = _num_components(layout)
         self.chunk_nbytes = block_size * num_kv_heads * head_size * dtype.itemsize
         self.block_nbytes = num_layers * self.num_components * self.chunk_nbytes
         self.block_stride = block_stride
@@ -133,8 +137,11 @@ class KVCache:
             raise ValueError(f"layers: device {first.device} is not supported (cpu or cuda)")
         geometry = _layer_geometry(first, layout)
         num_blocks, block_size, num_kv_heads, head_size, block_dim, comp_dim = geometry
-        inner = first.shape[-3:] if layout != "mla" else first.shape[-2:]
-        _check_dense_inner(layers, inner, layout)
+        if layout == "blocks":
+            _check_dense_block(layers)
+        else:
+            inner = first.shape[-3:] if layout != "mla" else first.shape[-2:]
+            _check_dense_inner(layers, inner, layout)
         item = first.element_size()
         block_stride = first.stride(block_dim) * item
         component_stride = first.stride(comp_dim) * item if comp_dim is not None else 0
@@ -288,7 +295,7 @@ class KVCache:
         if len(handle.layer_offsets) != handle.num_layers or handle.num_layers <= 0:
             raise ValueError(f"handle: {len(handle.layer_offsets)} layer offsets for "
                              f"{handle.num_layers} layers")
-        num_components = 1 if handle.layout == "mla" else 2
+        num_components = _num_components(handle.layout)
         chunk = handle.block_size * handle.num_kv_heads * handle.head_size * dtype.itemsize
         extent = ((handle.num_blocks - 1) * handle.block_stride
                   + (num_components - 1) * handle.component_stride + chunk)
@@ -367,6 +374,10 @@ def _close_mappings(mappings):
         raise first_error
 
 
+def _num_components(layout) -> int:
+    return 1 if layout in ("mla", "blocks") else 2
+
+
 def layer_shape(layout, num_blocks, block_size, num_kv_heads, head_size) -> Tuple[int, ...]:
     if layout == "flash":
         return (2, num_blocks, block_size, num_kv_heads, head_size)
@@ -374,6 +385,8 @@ def layer_shape(layout, num_blocks, block_size, num_kv_heads, head_size) -> Tupl
         return (num_blocks, 2, block_size, num_kv_heads, head_size)
     if layout == "mla":
         return (num_blocks, block_size, head_size)
+    if layout == "blocks":
+        return (num_blocks, num_kv_heads, block_size, head_size)
     raise ValueError(f"layout: {layout!r} is not one of {', '.join(LAYOUTS)}")
 
 
@@ -381,9 +394,15 @@ def _layer_geometry(t: torch.Tensor, layout: str):
     """-> (num_blocks, block_size, num_kv_heads, head_size, block_dim, component_dim)."""
     want = {"flash": "[2, num_blocks, block_size, num_kv_heads, head_size]",
             "flashinfer": "[num_blocks, 2, block_size, num_kv_heads, head_size]",
-            "mla": "[num_blocks, block_size, head_size]"}[layout]
+            "mla": "[num_blocks, block_size, head_size]",
+            "blocks": "[num_blocks, num_kv_heads, block_size, C]"}[layout]
     shape = tuple(t.shape)
-    if layout == "mla":
+    if layout == "blocks":
+        if len(shape) != 4:
+            raise ValueError(f"layers: shape {list(shape)} does not match layout 'blocks' {want}")
+        num_blocks, num_kv_heads, block_size, head_size = shape
+        result = (num_blocks, block_size, num_kv_heads, head_size, 0, None)
+    elif layout == "mla":
         if len(shape) != 3:
             raise ValueError(f"layers: shape {list(shape)} does not match layout 'mla' {want}")
         num_blocks, block_size, head_size = shape
@@ -414,6 +433,21 @@ def _check_dense_inner(layers, inner, layout):
                 f"layers[{i}]: not contiguous: strides {t.stride()} for shape {list(t.shape)}; "
                 f"layout {layout!r} needs each block's last {n} dims dense (strides "
                 f"{expected}); call .contiguous() or allocate with KVCache.allocate")
+
+
+def _check_dense_block(layers):
+    """Layout `blocks`: the dims after the first, ordered by stride, must tile one dense run
+    (any order: vLLM's LBHNC and LBNHC views both qualify; LHBNC's heads-outer blocks do not)."""
+    for i, t in enumerate(layers):
+        dims = sorted((t.stride(d), t.shape[d]) for d in range(1, t.dim()) if t.shape[d] != 1)
+        expected = 1
+        for stride, size in dims:
+            if stride != expected:
+                raise ValueError(
+                    f"layers[{i}]: strides {t.stride()} for shape {list(t.shape)} do not make each "
+                    f"block one dense run; layout 'blocks' needs dims 1.. to tile "
+                    f"{math.prod(t.shape[1:])} contiguous elements in some order")
+            expected *= size
 
 
 def _check_no_overlap(cache):

@@ -1,0 +1,24 @@
+"""Test-only fault: a VllmExtConnector whose worker, while the file named by
+VLLM_EXT_TEST_CORRUPT exists, overwrites the blocks leased in each step with noise. Served by
+the end-to-end tests' prefill server (through kv_connector_module_path) to show that the decode
+side attends over the KV it pulled."""
+
+import os
+
+import torch
+
+from vllm_ext.connector.connector import VllmExtConnector
+
+
+class FaultInjectingConnector(VllmExtConnector):
+    def start_load_kv(self, forward_context, **kwargs):
+        super().start_load_kv(forward_context, **kwargs)
+        meta = self._meta()
+        path = os.environ.get("VLLM_EXT_TEST_CORRUPT", "")
+        if meta is None or not meta.new_leases or not path or not os.path.exists(path):
+            return
+        g = torch.Generator().manual_seed(1234)
+        for blocks in meta.new_leases.values():
+            for layer in self._worker.cache.layers:
+                noise = torch.randn(layer[blocks].shape, generator=g).to(layer.dtype) * 3
+                layer[blocks] = noise

@@ -1,0 +1,306 @@
+"""End to end with real servers on 127.0.0.1: a vLLM CPU prefill server (producer), a decode
+server (consumer, kv_load_failure_policy "recompute"), a second decode server with policy "fail",
+and the P/D proxy, with gloo as transport
+and a small seeded random Llama (and a word-level tokenizer with a chat template) written by the test.
+
+Deadlines (generous on purpose, never assertions on speed): server start-up 420 s, each request
+120 s, the prefill side's KV returning to zero 60 s, a receive from a killed prefill server the
+connector's pull deadline (pull_timeout_s 20 s) plus its 5 s lease-channel deadline.
+
+The servers are shared by the module's tests, in order; the last test kills the prefill server.
+"""
+
+import json
+import random
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm is not installed here (make test-connector installs it)")
+pytest.importorskip("transformers", reason="transformers (a vLLM dependency) is missing")
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import harness as h  # noqa: E402
+
+MAX_TOKENS = 12
+KV_DRAIN_TIMEOUT_S = 60.0
+PULL_TIMEOUT_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """Prefill server, decode server and proxy; every process is stopped at the end, also when
+    start-up or a test fails."""
+    work = tmp_path_factory.mktemp("pd")
+    model = h.write_checkpoint(work / "model")
+    h.write_tokenizer(model)
+    corrupt = work / "corrupt-now"
+    started = []
+    try:
+        # "decode" moves every block, the partial last one too (load_whole_blocks off); "decode-fail"
+        # keeps the CPU default (whole blocks only, the tail computed there)
+        extra = {"lease_s": 30, "pull_timeout_s": PULL_TIMEOUT_S, "load_whole_blocks": False}
+        prefill = h.start_vllm(
+            "prefill", model, work, core="0", extra_args=["--no-enable-prefix-caching"],
+            extra_pythonpath=str(HERE), extra_env={"VLLM_EXT_TEST_CORRUPT": str(corrupt)}, tokenizer=True,
+            kv_config={"kv_connector": "FaultInjectingConnector", "kv_connector_module_path": "fault_connector",
+                       "kv_role": "kv_producer", "kv_connector_extra_config": extra})
+        started.append(prefill)
+        decode = h.start_vllm(
+            "decode", model, work, core="1", tokenizer=True,
+            kv_config={"kv_connector": "VllmExtConnector", "kv_role": "kv_consumer",
+                       "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra})
+        started.append(decode)
+        decode_fail = h.start_vllm(
+            "decode-fail", model, work, core="1", tokenizer=True,
+            kv_config={"kv_connector": "VllmExtConnector", "kv_role": "kv_consumer",
+                       "kv_load_failure_policy": "fail",
+                       "kv_connector_extra_config": dict(extra, load_whole_blocks=True)})
+        started.append(decode_fail)
+        for server in started:
+            server.wait_healthy()
+        port = h.free_port()
+        proxy = h.Process("proxy", [sys.executable, "-m", "vllm_ext.proxy", "--prefill", prefill.url,
+                                    "--decode", decode.url, "--port", str(port)],
+                          h.vllm_env("0"), work / "proxy.log", port)
+        started.append(proxy)
+        proxy.wait_healthy(timeout=60)
+        yield {"prefill": prefill, "decode": decode, "decode_fail": decode_fail, "proxy": proxy,
+               "corrupt": corrupt, "work": work}
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+def complete(url, prompt, max_tokens=MAX_TOKENS, **extra):
+    status, body = h.post(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                                     "temperature": 0, "return_token_ids": True, **extra})
+    assert status == 200, body
+    return body["choices"][0]["token_ids"], body
+
+
+def stream(url, prompt, max_tokens=MAX_TOKENS):
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(
+        {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+         "return_token_ids": True}).encode(), headers={"Content-Type": "application/json"})
+    tokens = []
+    with urllib.request.urlopen(req, timeout=h.REQUEST_TIMEOUT_S) as r:
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                tokens += choice.get("token_ids") or []
+    return tokens
+
+
+def reference(servers, prompt, max_tokens=MAX_TOKENS):
+    """A single instance's greedy output (the prefill server, asked without kv_transfer_params)."""
+    return complete(servers["prefill"].url, prompt, max_tokens)[0]
+
+
+def prompts():
+    rng = random.Random(14)
+    shared = [rng.randrange(3, 1000) for _ in range(64)]
+    out = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 31, 32, 33, 64, 100, 191, 300)]
+    out += [shared + [rng.randrange(3, 1000) for _ in range(n)] for n in (1, 17, 40)]
+    return out
+
+
+def test_outputs_through_the_proxy_equal_a_single_instance(servers):
+    d = servers["decode"].url
+    before = h.metrics(d)
+    cases = prompts()
+    for prompt in cases:
+        want = reference(servers, prompt)
+        got, body = complete(servers["proxy"].url, prompt)
+        assert got == want, f"prompt of {len(prompt)} tokens: proxy {got} != single instance {want}"
+    after = h.metrics(d)
+    loaded = after["vllm:external_prefix_cache_hits_total"] - before.get("vllm:external_prefix_cache_hits_total", 0)
+    # every prompt but the shared-prefix ones is loaded in full; those hit 64 tokens locally
+    assert loaded >= sum(len(p) for p in cases) - 2 * 64 - 1
+    assert after["vllm:vllm_ext_transfers_total"] - before.get("vllm:vllm_ext_transfers_total", 0) == len(cases)
+    assert after["vllm:vllm_ext_failed_transfers_total"] == before.get("vllm:vllm_ext_failed_transfers_total", 0)
+
+
+def test_streaming_through_the_proxy(servers):
+    prompt = list(range(200, 277))
+    assert stream(servers["proxy"].url, prompt) == reference(servers, prompt)
+
+
+def chat(url, text, stream=False):
+    """The assistant's answer to one user message, greedy (streamed: the deltas joined)."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "stream": stream}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=h.REQUEST_TIMEOUT_S) as r:
+        if not stream:
+            return json.loads(r.read())["choices"][0]["message"]["content"]
+        parts = []
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    parts.append(choice.get("delta", {}).get("content") or "")
+        return "".join(parts)
+
+
+def test_chat_completions_through_the_proxy(servers):
+    d = servers["decode"].url
+    transfers = h.metrics(d)["vllm:vllm_ext_transfers_total"]
+    rng = random.Random(5)
+    for n, stream_it in ((20, False), (47, True), (70, False)):
+        text = " ".join(f"w{rng.randrange(3, 1000)}" for _ in range(n))
+        want = chat(servers["prefill"].url, text)
+        assert want.strip()
+        assert chat(servers["proxy"].url, text, stream=stream_it) == want
+    assert h.metrics(d)["vllm:vllm_ext_transfers_total"] == transfers + 3
+
+
+def test_models_and_health_through_the_proxy(servers):
+    with urllib.request.urlopen(servers["proxy"].url + "/v1/models", timeout=30) as r:
+        assert [m["id"] for m in json.loads(r.read())["data"]] == ["tiny"]
+    with urllib.request.urlopen(servers["proxy"].url + "/health", timeout=30) as r:
+        health = json.loads(r.read())
+    assert health == {"prefill": {servers["prefill"].url: True}, "decode": {servers["decode"].url: True}}
+
+
+def test_a_down_backend_is_skipped(servers):
+    """A proxy that lists a dead prefill and a dead decode server beside the live ones (both
+    policies) answers every request right and says which server it skipped."""
+    dead = f"http://127.0.0.1:{h.free_port()}"
+    for policy in ("round_robin", "least_loaded"):
+        port = h.free_port()
+        proxy = h.Process(f"proxy-{policy}", [sys.executable, "-m", "vllm_ext.proxy", "--prefill", dead,
+                                               servers["prefill"].url, "--decode", servers["decode"].url, dead,
+                                               "--port", str(port), "--policy", policy],
+                          h.vllm_env("0"), servers["work"] / f"proxy-{policy}.log", port)
+        try:
+            deadline = time.monotonic() + 60
+            while True:  # /health answers 200 once one server of each stage is up
+                try:
+                    with urllib.request.urlopen(proxy.url + "/health", timeout=10) as r:
+                        assert json.loads(r.read())["prefill"][dead] is False
+                        break
+                except (urllib.error.URLError, OSError):
+                    assert time.monotonic() < deadline, proxy.log_tail()
+                    time.sleep(0.5)
+            for i in range(3):
+                prompt = [(13 * j + i) % 1000 + 3 for j in range(33 + i)]
+                assert complete(proxy.url, prompt)[0] == reference(servers, prompt)
+            log = proxy.log_tail()
+            assert f"prefill server {dead} is down" in log and f"decode server {dead} is down" in log
+        finally:
+            proxy.stop()
+
+
+def test_prefill_kv_usage_returns_to_zero(servers):
+    deadline = time.monotonic() + KV_DRAIN_TIMEOUT_S
+    while True:
+        usage = h.metrics(servers["prefill"].url)["vllm:kv_cache_usage_perc"]
+        if usage == 0.0:
+            return
+        assert time.monotonic() < deadline, f"prefill KV usage still {usage} after {KV_DRAIN_TIMEOUT_S:g} s"
+        time.sleep(0.5)
+
+
+def test_decode_attends_over_the_moved_kv(servers):
+    """Corrupt the prefill side's leased blocks: the decode side's output changes. A prompt new
+    to the decode server, so that nothing comes from its own prefix cache."""
+    prompt = list(range(500, 600))
+    want = reference(servers, prompt)
+    servers["corrupt"].touch()
+    try:
+        _, body = complete(servers["prefill"].url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+        time.sleep(2.0)  # the prefill worker corrupts leased blocks in its next step (milliseconds)
+    finally:
+        servers["corrupt"].unlink()
+    got, _ = complete(servers["decode"].url, prompt, kv_transfer_params=body["kv_transfer_params"])
+    assert got != want, "the decode server's output did not change with corrupted KV: it did not use the pull"
+
+
+def test_bad_requests_get_vllms_errors(servers):
+    for bad in ({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": -1},
+                {"model": "no-such-model", "prompt": [1, 2, 3]}):
+        direct = h.post(servers["prefill"].url + "/v1/completions", bad)
+        proxied = h.post(servers["proxy"].url + "/v1/completions", bad)
+        assert proxied[0] == direct[0] and proxied[0] >= 400
+        assert proxied[1]["error"]["type"] == direct[1]["error"]["type"]
+    req = urllib.request.Request(servers["proxy"].url + "/v1/completions", data=b"{not json",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 400
+
+
+def test_bad_kv_transfer_params_fail_only_that_request(servers):
+    prompt = list(range(700, 740))
+    want = reference(servers, prompt)
+    bad = {"do_remote_prefill": True, "vllm_ext": 1, "remote_lease": "nope"}
+    got, _ = complete(servers["decode"].url, prompt, kv_transfer_params=bad)  # recompute policy
+    assert got == want
+    assert complete(servers["proxy"].url, list(range(800, 845)))[0] == reference(servers, list(range(800, 845)))
+
+
+def assert_failed(status, body):
+    """vLLM's answer to a request failed by its KV load (policy "fail")."""
+    failed = status >= 400 or body.get("choices", [{}])[0].get("finish_reason") in ("error", "abort")
+    assert failed, (status, body)
+
+
+def test_whole_block_loads(servers):
+    """The CPU default: the decode side loads the whole blocks before the last token and
+    computes the rest; outputs equal a single instance's."""
+    d = servers["decode_fail"].url
+    hits = h.metrics(d)["vllm:external_prefix_cache_hits_total"]
+    for n in (40, 64, 95, 129):
+        prompt = [(7 * i + n) % 1000 + 3 for i in range(n)]
+        _, leg = complete(servers["prefill"].url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+        got, _ = complete(d, prompt, kv_transfer_params=leg["kv_transfer_params"])
+        assert got == reference(servers, prompt)
+    assert h.metrics(d)["vllm:external_prefix_cache_hits_total"] - hits == 32 + 32 + 64 + 128
+
+
+def test_bad_kv_transfer_params_with_policy_fail(servers):
+    d = servers["decode_fail"].url
+    bad = {"do_remote_prefill": True, "vllm_ext": 1, "remote_lease": "nope"}
+    status, body = h.post(d + "/v1/completions", {"model": "tiny", "prompt": list(range(40)), "max_tokens": 4,
+                                                   "temperature": 0, "kv_transfer_params": bad})
+    assert_failed(status, body)
+    prompt = list(range(300, 345))
+    assert complete(d, prompt)[0] == reference(servers, prompt)  # the engine serves the next request
+
+
+def test_killed_prefill_server_gives_the_failure_policy(servers):
+    """After the prefill leg the prefill server dies: the decode server with policy "recompute"
+    recomputes within the pull deadline and gives the right tokens, the one with "fail" fails
+    that request; both keep serving."""
+    prompt = list(range(900, 981))
+    want = reference(servers, prompt)
+    _, body = complete(servers["prefill"].url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    _, body_fail = complete(servers["prefill"].url, prompt[:-1], 1, kv_transfer_params={"do_remote_decode": True})
+    servers["prefill"].kill()
+    started = time.monotonic()
+    status, answer = h.post(servers["decode_fail"].url + "/v1/completions",
+                            {"model": "tiny", "prompt": prompt[:-1], "max_tokens": 4, "temperature": 0,
+                             "kv_transfer_params": body_fail["kv_transfer_params"]})
+    assert time.monotonic() - started < PULL_TIMEOUT_S + 60
+    assert_failed(status, answer)
+    assert complete(servers["decode_fail"].url, list(range(10, 60)))[0]
+    d = servers["decode"].url
+    failed_before = h.metrics(d)["vllm:vllm_ext_failed_transfers_total"]
+    started = time.monotonic()
+    got, _ = complete(d, prompt, kv_transfer_params=body["kv_transfer_params"])
+    assert time.monotonic() - started < PULL_TIMEOUT_S + 60
+    assert got == want
+    assert h.metrics(d)["vllm:vllm_ext_failed_transfers_total"] == failed_before + 1
+    assert complete(d, list(range(10, 60)))[0]  # still serving
+    status, _ = h.post(servers["proxy"].url + "/v1/completions", {"model": "tiny", "prompt": [1, 2, 3]})
+    assert status == 503  # the proxy skips the dead prefill server and says none is left
+    assert "prefill server" in servers["proxy"].log_tail() and "is down" in servers["proxy"].log_tail()

@@ -1,0 +1,484 @@
+"""Both halves of VllmExtConnector against real vLLM 0.32 classes (Request, SamplingParams,
+RequestStatus), in one process: leases, external-token counts, bad kv_transfer_params field by
+field, mismatched layouts, and a whole P -> D hand-off over a real gloo MigrationEndpoint."""
+
+import time
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vllm is not installed here (make test-connector installs it)")
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+from vllm_ext.connector import check_vllm_version  # noqa: E402
+from vllm_ext.connector.channel import ChannelError, LeaseClient  # noqa: E402
+from vllm_ext.connector.protocol import prompt_hash  # noqa: E402
+from vllm_ext.connector.scheduler import SchedulerHalf  # noqa: E402
+from vllm_ext.connector.worker import WorkerHalf  # noqa: E402
+
+SECRET = b"unit-test-deployment-secret-0123"
+BLOCK_SIZE = 16
+NUM_BLOCKS = 64
+PROMPT_LENGTHS = (1, 15, 16, 17, 40, 64)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def make_request(prompt, params=None, req_id="req-0", max_tokens=4):
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                        extra_args={"kv_transfer_params": params} if params is not None else None)
+    return Request(req_id, list(prompt), sp, None)
+
+
+def vllm_layers(order="LBHNC", layers=2, heads=2, c=16, seed=0):
+    """Per-layer [B, H, N, C] views of one allocation, as vLLM 0.32 makes them."""
+    sizes = {"L": layers, "B": NUM_BLOCKS, "H": heads, "N": BLOCK_SIZE, "C": c}
+    strides, acc = {}, 1
+    for axis in reversed(order):
+        strides[axis] = acc
+        acc *= sizes[axis]
+    g = torch.Generator().manual_seed(seed)
+    backing = torch.randn(acc, generator=g)
+    return {f"model.layers.{i}.self_attn.attn": backing.as_strided(
+        (NUM_BLOCKS, heads, BLOCK_SIZE, c), (strides["B"], strides["H"], strides["N"], strides["C"]),
+        i * strides["L"]) for i in range(layers)}
+
+
+STATIC = {"vllm": "0.32", "attn_backend": ["CPU_ATTN"], "kv_cache_layout": "LBHNC", "cache_dtype": "auto",
+          "block_size": BLOCK_SIZE, "num_kv_heads": 2, "head_size": 8}
+
+
+def make_worker(kv_caches, producer, static=STATIC, pull_timeout_s=10.0):
+    w = WorkerHalf(is_producer=producer, is_consumer=not producer, backend="gloo", endpoint_host="127.0.0.1",
+                   endpoint_options={}, secret=SECRET, pull_timeout_s=pull_timeout_s, static_fields=dict(static),
+                   connect_to=[])
+    w.register_kv_caches(kv_caches)
+    return w
+
+
+def make_scheduler(producer, policy="fail", lease_s=30.0, clock=None):
+    return SchedulerHalf(is_producer=producer, is_consumer=not producer, block_size=BLOCK_SIZE, lease_s=lease_s,
+                         lease_host="127.0.0.1", lease_port=0, secret=SECRET, failure_policy=policy,
+                         clock=clock or time.monotonic)
+
+
+@pytest.fixture
+def producer():
+    """A producer instance's two halves (one process): scheduler with its lease channel, worker
+    with its endpoint."""
+    clock = Clock()
+    worker = make_worker(vllm_layers(seed=1), producer=True)
+    sched = make_scheduler(True, clock=clock)
+    sched.set_handshake({0: worker.handshake()})
+    sched.clock = clock
+    try:
+        yield sched, worker
+    finally:
+        sched.shutdown()
+        worker.shutdown()
+
+
+def finish_prefill(sched, prompt, req_id="p-0", block_ids=None):
+    """Runs the producer's request_finished as the engine does after a 1-token prefill."""
+    req = make_request(prompt, {"do_remote_decode": True}, req_id=req_id, max_tokens=1)
+    req.num_computed_tokens = len(prompt)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    nblocks = -(-len(prompt) // BLOCK_SIZE)
+    block_ids = block_ids if block_ids is not None else list(range(3, 3 + nblocks))
+    delay, params = sched.request_finished(req, block_ids)
+    return delay, params
+
+
+# ---- versions ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("version", ["0.26.0", "0.32.0", "0.32.0+cpu", "0.33.1"])
+def test_supported_releases(version):
+    check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.25.2", "0.34.0", "1.0.0", "dev"])
+def test_unsupported_release_is_refused_with_the_range(version):
+    with pytest.raises(RuntimeError, match=rf"supports vLLM 0\.26 to 0\.33; this is vLLM {version}"):
+        check_vllm_version(version)
+
+
+# ---- producer: leases -------------------------------------------------------------------------
+@pytest.mark.parametrize("n", PROMPT_LENGTHS)
+def test_producer_leases_a_finished_prefill(producer, n):
+    sched, worker = producer
+    prompt = list(range(100, 100 + n))
+    delay, params = finish_prefill(sched, prompt)
+    assert delay is True
+    nblocks = -(-n // BLOCK_SIZE)
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_block_ids"] == list(range(3, 3 + nblocks))
+    assert params["remote_num_tokens"] == n
+    assert params["remote_prompt_hash"] == prompt_hash(prompt)
+    assert params["remote_fingerprint"] == worker.fingerprint
+    assert len(params["remote_lease"]) == 32 and params["remote_lease"] != "p-0"  # not vLLM's id
+    assert set(params["remote_endpoint"]) == {"lease_host", "lease_port", "endpoint_id", "backend"}
+    assert "secret" not in str(params).lower()
+    meta = sched.build_connector_meta()
+    assert meta.new_leases == {"p-0": params["remote_block_ids"]} and meta.finished_sending == []
+
+
+def test_producer_ignores_other_requests(producer):
+    sched, _ = producer
+    req = make_request(range(20), None)
+    req.status = RequestStatus.FINISHED_STOPPED
+    assert sched.request_finished(req, [1, 2]) == (False, None)
+    req = make_request(range(20), {"do_remote_decode": True})
+    req.num_computed_tokens = 20
+    req.status = RequestStatus.FINISHED_ABORTED  # an abort returns no params: nothing to lease
+    assert sched.request_finished(req, [1, 2]) == (False, None)
+    assert sched.num_leases() == 0
+
+
+def lease_client(sched):
+    host, port = sched.lease_address
+    return LeaseClient(SECRET, host, port)
+
+
+def test_lease_expires_and_frees_the_blocks(producer):
+    sched, _ = producer
+    _, params = finish_prefill(sched, list(range(40)))
+    sched.build_connector_meta()
+    sched.clock.now += 29.0
+    assert sched.build_connector_meta().finished_sending == []
+    sched.clock.now += 1.5
+    assert sched.build_connector_meta().finished_sending == ["p-0"]
+    assert sched.get_stats().data["expired"] == 1
+    with pytest.raises(ChannelError, match="unknown, released or expired"):
+        lease_client(sched).request({"op": "acquire", "lease": params["remote_lease"], "hold_s": 5}, 5)
+
+
+def test_acquire_extends_the_lease_for_the_pull_then_release_frees(producer):
+    sched, _ = producer
+    _, params = finish_prefill(sched, list(range(40)))
+    client = lease_client(sched)
+    sched.clock.now += 25.0
+    reply = client.request({"op": "acquire", "lease": params["remote_lease"], "hold_s": 20}, 5)
+    assert reply["block_ids"] == params["remote_block_ids"]
+    sched.clock.now += 10.0  # past the 30 s lease, within the pull's hold
+    assert sched.build_connector_meta().finished_sending == []
+    client.request({"op": "release", "lease": params["remote_lease"]}, 5)
+    assert sched.build_connector_meta().finished_sending == ["p-0"]
+    client.close()
+
+
+def test_duplicate_and_unknown_leases_are_refused(producer):
+    sched, _ = producer
+    _, params = finish_prefill(sched, list(range(40)))
+    client = lease_client(sched)
+    client.request({"op": "acquire", "lease": params["remote_lease"], "hold_s": 5}, 5)
+    with pytest.raises(ChannelError, match="already taken"):
+        client.request({"op": "acquire", "lease": params["remote_lease"], "hold_s": 5}, 5)
+    with pytest.raises(ChannelError, match="unknown, released or expired"):
+        client.request({"op": "acquire", "lease": "0" * 32, "hold_s": 5}, 5)
+    with pytest.raises(ChannelError, match="hold_s"):
+        _, other = finish_prefill(sched, list(range(20)), req_id="p-1")
+        client.request({"op": "acquire", "lease": other["remote_lease"], "hold_s": 1e9}, 5)
+    with pytest.raises(ChannelError, match="unknown operation"):
+        client.request({"op": "steal", "lease": params["remote_lease"]}, 5)
+    client.close()
+
+
+def test_lease_channel_refuses_another_secret(producer):
+    sched, _ = producer
+    host, port = sched.lease_address
+    with pytest.raises(ChannelError, match="authentication failed"):
+        LeaseClient(b"some-other-deployment-secret!!", host, port).request({"op": "describe"}, 5)
+
+
+# ---- consumer: external tokens ----------------------------------------------------------------
+@pytest.fixture
+def consumer_sched():
+    sched = make_scheduler(False)
+    yield sched
+    sched.shutdown()
+
+
+@pytest.mark.parametrize("n", PROMPT_LENGTHS)
+@pytest.mark.parametrize("local_hit", [0, 16])
+def test_consumer_counts_external_tokens_after_the_local_hit(producer, consumer_sched, n, local_hit):
+    sched, worker = producer
+    consumer_sched.set_handshake({0: worker.handshake()})  # same fingerprint as the producer
+    prompt = list(range(7, 7 + n))
+    _, params = finish_prefill(sched, prompt)
+    req = make_request(prompt, params, req_id="d-0")
+    local_hit = min(local_hit, (n // BLOCK_SIZE) * BLOCK_SIZE)
+    for _ in range(2):  # side-effect free: same answer when asked again
+        assert consumer_sched.get_num_new_matched_tokens(req, local_hit) == \
+            ((n - local_hit, True) if n > local_hit else (0, False))
+    if n <= local_hit:
+        return
+    dst = list(range(40, 40 + -(-n // BLOCK_SIZE)))
+    consumer_sched.update_state_after_alloc(req, dst, n - local_hit)
+    assert req.kv_transfer_params["do_remote_prefill"] is False  # a preempted request recomputes
+    (job,) = consumer_sched.build_connector_meta().recvs
+    first = local_hit // BLOCK_SIZE
+    assert job.src_block_ids == params["remote_block_ids"][first:] and job.dst_block_ids == dst[first:]
+    assert job.first_block == first and job.lease == params["remote_lease"] and job.error is None
+    assert consumer_sched.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def good_params():
+    return {"do_remote_prefill": True, "do_remote_decode": False, "vllm_ext": 1, "remote_lease": "ab" * 16,
+            "remote_block_ids": [4, 5, 6], "remote_num_tokens": 40, "remote_prompt_hash": prompt_hash(range(40)),
+            "remote_fingerprint": "cd" * 16,
+            "remote_endpoint": {"lease_host": "127.0.0.1", "lease_port": 9, "endpoint_id": "ef" * 16,
+                                "backend": "gloo"}}
+
+
+def _without(key):
+    def edit(p):
+        if "." in key:
+            outer, inner = key.split(".")
+            del p[outer][inner]
+        else:
+            del p[key]
+    return edit
+
+
+def _set(key, value):
+    def edit(p):
+        if "." in key:
+            outer, inner = key.split(".")
+            p[outer][inner] = value
+        else:
+            p[key] = value
+    return edit
+
+
+BAD_PARAMS = [
+    (_without("vllm_ext"), "kv_transfer_params.vllm_ext: missing"),
+    (_set("vllm_ext", 2), "kv_transfer_params.vllm_ext: protocol 2"),
+    (_without("remote_lease"), "kv_transfer_params.remote_lease: missing"),
+    (_set("remote_lease", 7), "kv_transfer_params.remote_lease: expected str"),
+    (_set("remote_lease", "xyz"), "kv_transfer_params.remote_lease: expected 32 hex digits"),
+    (_without("remote_block_ids"), "kv_transfer_params.remote_block_ids: missing"),
+    (_set("remote_block_ids", "4,5,6"), "kv_transfer_params.remote_block_ids: expected list"),
+    (_set("remote_block_ids", [4, "5", 6]), r"kv_transfer_params.remote_block_ids\[1\]: expected a non-negative int"),
+    (_set("remote_block_ids", [4, -5, 6]), r"kv_transfer_params.remote_block_ids\[1\]"),
+    (_set("remote_block_ids", []), "kv_transfer_params.remote_block_ids: expected 1 to"),
+    (_without("remote_num_tokens"), "kv_transfer_params.remote_num_tokens: missing"),
+    (_set("remote_num_tokens", 40.0), "kv_transfer_params.remote_num_tokens: expected int"),
+    (_set("remote_num_tokens", 70), "kv_transfer_params.remote_num_tokens: 70 tokens need 5 blocks"),
+    (_without("remote_prompt_hash"), "kv_transfer_params.remote_prompt_hash: missing"),
+    (_set("remote_prompt_hash", prompt_hash(range(1, 41))), "remote_prompt_hash: the producer's prompt differs"),
+    (_without("remote_fingerprint"), "kv_transfer_params.remote_fingerprint: missing"),
+    (_set("remote_fingerprint", "00" * 16), "remote_fingerprint: 0000"),
+    (_without("remote_endpoint"), "kv_transfer_params.remote_endpoint: missing"),
+    (_set("remote_endpoint", ["127.0.0.1", 9]), "kv_transfer_params.remote_endpoint: expected dict"),
+    (_without("remote_endpoint.lease_host"), "remote_endpoint.lease_host: missing"),
+    (_set("remote_endpoint.lease_port", "9"), "remote_endpoint.lease_port: expected int"),
+    (_set("remote_endpoint.lease_port", 70000), "remote_endpoint.lease_port: 70000 is not a TCP port"),
+    (_without("remote_endpoint.endpoint_id"), "remote_endpoint.endpoint_id: missing"),
+    (_without("remote_endpoint.backend"), "remote_endpoint.backend: missing"),
+]
+
+
+@pytest.mark.parametrize("edit,message", BAD_PARAMS, ids=[m for _, m in BAD_PARAMS])
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_bad_kv_transfer_params_fail_that_request_only(edit, message, policy):
+    sched = make_scheduler(False, policy=policy)
+    try:
+        from vllm_ext.connector.metadata import VllmExtHandshake
+
+        sched.set_handshake({0: VllmExtHandshake(descriptor={}, fingerprint="cd" * 16, fingerprint_fields={})})
+        good = make_request(range(40), good_params(), req_id="good")
+        params = good_params()
+        edit(params)
+        bad = make_request(range(40), params, req_id="bad")
+        if policy == "fail":  # an async load that the worker fails at once: vLLM fails the request
+            assert sched.get_num_new_matched_tokens(bad, 0) == (39, True)
+            sched.update_state_after_alloc(bad, [1, 2, 3], 39)
+        else:  # computed locally
+            assert sched.get_num_new_matched_tokens(bad, 0) == (0, False)
+        assert sched.get_num_new_matched_tokens(good, 0) == (40, True)
+        sched.update_state_after_alloc(good, [7, 8, 9], 40)
+        recvs = {job.req_id: job for job in sched.build_connector_meta().recvs}
+        assert recvs["good"].error is None and recvs["good"].dst_block_ids == [7, 8, 9]
+        if policy == "fail":
+            assert recvs["bad"].error is not None
+            import re
+
+            assert re.search(message, recvs["bad"].error), recvs["bad"].error
+        else:
+            assert "bad" not in recvs
+    finally:
+        sched.shutdown()
+
+
+# ---- the hand-off between the workers ---------------------------------------------------------
+def receive(consumer_worker, recvs, deadline_s=30.0):
+    """Runs the worker's per-step calls until every job is reported (a stated, generous deadline)."""
+    from vllm_ext.connector.metadata import VllmExtMetadata
+
+    consumer_worker.start_load_kv(VllmExtMetadata(recvs=recvs))
+    done, failed = set(), set()
+    deadline = time.monotonic() + deadline_s
+    while len(done) < len(recvs):
+        assert time.monotonic() < deadline, "receives not reported within the deadline"
+        _, d, f = consumer_worker.take_results(None)
+        done |= d
+        failed |= f
+        time.sleep(0.01)
+    return done, failed
+
+
+def block_bytes(kv_caches, block):
+    return [t[block].clone() for t in kv_caches.values()]
+
+
+def test_pull_moves_the_leased_blocks_and_frees_the_lease(producer):
+    sched, p_worker = producer
+    consumer_caches = vllm_layers(seed=2)
+    d_sched, d_worker = make_scheduler(False), make_worker(consumer_caches, producer=False)
+    try:
+        d_sched.set_handshake({0: d_worker.handshake()})
+        prompt = list(range(50))  # 4 blocks, the last partial
+        _, params = finish_prefill(sched, prompt)
+        sched.build_connector_meta()
+        req = make_request(prompt, params, req_id="d-0")
+        assert d_sched.get_num_new_matched_tokens(req, 16) == (34, True)
+        d_sched.update_state_after_alloc(req, [20, 21, 22, 23], 34)
+        before = block_bytes(consumer_caches, 20)
+        done, failed = receive(d_worker, d_sched.build_connector_meta().recvs)
+        assert done == {"d-0"} and failed == set()
+        p_caches = p_worker.cache.layers
+        for layer, t in enumerate(consumer_caches.values()):
+            assert torch.equal(t[20], before[layer])  # the local hit's block was left alone
+            for src, dst in zip(params["remote_block_ids"][1:], [21, 22, 23]):
+                assert torch.equal(t[dst], p_caches[layer][src])
+        deadline = time.monotonic() + 10
+        finished = []
+        while not finished and time.monotonic() < deadline:  # the release arrives after the report
+            finished = sched.build_connector_meta().finished_sending
+            time.sleep(0.01)
+        assert finished == ["p-0"]
+        stats = d_worker.get_stats().data
+        assert stats["transfers"] == 1 and stats["bytes"] == 3 * p_worker.cache.block_nbytes
+    finally:
+        d_sched.shutdown()
+        d_worker.shutdown()
+
+
+@pytest.mark.parametrize("what,static,order", [
+    ("physical_order", STATIC, "LBNHC"),
+    ("attn_backend", dict(STATIC, attn_backend=["FLASH_ATTN"]), "LBHNC"),
+    ("vllm", dict(STATIC, vllm="0.26"), "LBHNC"),
+])
+def test_mismatched_layouts_are_refused_at_the_handshake(producer, what, static, order):
+    sched, _ = producer
+    consumer_caches = vllm_layers(order=order, seed=3)
+    d_worker = make_worker(consumer_caches, producer=False, static=static)
+    d_sched = make_scheduler(False)
+    try:
+        d_sched.set_handshake({0: d_worker.handshake()})
+        prompt = list(range(40))
+        _, params = finish_prefill(sched, prompt)
+        before = [t.clone() for t in consumer_caches.values()]
+        # the consumer's scheduler refuses the foreign fingerprint for that request ...
+        req = make_request(prompt, params, req_id="d-0")
+        d_sched.update_state_after_alloc(req, [1, 2, 3], 39)
+        (job,) = d_sched.build_connector_meta().recvs
+        assert "remote_fingerprint" in job.error
+        # ... and a worker handed the job anyway refuses at the handshake, naming the field
+        from vllm_ext.connector.metadata import RecvJob
+
+        job = RecvJob(req_id="d-1", lease=params["remote_lease"],
+                      lease_host=params["remote_endpoint"]["lease_host"],
+                      lease_port=params["remote_endpoint"]["lease_port"],
+                      endpoint_id=params["remote_endpoint"]["endpoint_id"], fingerprint=params["remote_fingerprint"],
+                      src_block_ids=params["remote_block_ids"], dst_block_ids=[1, 2, 3])
+        done, failed = receive(d_worker, [job])
+        assert failed == {"d-1"}
+        for t, b in zip(consumer_caches.values(), before):
+            assert torch.equal(t, b)  # nothing written
+    finally:
+        d_sched.shutdown()
+        d_worker.shutdown()
+
+
+def test_dead_producer_fails_the_receive_within_the_deadline(producer):
+    sched, _ = producer
+    d_worker = make_worker(vllm_layers(seed=4), producer=False, pull_timeout_s=5.0)
+    try:
+        _, params = finish_prefill(sched, list(range(40)))
+        from vllm_ext.connector.metadata import RecvJob
+
+        job = RecvJob(req_id="d-0", lease=params["remote_lease"], lease_host="127.0.0.1",
+                      lease_port=params["remote_endpoint"]["lease_port"],
+                      endpoint_id=params["remote_endpoint"]["endpoint_id"], fingerprint=params["remote_fingerprint"],
+                      src_block_ids=params["remote_block_ids"], dst_block_ids=[1, 2, 3])
+        sched.shutdown()  # the producer is gone
+        started = time.monotonic()
+        done, failed = receive(d_worker, [job], deadline_s=30.0)
+        assert failed == {"d-0"} and time.monotonic() - started < 30.0
+        assert d_worker.take_failed_blocks() == {1, 2, 3}
+    finally:
+        d_worker.shutdown()
+
+
+def test_lease_channel_bounds_frames_and_never_trusts_unauthenticated_input(producer):
+    import socket
+    import struct
+
+    from vllm_ext.connector import channel
+
+    sched, _ = producer
+    host, port = sched.lease_address
+    for payload in (struct.pack(">I", channel.MAX_FRAME + 1), struct.pack(">I", 5) + b"\x80\x04N.\x00",
+                    struct.pack(">I", 2) + b"[]"):
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.settimeout(5)
+            channel.recv_frame(s, time.monotonic() + 5)  # the server's hello
+            s.sendall(payload)
+            try:  # the server drops the connection without serving anything
+                data = s.recv(1 << 16)
+                assert b'"ok":true' not in data
+            except (ConnectionResetError, socket.timeout):
+                pass
+    assert lease_client(sched).request({"op": "describe"}, 5)["fingerprint"]  # and keeps serving
+
+
+def test_kv_both_is_producer_and_consumer(producer):
+    _, worker = producer
+    both = SchedulerHalf(is_producer=True, is_consumer=True, block_size=BLOCK_SIZE, lease_s=30.0,
+                         lease_host="127.0.0.1", lease_port=0, secret=SECRET, failure_policy="fail")
+    try:
+        both.set_handshake({0: worker.handshake()})
+        delay, params = finish_prefill(both, list(range(40)))
+        assert delay and params["remote_num_tokens"] == 40
+        req = make_request(range(40), params, req_id="d-0")
+        assert both.get_num_new_matched_tokens(req, 0) == (40, True)
+        assert not both.has_pending_frees()  # a live lease is not a pending free
+    finally:
+        both.shutdown()
+
+
+@pytest.mark.parametrize("n,local_hit,expected", [(40, 0, 32), (48, 0, 32), (49, 0, 48), (16, 0, 0), (17, 0, 16),
+                                                  (64, 16, 32), (33, 32, 0)])
+def test_whole_block_loads_stop_before_the_last_token(producer, n, local_hit, expected):
+    sched, worker = producer
+    d = SchedulerHalf(is_producer=False, is_consumer=True, block_size=BLOCK_SIZE, lease_s=30.0,
+                      lease_host="127.0.0.1", lease_port=0, secret=SECRET, failure_policy="fail", whole_blocks=True)
+    d.set_handshake({0: worker.handshake()})
+    _, params = finish_prefill(sched, list(range(n)))
+    req = make_request(range(n), params, req_id="d-0")
+    assert d.get_num_new_matched_tokens(req, local_hit) == ((expected, True) if expected else (0, False))
+    if expected:
+        nblocks = -(-n // BLOCK_SIZE)
+        d.update_state_after_alloc(req, list(range(30, 30 + nblocks)), expected)
+        (job,) = d.build_connector_meta().recvs
+        first, last = local_hit // BLOCK_SIZE, (local_hit + expected) // BLOCK_SIZE
+        assert job.src_block_ids == params["remote_block_ids"][first:last]
+        assert job.dst_block_ids == list(range(30 + first, 30 + last))

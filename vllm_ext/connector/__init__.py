@@ -1,0 +1,50 @@
+"""vLLM KV connector for prefill/decode disaggregation over vllm-ext (the only package of
+vllm-ext that imports vllm, and only when used).
+
+    --kv-transfer-config '{"kv_connector": "VllmExtConnector", "kv_role": "kv_producer"}'
+
+works once vllm-ext is installed (the `vllm.general_plugins` entry point runs `register`), and
+so does `"kv_connector_module_path": "vllm_ext.connector.connector"`. See docs/connector.md.
+"""
+
+SUPPORTED = ((0, 26), (0, 33))  # vLLM releases, inclusive
+CONNECTOR_NAME = "VllmExtConnector"
+
+
+def _release(version: str):
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def check_vllm_version(version=None) -> None:
+    """RuntimeError naming the release and the supported range unless vLLM's is supported."""
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    release = _release(version)
+    low, high = SUPPORTED
+    if release is None or not low <= release <= high:
+        raise RuntimeError(f"vllm-ext's VllmExtConnector supports vLLM {low[0]}.{low[1]} to {high[0]}.{high[1]}; "
+                           f"this is vLLM {version}")
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: registers VllmExtConnector with vLLM's factory
+    (idempotent; every vLLM process calls it). Never fails a vLLM that does not use it."""
+    import logging
+
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    except ImportError:
+        return
+    registry = getattr(KVConnectorFactory, "_registry", None)
+    if isinstance(registry, dict) and CONNECTOR_NAME in registry:
+        return
+    try:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_ext.connector.connector", CONNECTOR_NAME)
+    except ValueError:  # registered meanwhile (or by an older copy): fine
+        logging.getLogger(__name__).debug("%s already registered", CONNECTOR_NAME)

@@ -1,0 +1,196 @@
+"""VllmExtConnector: vLLM's KV connector v1 over vllm-ext's MigrationEndpoint, for
+prefill/decode disaggregation (the NIXL-style pull; see docs/connector.md).
+
+A thin facade: the SCHEDULER instance delegates to a SchedulerHalf, the WORKER instance to a
+WorkerHalf; each half gets values, not this object. Configuration
+(`--kv-transfer-config '{"kv_connector": "VllmExtConnector", "kv_role": ..., "kv_connector_extra_config": {...}}'`):
+
+    backend          migration backend: "ipc", "nccl", "gloo" (default: ipc on GPU, gloo on CPU)
+    backend_options  dict of that backend's options
+    endpoint_host    address the MigrationEndpoint binds (default 127.0.0.1)
+    lease_host       address the producer's lease channel binds and advertises (default 127.0.0.1)
+    lease_port       its port (default 0: any free port)
+    lease_s          how long a producer holds a finished request's blocks (default 30)
+    pull_timeout_s   deadline of one pull on the consumer (default 10)
+    connect_to       ["host:port", ...] producers' lease channels to connect to at start-up
+    load_whole_blocks  load only whole blocks before the last token, compute the rest (< 1 block)
+                     here (default: on CPU, where vLLM 0.32's AMX attention fails a first step that
+                     starts inside a block)
+
+The deployment secret (VLLM_EXT_AUTH_SECRET or VLLM_EXT_AUTH_SECRET_FILE) must be set on every
+instance. Failed receives follow vLLM's `kv_load_failure_policy` ("fail" or "recompute").
+"""
+
+import logging
+from typing import TYPE_CHECKING, Any, Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+from . import check_vllm_version
+from .channel import deployment_secret
+from .metadata import VllmExtMetadata
+from .stats import VllmExtPromMetrics, VllmExtStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
+
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # releases before hit sources
+    CacheHitSource = None
+
+_HAS_TRANSFER_RESULTS = hasattr(KVConnectorBase_V1, "get_transfer_results")
+
+
+def _check_number(extra, key, default, low, high):
+    value = extra.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not low < value <= high:
+        raise ValueError(f"kv_connector_extra_config.{key}: expected seconds in ({low}, {high}], got {value!r}")
+    return float(value)
+
+
+class VllmExtConnector(KVConnectorBase_V1):
+    if CacheHitSource is not None:
+        _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
+        check_vllm_version()
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = vllm_config.kv_transfer_config
+        extra = dict(config.kv_connector_extra_config or {})
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise ValueError(f"VllmExtConnector: tensor_parallel_size {parallel.tensor_parallel_size} and "
+                             f"pipeline_parallel_size {parallel.pipeline_parallel_size}: only 1 and 1 are supported")
+        secret = deployment_secret()
+        self._scheduler = self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from .scheduler import SchedulerHalf
+
+            policy = getattr(config, "kv_load_failure_policy", "fail")
+            self._scheduler = SchedulerHalf(
+                is_producer=config.is_kv_producer, is_consumer=config.is_kv_consumer,
+                block_size=vllm_config.cache_config.block_size,
+                lease_s=_check_number(extra, "lease_s", 30.0, 0, 3600),
+                lease_host=str(extra.get("lease_host", "127.0.0.1")), lease_port=int(extra.get("lease_port", 0)),
+                secret=secret, failure_policy=policy,
+                whole_blocks=bool(extra.get("load_whole_blocks", vllm_config.device_config.device_type == "cpu")))
+        else:
+            from .worker import WorkerHalf
+
+            connect_to = extra.get("connect_to", [])
+            if not isinstance(connect_to, list) or not all(isinstance(a, str) and ":" in a for a in connect_to):
+                raise ValueError(f"kv_connector_extra_config.connect_to: expected a list of 'host:port', "
+                                 f"got {connect_to!r}")
+            self._worker = WorkerHalf(
+                is_producer=config.is_kv_producer, is_consumer=config.is_kv_consumer,
+                backend=extra.get("backend"), endpoint_host=str(extra.get("endpoint_host", "127.0.0.1")),
+                endpoint_options=dict(extra.get("backend_options", {})), secret=secret,
+                pull_timeout_s=_check_number(extra, "pull_timeout_s", 10.0, 0, 600),
+                static_fields=_static_fields(vllm_config), connect_to=connect_to)
+
+    # ==== worker side =====================================================================
+    def register_kv_caches(self, kv_caches):
+        self._worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self):
+        return self._worker.handshake()
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self):
+        return None
+
+    def get_transfer_results(self, finished_req_ids):
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        sending, recving, failed = self._worker.take_results(self._meta())
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_finished(self, finished_req_ids):
+        sending, recving, _ = self._worker.take_results(self._meta())
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self):
+        blocks = self._worker.take_failed_blocks()
+        return set() if _HAS_TRANSFER_RESULTS else blocks  # 0.32+ reports failed_recving instead
+
+    def get_kv_connector_stats(self):
+        half = self._worker if self._worker is not None else self._scheduler
+        return half.get_stats()
+
+    def shutdown(self):
+        for half in (self._worker, self._scheduler):
+            if half is not None:
+                half.shutdown()
+
+    def _meta(self) -> Optional[VllmExtMetadata]:
+        return self._connector_metadata if isinstance(self._connector_metadata, VllmExtMetadata) else None
+
+    # ==== scheduler side ==================================================================
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        self._scheduler.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):
+        return self._scheduler.build_connector_meta()
+
+    def request_finished(self, request, block_ids):
+        return self._scheduler.request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(self, metadata):
+        self._scheduler.set_handshake(metadata)
+
+    def has_pending_block_frees(self) -> bool:
+        return self._scheduler.has_pending_frees() if self._scheduler is not None else False
+
+    # ==== class methods (also called in the API server) ====================================
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return VllmExtStats(data=data) if data is not None else VllmExtStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return VllmExtPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _static_fields(vllm_config) -> dict:
+    """What the fingerprint takes from vLLM's config: the release, the attention backend, the
+    resolved layout and the model's KV geometry."""
+    import vllm
+
+    backends = set()
+    try:
+        try:
+            from vllm.model_executor.layers.attention.attention import Attention
+        except ImportError:  # 0.26
+            from vllm.attention.layer import Attention
+
+        for layer in vllm_config.compilation_config.static_forward_context.values():
+            if isinstance(layer, Attention):
+                backends.add(layer.get_attn_backend().get_name())
+    except Exception:  # noqa: BLE001 - older releases keep the layer elsewhere; the tensors still decide
+        pass
+    cache = vllm_config.cache_config
+    model = vllm_config.model_config
+    return {
+        "vllm": ".".join(vllm.__version__.split(".")[:2]),
+        "attn_backend": sorted(backends),
+        "kv_cache_layout": getattr(cache, "kv_cache_layout", None),
+        "cache_dtype": str(cache.cache_dtype),
+        "block_size": cache.block_size,
+        "num_kv_heads": model.get_total_num_kv_heads(),
+        "head_size": model.get_head_size(),
+    }

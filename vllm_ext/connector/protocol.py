@@ -1,0 +1,139 @@
+"""What prefill and decode instances exchange through `kv_transfer_params`, and the layout
+fingerprint they must agree on. Imports neither vllm nor torch.
+
+Version history (PROTOCOL, carried as `kv_transfer_params["vllm_ext"]`):
+  1: first version: lease id, block ids, token count, prompt hash, fingerprint, lease address.
+
+A producer answers a finished `do_remote_decode` request with:
+
+    {"do_remote_prefill": true, "do_remote_decode": false, "vllm_ext": 1,
+     "remote_lease": "<32 hex>",            # external id of the lease (never vLLM's request id)
+     "remote_block_ids": [int, ...],         # the producer's blocks, in token order
+     "remote_num_tokens": int,               # tokens whose KV those blocks hold
+     "remote_prompt_hash": "<64 hex>",       # sha256 of those tokens' ids
+     "remote_fingerprint": "<32 hex>",       # layout_fingerprint() of the producer's cache
+     "remote_endpoint": {"lease_host": str, "lease_port": int, "endpoint_id": str,
+                         "backend": str},
+     "remote_lease_s": float}                # how long the producer holds the blocks
+
+None of it is a credential: pulling needs the deployment secret as well.
+"""
+
+import dataclasses
+import hashlib
+import json
+import re
+from typing import Any, Dict, List, Optional, Sequence
+
+PROTOCOL = 1
+MAX_REMOTE_BLOCKS = 1 << 20
+_HEX = re.compile(r"^[0-9a-f]+$")
+
+
+class ParamsError(ValueError):
+    """One field of a request's kv_transfer_params is missing or wrong (the message names it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteKV:
+    """A decode request's parsed kv_transfer_params."""
+
+    lease: str
+    block_ids: List[int]
+    num_tokens: int
+    prompt_hash: str
+    fingerprint: str
+    lease_host: str
+    lease_port: int
+    endpoint_id: str
+    backend: str
+
+
+def prompt_hash(token_ids: Sequence[int]) -> str:
+    return hashlib.sha256(json.dumps([int(t) for t in token_ids], separators=(",", ":")).encode()).hexdigest()
+
+
+def _field(params: Dict[str, Any], name: str, kind, where: str = "kv_transfer_params"):
+    if name not in params:
+        raise ParamsError(f"{where}.{name}: missing")
+    value = params[name]
+    if kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise ParamsError(f"{where}.{name}: expected {kind.__name__}, got {type(value).__name__} {str(value)[:60]!r}")
+    return value
+
+
+def _hex(params, name, length: Optional[int] = None, where="kv_transfer_params") -> str:
+    value = _field(params, name, str, where)
+    if not _HEX.match(value) or (length is not None and len(value) != length):
+        want = f"{length} hex digits" if length else "hex digits"
+        raise ParamsError(f"{where}.{name}: expected {want}, got {value[:80]!r}")
+    return value
+
+
+def parse_remote_params(params: Any, block_size: int) -> RemoteKV:
+    """Checks every field a decode instance reads; ParamsError naming the first bad one."""
+    if not isinstance(params, dict):
+        raise ParamsError(f"kv_transfer_params: expected an object, got {type(params).__name__}")
+    version = _field(params, "vllm_ext", int)
+    if version != PROTOCOL:
+        raise ParamsError(f"kv_transfer_params.vllm_ext: protocol {version}, this instance speaks {PROTOCOL} "
+                          "(mixed vllm-ext versions: upgrade both)")
+    lease = _hex(params, "remote_lease", 32)
+    block_ids = _field(params, "remote_block_ids", list)
+    if not block_ids or len(block_ids) > MAX_REMOTE_BLOCKS:
+        raise ParamsError(f"kv_transfer_params.remote_block_ids: expected 1 to {MAX_REMOTE_BLOCKS} ids, "
+                          f"got {len(block_ids)}")
+    for i, b in enumerate(block_ids):
+        if not isinstance(b, int) or isinstance(b, bool) or b < 0:
+            raise ParamsError(f"kv_transfer_params.remote_block_ids[{i}]: expected a non-negative int, got {b!r}")
+    num_tokens = _field(params, "remote_num_tokens", int)
+    blocks_needed = -(-num_tokens // block_size) if num_tokens > 0 else 0
+    if num_tokens <= 0 or blocks_needed != len(block_ids):
+        raise ParamsError(f"kv_transfer_params.remote_num_tokens: {num_tokens} tokens need "
+                          f"{blocks_needed} blocks of {block_size}, remote_block_ids has {len(block_ids)}")
+    hash_ = _hex(params, "remote_prompt_hash", 64)
+    fingerprint = _hex(params, "remote_fingerprint", 32)
+    endpoint = _field(params, "remote_endpoint", dict)
+    where = "kv_transfer_params.remote_endpoint"
+    host = _field(endpoint, "lease_host", str, where)
+    if not host or len(host) > 255:
+        raise ParamsError(f"{where}.lease_host: expected a host name, got {host[:80]!r}")
+    port = _field(endpoint, "lease_port", int, where)
+    if not 0 < port < 65536:
+        raise ParamsError(f"{where}.lease_port: {port} is not a TCP port")
+    endpoint_id = _hex(endpoint, "endpoint_id", None, where)
+    backend = _field(endpoint, "backend", str, where)
+    return RemoteKV(lease=lease, block_ids=list(block_ids), num_tokens=num_tokens, prompt_hash=hash_,
+                    fingerprint=fingerprint, lease_host=host, lease_port=port, endpoint_id=endpoint_id,
+                    backend=backend)
+
+
+def producer_params(*, lease: str, block_ids: List[int], num_tokens: int, prompt_hash_: str,
+                    fingerprint: str, lease_host: str, lease_port: int, endpoint_id: str, backend: str,
+                    lease_s: float) -> Dict[str, Any]:
+    return {
+        "do_remote_prefill": True, "do_remote_decode": False, "vllm_ext": PROTOCOL,
+        "remote_lease": lease, "remote_block_ids": list(block_ids), "remote_num_tokens": num_tokens,
+        "remote_prompt_hash": prompt_hash_, "remote_fingerprint": fingerprint,
+        "remote_endpoint": {"lease_host": lease_host, "lease_port": lease_port, "endpoint_id": endpoint_id,
+                            "backend": backend},
+        "remote_lease_s": lease_s,
+    }
+
+
+def layout_fingerprint(fields: Dict[str, Any]) -> str:
+    """32 hex digits over what two instances must share to exchange blocks."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def fingerprint_mismatch(mine: Dict[str, Any], theirs: Dict[str, Any]) -> Optional[str]:
+    """None when equal, else which fields differ, with both values."""
+    if mine == theirs:
+        return None
+    keys = sorted(set(mine) | set(theirs))
+    return ", ".join(f"{k} {mine.get(k)!r} here vs {theirs.get(k)!r} at the producer"
+                     for k in keys if mine.get(k) != theirs.get(k))

@@ -1,0 +1,87 @@
+"""Transfer statistics through vLLM's connector stats, so they reach the logs and /metrics:
+
+    vllm:vllm_ext_transfers_total          pulls that completed
+    vllm:vllm_ext_failed_transfers_total   receives that failed (pull, lease, or bad params)
+    vllm:vllm_ext_expired_leases_total     producer leases that expired unused
+    vllm:vllm_ext_transfer_bytes_total     bytes pulled
+    vllm:vllm_ext_pull_seconds             histogram of pull time (lease acquire to blocks written)
+"""
+
+import dataclasses
+from typing import Any, Dict
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+_COUNTS = ("transfers", "failed", "expired", "bytes")
+
+
+def _empty() -> Dict[str, Any]:
+    return {"transfers": 0, "failed": 0, "expired": 0, "bytes": 0, "seconds": []}
+
+
+@dataclasses.dataclass
+class VllmExtStats(KVConnectorStats):
+    def __post_init__(self):
+        if not self.data:
+            self.data = _empty()
+
+    def record_transfer(self, nbytes: int, seconds: float) -> None:
+        self.data["transfers"] += 1
+        self.data["bytes"] += int(nbytes)
+        self.data["seconds"].append(float(seconds))
+
+    def record_failure(self) -> None:
+        self.data["failed"] += 1
+
+    def record_expiry(self) -> None:
+        self.data["expired"] += 1
+
+    def reset(self):
+        self.data = _empty()
+
+    def aggregate(self, other: KVConnectorStats) -> "VllmExtStats":
+        merged = _empty()
+        for source in (self.data, other.data):
+            for key in _COUNTS:
+                merged[key] += int(source.get(key, 0))
+            merged["seconds"].extend(source.get("seconds", []))
+        return VllmExtStats(data=merged)
+
+    def reduce(self) -> Dict[str, Any]:
+        seconds = self.data["seconds"]
+        return {"transfers": self.data["transfers"], "failed": self.data["failed"],
+                "expired_leases": self.data["expired"], "bytes": self.data["bytes"],
+                "avg_pull_ms": round(1e3 * sum(seconds) / len(seconds), 3) if seconds else 0.0}
+
+    def is_empty(self) -> bool:
+        return not any(self.data[k] for k in _COUNTS) and not self.data["seconds"]
+
+
+class VllmExtPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        def create_metric_per_engine(metric, labelvalues):  # one child per engine index
+            return {idx: metric.labels(*values) for idx, values in labelvalues.items()}
+
+        def counter(name, doc):
+            return create_metric_per_engine(self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
+                                            per_engine_labelvalues)
+
+        self.transfers = counter("vllm:vllm_ext_transfers", "KV pulls completed by vllm-ext's connector")
+        self.failed = counter("vllm:vllm_ext_failed_transfers", "KV receives that failed (pull, lease, params)")
+        self.expired = counter("vllm:vllm_ext_expired_leases", "producer leases that expired unused")
+        self.bytes = counter("vllm:vllm_ext_transfer_bytes", "KV bytes pulled by vllm-ext's connector")
+        hist = self._histogram_cls(
+            name="vllm:vllm_ext_pull_seconds", documentation="time of one KV pull (lease to blocks written)",
+            buckets=[1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0], labelnames=labelnames)
+        self.seconds = create_metric_per_engine(hist, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0):
+        for metric, key in ((self.transfers, "transfers"), (self.failed, "failed"),
+                            (self.expired, "expired"), (self.bytes, "bytes")):
+            value = int(transfer_stats_data.get(key, 0))
+            if value:
+                metric[engine_idx].inc(value)
+        for s in transfer_stats_data.get("seconds", []):
+            self.seconds[engine_idx].observe(s)

@@ -1,0 +1,280 @@
+"""The worker half of VllmExtConnector (one per worker process).
+
+It wraps vLLM's KV cache views as one vllm_ext KVCache (layout `blocks`, no copy), serves it
+through a MigrationEndpoint, and, on a consumer, runs each RecvJob on a thread of its own
+(with its own CUDA stream): describe the producer and connect to it when first seen, acquire
+the lease, pull, release the lease. Results are reported at the next get_transfer_results.
+
+Who calls what (vLLM, on the worker's thread): register_kv_caches once; per step
+start_load_kv (with the step's metadata), get_transfer_results, get_stats.
+"""
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
+
+from .. import KVCache
+from ..migration import MigrationEndpoint, MigrationError, PeerDescriptor
+from .channel import ChannelError, LeaseClient
+from .metadata import RecvJob, VllmExtHandshake, VllmExtMetadata
+from .protocol import PROTOCOL, fingerprint_mismatch, layout_fingerprint
+from .stats import VllmExtStats
+
+logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
+
+CHANNEL_TIMEOUT_S = 5.0
+MAX_CONCURRENT_PULLS = 2
+# Producers a consumer keeps a lease connection to (their addresses come from requests): past
+# this many, the least recently added is closed.
+MAX_PRODUCERS = 64
+
+
+class TransferFailed(RuntimeError):
+    """A receive failed for a reason worth one log line (the request is failed or recomputed)."""
+
+
+def make_endpoint(cache: KVCache, backend: str, host: str, options: Dict[str, Any],
+                  secret: bytes) -> MigrationEndpoint:
+    """The one place the connector builds its MigrationEndpoint: authenticated with the
+    deployment secret."""
+    return MigrationEndpoint(cache, backend, host=host, secret=secret, **options)
+
+
+def physical_order(t: torch.Tensor) -> str:
+    """The order of [B, H, N, C] in memory, outermost first (vLLM's layout names without L)."""
+    return "".join(name for _, name in sorted(zip(t.stride(), "BHNC"), key=lambda x: -x[0]))
+
+
+def wrap_kv_caches(kv_caches: Dict[str, torch.Tensor]) -> Tuple[KVCache, List[str]]:
+    """One KVCache over vLLM's per-layer views, in the dict's (model) order; layers that share
+    a tensor (KV sharing) are moved once."""
+    names, layers, seen = [], [], set()
+    for name, t in kv_caches.items():
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"kv_caches[{name!r}]: expected a [num_blocks, H, block_size, C] tensor, got "
+                             f"{getattr(t, 'shape', type(t).__name__)} (hybrid or Mamba models are not supported)")
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        names.append(name)
+        layers.append(t)
+    return KVCache.from_layers(layers, layout="blocks"), names
+
+
+def descriptor_fields(desc: PeerDescriptor) -> Dict[str, Any]:
+    return dataclasses.asdict(desc)
+
+
+def descriptor_from_fields(fields: Any) -> PeerDescriptor:
+    if not isinstance(fields, dict):
+        raise TransferFailed(f"the producer's descriptor is malformed: {type(fields).__name__}")
+    known = {f.name for f in dataclasses.fields(PeerDescriptor)}
+    try:
+        return PeerDescriptor(**{k: v for k, v in fields.items() if k in known})
+    except TypeError as e:
+        raise TransferFailed(f"the producer's descriptor is malformed: {e}") from e
+
+
+class WorkerHalf:
+    """Args are values: the roles, the migration backend and its options, the host the
+    endpoint binds, the deployment secret, pull timeout, and the static facts of the cache
+    that go into the fingerprint (attention backend, vLLM's layout name, vLLM release)."""
+
+    def __init__(self, *, is_producer: bool, is_consumer: bool, backend: Optional[str], endpoint_host: str,
+                 endpoint_options: Dict[str, Any], secret: bytes, pull_timeout_s: float,
+                 static_fields: Dict[str, Any], connect_to: List[str]):
+        self.is_producer = is_producer
+        self.is_consumer = is_consumer
+        self._backend = backend
+        self._endpoint_host = endpoint_host
+        self._endpoint_options = endpoint_options
+        self._secret = secret
+        self.pull_timeout_s = pull_timeout_s
+        self._static_fields = static_fields
+        self._connect_to = connect_to
+        self.cache: Optional[KVCache] = None
+        self.endpoint: Optional[MigrationEndpoint] = None
+        self.fingerprint_fields: Dict[str, Any] = {}
+        self.fingerprint = ""
+        self._pool = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="vllm-ext-pull")
+        self._lock = threading.Lock()  # results and peers: pull threads + the worker thread
+        self._done: Set[str] = set()
+        self._failed: Set[str] = set()
+        self._failed_blocks: Set[int] = set()
+        self._stats = VllmExtStats()
+        self._clients: Dict[Tuple[str, int], LeaseClient] = {}
+        self._peers: Dict[str, PeerDescriptor] = {}
+        self._peer_locks: Dict[Tuple[str, int], threading.Lock] = {}
+        self._stream = None
+        self.leased_blocks: Dict[str, List[int]] = {}  # producer: request id -> blocks under lease
+
+    # ---- start-up ------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        self.cache, names = wrap_kv_caches(kv_caches)
+        first = self.cache.layers[0]
+        backend = self._backend or ("ipc" if first.is_cuda else "gloo")
+        self.fingerprint_fields = {
+            **self._static_fields, "protocol": PROTOCOL, "migration_backend": backend,
+            "dtype": str(first.dtype).replace("torch.", ""), "layer_shape": list(first.shape[1:]),
+            "physical_order": physical_order(first), "num_layers": len(names), "layer_names": names,
+            "device_type": first.device.type,
+        }
+        self.fingerprint = layout_fingerprint(self.fingerprint_fields)
+        self.endpoint = make_endpoint(self.cache, backend, self._endpoint_host, self._endpoint_options, self._secret)
+        if first.is_cuda:
+            self._stream = torch.cuda.Stream(device=first.device)
+        logger.info("vllm-ext connector: %r serving %d layers [%s] over %s, fingerprint %s", self.cache,
+                    len(names), self.fingerprint_fields["physical_order"], backend, self.fingerprint)
+        for address in self._connect_to:
+            self._pool.submit(self._connect_ahead, address)
+
+    def handshake(self) -> VllmExtHandshake:
+        assert self.endpoint is not None
+        return VllmExtHandshake(descriptor=descriptor_fields(self.endpoint.descriptor()),
+                                fingerprint=self.fingerprint, fingerprint_fields=self.fingerprint_fields)
+
+    # ---- per step ------------------------------------------------------------------------
+    def start_load_kv(self, meta: Optional[VllmExtMetadata]) -> None:
+        if meta is None:
+            return
+        self.leased_blocks.update(meta.new_leases)
+        for req_id in meta.finished_sending:
+            self.leased_blocks.pop(req_id, None)
+        for job in meta.recvs:
+            if job.error is not None:
+                self._finish(job, False, job.error)
+            else:
+                self._pool.submit(self._receive, job)
+
+    def take_results(self, meta: Optional[VllmExtMetadata]) -> Tuple[Set[str], Set[str], Set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last call; failed
+        receives are in finished_recving too."""
+        sending = set(meta.finished_sending) if meta is not None else set()
+        with self._lock:
+            done, failed = self._done, self._failed
+            self._done, self._failed = set(), set()
+        return sending, done, failed
+
+    def take_failed_blocks(self) -> Set[int]:
+        with self._lock:
+            blocks, self._failed_blocks = self._failed_blocks, set()
+        return blocks
+
+    def get_stats(self) -> Optional[VllmExtStats]:
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, VllmExtStats()
+        return stats
+
+    # ---- receiving (pull threads) --------------------------------------------------------
+    def _finish(self, job: RecvJob, ok: bool, why: str = "", nbytes: int = 0, seconds: float = 0.0) -> None:
+        with self._lock:
+            self._done.add(job.req_id)
+            if ok:
+                self._stats.record_transfer(nbytes, seconds)
+            else:
+                self._failed.add(job.req_id)
+                self._failed_blocks.update(job.dst_block_ids)
+                self._stats.record_failure()
+        if not ok:
+            logger.warning("request %s: receiving its KV failed: %s", job.req_id, why)
+
+    def _client(self, host: str, port: int) -> LeaseClient:
+        with self._lock:
+            client = self._clients.get((host, port))
+            if client is None:
+                if len(self._clients) >= MAX_PRODUCERS:
+                    oldest = next(iter(self._clients))
+                    self._clients.pop(oldest).close()
+                client = self._clients[(host, port)] = LeaseClient(self._secret, host, port)
+                self._peer_locks.setdefault((host, port), threading.Lock())
+            return client
+
+    def _peer(self, host: str, port: int, endpoint_id: Optional[str]) -> PeerDescriptor:
+        """The producer's descriptor, checked against this cache and connected when first
+        seen (the handshake: a layout mismatch is refused here, naming the fields)."""
+        client = self._client(host, port)
+        with self._peer_locks[(host, port)]:
+            peer = self._peers.get(endpoint_id) if endpoint_id else None
+            if peer is not None:
+                return peer
+            reply = client.request({"op": "describe"}, CHANNEL_TIMEOUT_S)
+            theirs = reply.get("fingerprint_fields")
+            diff = fingerprint_mismatch(self.fingerprint_fields, theirs if isinstance(theirs, dict) else {})
+            if diff:
+                raise TransferFailed(f"producer {host}:{port} has an incompatible KV cache: {diff}")
+            peer = descriptor_from_fields(reply.get("descriptor"))
+            if endpoint_id and peer.endpoint_id != endpoint_id:
+                raise TransferFailed(f"producer {host}:{port} serves endpoint {peer.endpoint_id[:8]}, the request "
+                                     f"names {endpoint_id[:8]} (the prefill instance restarted?)")
+            started = time.perf_counter()
+            self.endpoint.connect(peer, timeout=max(self.pull_timeout_s, 10.0))
+            logger.info("vllm-ext connector: connected to producer %s:%d (%s) in %.1f ms", host, port,
+                        peer.short(), 1e3 * (time.perf_counter() - started))
+            with self._lock:
+                self._peers[peer.endpoint_id] = peer
+            return peer
+
+    def _connect_ahead(self, address: str) -> None:
+        host, _, port = address.rpartition(":")
+        try:
+            self._peer(host, int(port), None)
+        except (ChannelError, MigrationError, TransferFailed, ValueError, OSError) as e:
+            logger.warning("vllm-ext connector: connecting ahead to %s failed (the first pull retries): %s",
+                           address, e)
+
+    def _receive(self, job: RecvJob) -> None:
+        started = time.perf_counter()
+        client, acquired = None, False
+        try:
+            client = self._client(job.lease_host, job.lease_port)
+            peer = self._peer(job.lease_host, job.lease_port, job.endpoint_id)
+            reply = client.request({"op": "acquire", "lease": job.lease, "hold_s": self.pull_timeout_s + 5.0},
+                                   CHANNEL_TIMEOUT_S)
+            acquired = True
+            lease_blocks = reply.get("block_ids")
+            expected = job.src_block_ids
+            got = lease_blocks[job.first_block:job.first_block + len(expected)] if isinstance(lease_blocks, list) \
+                else None
+            if got != expected:
+                raise TransferFailed(f"lease {job.lease[:8]}: kv_transfer_params.remote_block_ids differ from the "
+                                     "lease's blocks")
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    stats = self.endpoint.pull(peer, expected, job.dst_block_ids, timeout=self.pull_timeout_s)
+                self._stream.synchronize()
+            else:
+                stats = self.endpoint.pull(peer, expected, job.dst_block_ids, timeout=self.pull_timeout_s)
+            self._finish(job, True, nbytes=stats.nbytes, seconds=time.perf_counter() - started)
+        except (ChannelError, MigrationError, TransferFailed, ValueError, TypeError, OSError) as e:
+            if isinstance(e, MigrationError):
+                with self._lock:
+                    self._peers.pop(job.endpoint_id, None)  # connect again next time (peer may have restarted)
+            self._finish(job, False, f"{type(e).__name__}: {e}")
+        except BaseException as e:  # noqa: BLE001 - a receive must always be reported
+            logger.exception("request %s: unexpected failure while receiving", job.req_id)
+            self._finish(job, False, f"{type(e).__name__}: {e}")
+        finally:
+            if client is not None and acquired:
+                try:
+                    client.request({"op": "release", "lease": job.lease}, CHANNEL_TIMEOUT_S)
+                except ChannelError as e:  # the lease then expires on the producer
+                    logger.warning("lease %s: release failed (it expires by itself): %s", job.lease[:8], e)
+
+    # ---- lifetime ------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            clients = list(self._clients.values())
+        for client in clients:
+            client.close()
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
+
