@@ -190,6 +190,8 @@ def main():
             senv = dict(env, VLLM_CPU_OMP_THREADS_BIND=core) if args.device == "cpu" else env
             servers.append(Server(name, common + ["--port", str(port), "--kv-transfer-config", json.dumps(kv), *more],
                                   senv, args.out, port))
+            if args.device == "cuda":  # one GPU: vLLM sizes its cache from the memory free at start-up
+                servers[-1].wait()
         for s in servers:
             s.wait()
         prefill, decode = servers
