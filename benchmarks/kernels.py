@@ -135,7 +135,7 @@ class HostSide:
 
 def memcpy_baseline(src: HostSide, dst: HostSide, n, cache, device):
     stream = torch.cuda.current_stream(device).cuda_stream
-    _lib.copy_blocks_memcpy(src.side, dst.side, n, cache.num_layers, cache.num_components, cache.chunk_nbytes,
+    _lib.copy_blocks_memcpy(src.side, dst.side, n, cache.num_layers, cache.num_components, cache.slice_nbytes,
                             device.index, stream)
 
 
@@ -224,7 +224,7 @@ def bench_size(n, cache, rng, timer, iters, peer=None):
     baselines = {}
     if dev.type == "cuda":
         sides = [(HostSide(cache, id_sets[i]), HostSide(buf=bufs[i], block_nbytes=cache.block_nbytes,
-                                                         chunk=cache.chunk_nbytes)) for i in range(sets)]
+                                                         chunk=cache.slice_nbytes)) for i in range(sets)]
         baselines["memcpy"] = timer.median_ms([lambda i=i: memcpy_baseline(*sides[i], n, cache, dev)
                                                for i in range(sets)], max(5, iters // 4))
     baselines["torch"] = timer.median_ms([lambda i=i: torch_gather(cache, ids_dev[i], bufs[i])
@@ -241,7 +241,7 @@ def bench_size(n, cache, rng, timer, iters, peer=None):
     graph = (timer.graph_ms(calls), graph_ceiling) if dev.type == "cuda" else None
     baselines = {}
     if dev.type == "cuda":
-        sides = [(HostSide(buf=bufs[i], block_nbytes=cache.block_nbytes, chunk=cache.chunk_nbytes),
+        sides = [(HostSide(buf=bufs[i], block_nbytes=cache.block_nbytes, chunk=cache.slice_nbytes),
                   HostSide(cache, id_sets[i])) for i in range(sets)]
         baselines["memcpy"] = timer.median_ms([lambda i=i: memcpy_baseline(*sides[i], n, cache, dev)
                                                for i in range(sets)], max(5, iters // 4))
@@ -290,7 +290,7 @@ def host_overhead_us(cache, device, repeats=2000):
         sides = (ops._cache_side(cache, ids, device), ops._buffer_side(out, cache))
         stream = torch.cuda.current_stream(device).cuda_stream
         variants.append(("C launch only", lambda: _lib.copy_blocks_cuda(
-            *sides, 1, cache.num_layers, cache.num_components, cache.chunk_nbytes, 16, device.index, stream, 0)))
+            *sides, 1, cache.num_layers, cache.num_components, cache.slice_nbytes, 16, device.index, stream, 0)))
     for name, fn in variants:
         for _ in range(50):
             fn()

@@ -15,14 +15,14 @@ int fail(int status, const std::string& message) {
 }
 
 int check_copy_args(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
-                    int32_t num_layers, int32_t num_components, int64_t chunk_nbytes) {
+                    int32_t num_layers, int32_t num_components, int64_t slice_nbytes) {
   if (src == nullptr || dst == nullptr) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "src/dst is NULL");
-  if (num_ids < 0 || num_layers < 0 || num_components < 1 || num_components > 2 || chunk_nbytes < 0)
+  if (num_ids < 0 || num_layers < 0 || num_components < 1 || num_components > 2 || slice_nbytes < 0)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT,
                 "negative count, or num_components not 1 or 2 (num_ids=" + std::to_string(num_ids) +
                     ", num_layers=" + std::to_string(num_layers) +
                     ", num_components=" + std::to_string(num_components) +
-                    ", chunk_nbytes=" + std::to_string(chunk_nbytes) + ")");
+                    ", slice_nbytes=" + std::to_string(slice_nbytes) + ")");
   for (const vllm_ext_side* side : {src, dst}) {
     if (side->layer_ptrs == nullptr && side->base == 0 && num_ids > 0 && num_layers > 0)
       return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "a side has neither layer_ptrs nor base");

@@ -14,7 +14,7 @@
 
 namespace {
 
-using vllm_ext::chunk_address;
+using vllm_ext::slice_address;
 using vllm_ext::fail;
 using vllm_ext::layer_base;
 
@@ -125,14 +125,14 @@ template <> struct VecOf<2> { using type = uint16_t; };
 template <> struct VecOf<1> { using type = uint8_t; };
 
 // grid: (min(tiles, resident CTAs)), block: (kThreads); a grid-stride loop over tiles.
-// A tile is kThreads x kUnroll vectors of one chunk; chunk index = (i * L + l) * C + c, so the
+// A tile is kThreads x kUnroll vectors of one slice; slice index = (i * L + l) * C + c, so the
 // wire order of a buffer side is written front to back. Every thread issues its kUnroll loads
 // before its first store to keep enough bytes in flight.
 // NOTE: tiles interleave over CTAs (tile t on CTA t % grid), so all CTAs stream through
 // neighbouring addresses at once; giving each CTA one contiguous range instead measured 4-5%
 // slower at 64 MiB on an H200 (DRAM locality), despite a better balanced last wave.
-// src/dst chunks:
-//   layer_base(l) + block_ids[i] * block_stride + c * component_stride, chunk_vecs vectors.
+// src/dst slices:
+//   layer_base(l) + block_ids[i] * block_stride + c * component_stride, slice_vecs vectors.
 // Where a launch finds block id i of each side.
 struct SideIds {  // the sides' own block_ids: [device] arrays, or NULL for 0..n-1
   __device__ __forceinline__ int64_t src(const vllm_ext_side& side, int64_t i) const {
@@ -169,32 +169,32 @@ static_assert(sizeof(vllm_ext_staging) == 112, "vllm_ext_staging: the layout vll
 template <int kVecBytes, int kUnroll, typename Ids>
 __global__ void __launch_bounds__(kThreads, VLLM_EXT_MIN_CTAS_PER_SM)
     copy_blocks_kernel(const vllm_ext_side src, const vllm_ext_side dst, int32_t num_layers,
-                       int32_t num_components, int64_t chunk_vecs, int64_t tiles_per_chunk,
+                       int32_t num_components, int64_t slice_vecs, int64_t tiles_per_slice,
                        int64_t num_tiles, const __grid_constant__ Ids ids) {
   using Vec = typename VecOf<kVecBytes>::type;
   constexpr int64_t kTileVecs = int64_t{kThreads} * kUnroll;
   for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    const int64_t chunk = tile / tiles_per_chunk;
-    const int64_t tile_start = (tile - chunk * tiles_per_chunk) * kTileVecs;
-    const int32_t c = static_cast<int32_t>(chunk % num_components);
-    const int64_t rest = chunk / num_components;
+    const int64_t slice = tile / tiles_per_slice;
+    const int64_t tile_start = (tile - slice * tiles_per_slice) * kTileVecs;
+    const int32_t c = static_cast<int32_t>(slice % num_components);
+    const int64_t rest = slice / num_components;
     const int32_t l = static_cast<int32_t>(rest % num_layers);
     const int64_t i = rest / num_layers;
     const int64_t s = ids.src(src, i);
     const int64_t d = ids.dst(dst, i);
     // Never touch memory outside the described blocks, whatever the ids say.
     if (s < 0 || s >= src.num_blocks || d < 0 || d >= dst.num_blocks) continue;
-    const Vec* from = reinterpret_cast<const Vec*>(chunk_address(src, layer_base(src, l), s, c)) +
+    const Vec* from = reinterpret_cast<const Vec*>(slice_address(src, layer_base(src, l), s, c)) +
                       tile_start + threadIdx.x;
-    Vec* to = reinterpret_cast<Vec*>(chunk_address(dst, layer_base(dst, l), d, c)) + tile_start + threadIdx.x;
+    Vec* to = reinterpret_cast<Vec*>(slice_address(dst, layer_base(dst, l), d, c)) + tile_start + threadIdx.x;
     Vec v[kUnroll];
-    if (chunk_vecs - tile_start >= kTileVecs) {  // a full tile: no per-access bounds checks
+    if (slice_vecs - tile_start >= kTileVecs) {  // a full tile: no per-access bounds checks
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) v[u] = load_once(from + u * kThreads);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) store_once(to + u * kThreads, v[u]);
     } else {
-      const int64_t left = chunk_vecs - tile_start - threadIdx.x;  // vectors from this thread on
+      const int64_t left = slice_vecs - tile_start - threadIdx.x;  // vectors from this thread on
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
         if (u * kThreads < left) v[u] = load_once(from + u * kThreads);
@@ -228,11 +228,11 @@ int64_t resident_ctas(int device) {
 // which would also report, and clear, an error some earlier call left pending).
 template <auto kKernel, typename Ids>
 int launch_tiles(vllm_ext_side src, vllm_ext_side dst, int32_t num_layers, int32_t num_components,
-                 int64_t chunk_vecs, int64_t tiles_per_chunk, int64_t num_tiles, int device, cudaStream_t stream,
+                 int64_t slice_vecs, int64_t tiles_per_slice, int64_t num_tiles, int device, cudaStream_t stream,
                  int32_t max_ctas, const Ids& ids) {
   int64_t grid = std::min<int64_t>(num_tiles, resident_ctas<kKernel>(device));
   if (max_ctas > 0) grid = std::min<int64_t>(grid, max_ctas);
-  void* args[] = {&src,       &dst,        &num_layers, &num_components, &chunk_vecs, &tiles_per_chunk,
+  void* args[] = {&src,       &dst,        &num_layers, &num_components, &slice_vecs, &tiles_per_slice,
                   &num_tiles, const_cast<Ids*>(&ids)};
   VLLM_EXT_CUDA_TRY(cudaLaunchKernel(reinterpret_cast<const void*>(kKernel), dim3(static_cast<unsigned>(grid)),
                                      dim3(kThreads), args, 0, stream));
@@ -241,43 +241,43 @@ int launch_tiles(vllm_ext_side src, vllm_ext_side dst, int32_t num_layers, int32
 
 template <int kVecBytes, typename Ids>
 int launch(const vllm_ext_side& src, const vllm_ext_side& dst, int64_t num_ids, int32_t num_layers,
-           int32_t num_components, int64_t chunk_nbytes, int device, cudaStream_t stream, int32_t max_ctas,
+           int32_t num_components, int64_t slice_nbytes, int device, cudaStream_t stream, int32_t max_ctas,
            const Ids& ids) {
-  const int64_t chunk_vecs = chunk_nbytes / kVecBytes;
-  const int64_t num_chunks = num_ids * num_layers * num_components;
-  // NOTE: small chunks (a few hundred vectors) would leave most of a deep tile idle; they
+  const int64_t slice_vecs = slice_nbytes / kVecBytes;
+  const int64_t num_slices = num_ids * num_layers * num_components;
+  // NOTE: small slices (a few hundred vectors) would leave most of a deep tile idle; they
   // get one vector per thread and more tiles instead.
-  const bool deep = chunk_vecs >= int64_t{kThreads} * kDeepUnroll;
+  const bool deep = slice_vecs >= int64_t{kThreads} * kDeepUnroll;
   const int64_t tile_vecs = int64_t{kThreads} * (deep ? kDeepUnroll : 1);
-  const int64_t tiles_per_chunk = (chunk_vecs + tile_vecs - 1) / tile_vecs;
-  const int64_t num_tiles = num_chunks * tiles_per_chunk;
+  const int64_t tiles_per_slice = (slice_vecs + tile_vecs - 1) / tile_vecs;
+  const int64_t num_tiles = num_slices * tiles_per_slice;
   return deep ? launch_tiles<copy_blocks_kernel<kVecBytes, kDeepUnroll, Ids>>(
-                    src, dst, num_layers, num_components, chunk_vecs, tiles_per_chunk, num_tiles, device, stream,
+                    src, dst, num_layers, num_components, slice_vecs, tiles_per_slice, num_tiles, device, stream,
                     max_ctas, ids)
-              : launch_tiles<copy_blocks_kernel<kVecBytes, 1, Ids>>(src, dst, num_layers, num_components, chunk_vecs,
-                                                                    tiles_per_chunk, num_tiles, device, stream,
+              : launch_tiles<copy_blocks_kernel<kVecBytes, 1, Ids>>(src, dst, num_layers, num_components, slice_vecs,
+                                                                    tiles_per_slice, num_tiles, device, stream,
                                                                     max_ctas, ids);
 }
 
 // One launch of the widest access `alignment` allows (the caller checked it).
 template <typename Ids>
 int launch_aligned(const vllm_ext_side& src, const vllm_ext_side& dst, int64_t num_ids, int32_t num_layers,
-                   int32_t num_components, int64_t chunk_nbytes, int32_t alignment, int device, cudaStream_t s,
+                   int32_t num_components, int64_t slice_nbytes, int32_t alignment, int device, cudaStream_t s,
                    int32_t max_ctas, const Ids& ids) {
   switch (std::min(alignment, 16)) {
-    case 16: return launch<16>(src, dst, num_ids, num_layers, num_components, chunk_nbytes, device, s, max_ctas, ids);
-    case 8: return launch<8>(src, dst, num_ids, num_layers, num_components, chunk_nbytes, device, s, max_ctas, ids);
-    case 4: return launch<4>(src, dst, num_ids, num_layers, num_components, chunk_nbytes, device, s, max_ctas, ids);
-    case 2: return launch<2>(src, dst, num_ids, num_layers, num_components, chunk_nbytes, device, s, max_ctas, ids);
-    default: return launch<1>(src, dst, num_ids, num_layers, num_components, chunk_nbytes, device, s, max_ctas, ids);
+    case 16: return launch<16>(src, dst, num_ids, num_layers, num_components, slice_nbytes, device, s, max_ctas, ids);
+    case 8: return launch<8>(src, dst, num_ids, num_layers, num_components, slice_nbytes, device, s, max_ctas, ids);
+    case 4: return launch<4>(src, dst, num_ids, num_layers, num_components, slice_nbytes, device, s, max_ctas, ids);
+    case 2: return launch<2>(src, dst, num_ids, num_layers, num_components, slice_nbytes, device, s, max_ctas, ids);
+    default: return launch<1>(src, dst, num_ids, num_layers, num_components, slice_nbytes, device, s, max_ctas, ids);
   }
 }
 
-int check_alignment(int32_t alignment, int64_t chunk_nbytes) {
-  if (alignment <= 0 || (alignment & (alignment - 1)) != 0 || chunk_nbytes % alignment != 0)
+int check_alignment(int32_t alignment, int64_t slice_nbytes) {
+  if (alignment <= 0 || (alignment & (alignment - 1)) != 0 || slice_nbytes % alignment != 0)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT,
-                "alignment " + std::to_string(alignment) + " is not a power of two dividing chunk_nbytes " +
-                    std::to_string(chunk_nbytes));
+                "alignment " + std::to_string(alignment) + " is not a power of two dividing slice_nbytes " +
+                    std::to_string(slice_nbytes));
   return VLLM_EXT_OK;
 }
 
@@ -296,7 +296,7 @@ bool inline_id(int64_t id, int64_t num_blocks, int32_t* out) {
 // most kMaxInlineIds ids.
 int launch_inline(const vllm_ext_side& src, const vllm_ext_side& dst, const int64_t* src_ids,
                   const int64_t* dst_ids, int64_t num_ids, int32_t num_layers, int32_t num_components,
-                  int64_t chunk_nbytes, int32_t alignment, int device, cudaStream_t stream, int32_t max_ctas) {
+                  int64_t slice_nbytes, int32_t alignment, int device, cudaStream_t stream, int32_t max_ctas) {
   InlineIds ids;
   ids.has_src = src_ids != nullptr;
   ids.has_dst = dst_ids != nullptr;
@@ -314,7 +314,7 @@ int launch_inline(const vllm_ext_side& src, const vllm_ext_side& dst, const int6
     }
     // A side without a list: the kernel's bound (num_blocks) still applies to first + i.
     const int status =
-        launch_aligned(src, dst, n, num_layers, num_components, chunk_nbytes, alignment, device, stream, max_ctas, ids);
+        launch_aligned(src, dst, n, num_layers, num_components, slice_nbytes, alignment, device, stream, max_ctas, ids);
     if (status != VLLM_EXT_OK) return status;
   }
   return VLLM_EXT_OK;
@@ -332,37 +332,37 @@ GetAddressRange driver_get_address_range() {  // cuMemGetAddressRange, looked up
 extern "C" {
 
 int vllm_ext_copy_blocks_cuda(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
-                              int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
+                              int32_t num_layers, int32_t num_components, int64_t slice_nbytes,
                               int32_t alignment, int32_t device, void* stream, int32_t max_ctas) {
-  int status = vllm_ext::check_copy_args(src, dst, num_ids, num_layers, num_components, chunk_nbytes);
-  if (status == VLLM_EXT_OK) status = check_alignment(alignment, chunk_nbytes);
+  int status = vllm_ext::check_copy_args(src, dst, num_ids, num_layers, num_components, slice_nbytes);
+  if (status == VLLM_EXT_OK) status = check_alignment(alignment, slice_nbytes);
   if (status != VLLM_EXT_OK) return status;
-  if (num_ids == 0 || num_layers == 0 || chunk_nbytes == 0) return VLLM_EXT_OK;
+  if (num_ids == 0 || num_layers == 0 || slice_nbytes == 0) return VLLM_EXT_OK;
   DeviceGuard guard(device);
   if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
-  return launch_aligned(*src, *dst, num_ids, num_layers, num_components, chunk_nbytes, alignment, device,
+  return launch_aligned(*src, *dst, num_ids, num_layers, num_components, slice_nbytes, alignment, device,
                         static_cast<cudaStream_t>(stream), max_ctas, SideIds{});
 }
 
 int vllm_ext_copy_blocks_cuda_inline(const vllm_ext_side* src, const vllm_ext_side* dst, const int64_t* src_ids,
                                      const int64_t* dst_ids, int64_t num_ids, int32_t num_layers,
-                                     int32_t num_components, int64_t chunk_nbytes, int32_t alignment, int32_t device,
+                                     int32_t num_components, int64_t slice_nbytes, int32_t alignment, int32_t device,
                                      void* stream, int32_t max_ctas) {
-  int status = vllm_ext::check_copy_args(src, dst, num_ids, num_layers, num_components, chunk_nbytes);
-  if (status == VLLM_EXT_OK) status = check_alignment(alignment, chunk_nbytes);
+  int status = vllm_ext::check_copy_args(src, dst, num_ids, num_layers, num_components, slice_nbytes);
+  if (status == VLLM_EXT_OK) status = check_alignment(alignment, slice_nbytes);
   if (status != VLLM_EXT_OK) return status;
   if (src->block_ids != nullptr || dst->block_ids != nullptr)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "the sides' block_ids must be NULL (ids go in src_ids/dst_ids)");
-  if (num_ids == 0 || num_layers == 0 || chunk_nbytes == 0) return VLLM_EXT_OK;
+  if (num_ids == 0 || num_layers == 0 || slice_nbytes == 0) return VLLM_EXT_OK;
   DeviceGuard guard(device);
   if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
-  return launch_inline(*src, *dst, src_ids, dst_ids, num_ids, num_layers, num_components, chunk_nbytes, alignment,
+  return launch_inline(*src, *dst, src_ids, dst_ids, num_ids, num_layers, num_components, slice_nbytes, alignment,
                        device, static_cast<cudaStream_t>(stream), max_ctas);
 }
 
 int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging* lanes, int32_t num_lanes,
                              const int64_t* ids, const int64_t* bounds, int32_t first_chunk, int32_t num_chunks,
-                             int32_t num_layers, int32_t num_components, int64_t chunk_nbytes, int32_t alignment,
+                             int32_t num_layers, int32_t num_components, int64_t slice_nbytes, int32_t alignment,
                              int32_t device, void* after_stream, void* after_event, void* done) {
   if (cache == nullptr || lanes == nullptr || bounds == nullptr)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "null argument to vllm_ext_staged_transfer");
@@ -393,19 +393,19 @@ int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging*
   }
   const int64_t rows_total = bounds[num_chunks] - bounds[0];
   if (rows_total > 0 && ids == nullptr) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "ids is NULL");
-  int status = check_alignment(alignment, chunk_nbytes);
+  int status = check_alignment(alignment, slice_nbytes);
   for (int32_t i = 0; i < num_lanes && status == VLLM_EXT_OK; ++i) {
     for (int slot = 0; slot < 2 && status == VLLM_EXT_OK; ++slot) {
       vllm_ext_side probe = {nullptr, lanes[i].slots[slot], 0, 0, 0, slot_blocks, nullptr};
-      status = vllm_ext::check_copy_args(cache, &probe, 0, num_layers, num_components, chunk_nbytes);
+      status = vllm_ext::check_copy_args(cache, &probe, 0, num_layers, num_components, slice_nbytes);
     }
   }
   if (status != VLLM_EXT_OK) return status;
-  if (num_layers == 0 || chunk_nbytes == 0) return VLLM_EXT_OK;  // blocks of no bytes: nothing moves
+  if (num_layers == 0 || slice_nbytes == 0) return VLLM_EXT_OK;  // blocks of no bytes: nothing moves
   DeviceGuard guard(device, /*bind=*/true);  // the transfer function may need the context current
   if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
   const bool send = direction == VLLM_EXT_STAGE_SEND;
-  const int64_t row_nbytes = int64_t{num_layers} * num_components * chunk_nbytes;
+  const int64_t row_nbytes = int64_t{num_layers} * num_components * slice_nbytes;
   auto stream_of = [](void* s) { return static_cast<cudaStream_t>(s); };
   auto event_of = [](void* e) { return static_cast<cudaEvent_t>(e); };
   if (after_event != nullptr) {  // after_stream NULL: the legacy default stream, as everywhere
@@ -426,7 +426,7 @@ int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging*
     g.lane = &lanes[k % num_lanes];
     g.lane_chunk = k / num_lanes;
     g.slot = static_cast<int>(g.lane_chunk % 2);
-    g.rows = {nullptr, g.lane->slots[g.slot], num_components * chunk_nbytes, row_nbytes, chunk_nbytes,
+    g.rows = {nullptr, g.lane->slots[g.slot], num_components * slice_nbytes, row_nbytes, slice_nbytes,
               bounds[c + 1] - bounds[c], nullptr};
     return g;
   };
@@ -446,7 +446,7 @@ int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging*
     auto copy = stream_of(g.lane->copy_stream);
     VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(copy, event_of(g.lane->moved[g.slot]), 0));
     const int rc = launch_inline(g.rows, *cache, nullptr, ids + bounds[c], g.rows.num_blocks, num_layers,
-                                 num_components, chunk_nbytes, alignment, device, copy, g.lane->max_ctas);
+                                 num_components, slice_nbytes, alignment, device, copy, g.lane->max_ctas);
     if (rc != VLLM_EXT_OK) return rc;
     VLLM_EXT_CUDA_TRY(cudaEventRecord(event_of(g.lane->copied[g.slot]), copy));
     return VLLM_EXT_OK;
@@ -457,7 +457,7 @@ int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging*
     if (send) {
       if (g.lane_chunk >= 2) VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(copy, event_of(g.lane->moved[g.slot]), 0));
       status = launch_inline(*cache, g.rows, ids + bounds[c], nullptr, g.rows.num_blocks, num_layers, num_components,
-                             chunk_nbytes, alignment, device, copy, g.lane->max_ctas);
+                             slice_nbytes, alignment, device, copy, g.lane->max_ctas);
       if (status != VLLM_EXT_OK) return status;
       VLLM_EXT_CUDA_TRY(cudaEventRecord(event_of(g.lane->copied[g.slot]), copy));
       VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(comm, event_of(g.lane->copied[g.slot]), 0));
@@ -482,9 +482,9 @@ int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging*
 }
 
 int vllm_ext_copy_blocks_memcpy(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
-                                int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
+                                int32_t num_layers, int32_t num_components, int64_t slice_nbytes,
                                 int32_t device, void* stream) {
-  int status = vllm_ext::check_copy_args(src, dst, num_ids, num_layers, num_components, chunk_nbytes);
+  int status = vllm_ext::check_copy_args(src, dst, num_ids, num_layers, num_components, slice_nbytes);
   if (status != VLLM_EXT_OK) return status;
   DeviceGuard guard(device);
   if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
@@ -495,10 +495,10 @@ int vllm_ext_copy_blocks_memcpy(const vllm_ext_side* src, const vllm_ext_side* d
     if (sb < 0 || sb >= src->num_blocks || db < 0 || db >= dst->num_blocks) continue;
     for (int32_t l = 0; l < num_layers; ++l) {
       for (int32_t c = 0; c < num_components; ++c) {
-        const uint64_t from = chunk_address(*src, layer_base(*src, l), sb, c);
-        const uint64_t to = chunk_address(*dst, layer_base(*dst, l), db, c);
+        const uint64_t from = slice_address(*src, layer_base(*src, l), sb, c);
+        const uint64_t to = slice_address(*dst, layer_base(*dst, l), db, c);
         VLLM_EXT_CUDA_TRY(cudaMemcpyAsync(reinterpret_cast<void*>(to), reinterpret_cast<const void*>(from),
-                                          static_cast<size_t>(chunk_nbytes), cudaMemcpyDefault, s));
+                                          static_cast<size_t>(slice_nbytes), cudaMemcpyDefault, s));
       }
     }
   }

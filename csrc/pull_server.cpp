@@ -90,7 +90,7 @@ struct vllm_ext_pull_server {
   const volatile int32_t* grants = nullptr;  // [host] per-block grant counts, or NULL: every block
   std::vector<vllm_ext_staging> lanes;
   int32_t num_layers = 0, num_components = 0, alignment = 1, device = 0;
-  int64_t chunk_nbytes = 0;
+  int64_t slice_nbytes = 0;
   cudaEvent_t done = nullptr;
   std::atomic<const volatile int64_t*> stall{nullptr};  // tests: {chunk, microseconds}, read at every pull
   std::atomic<bool> stop{false};
@@ -230,7 +230,7 @@ struct vllm_ext_pull_server {
 
   int enqueue(const std::vector<int64_t>& ids, const int64_t* bounds, int32_t first, int32_t count, cudaEvent_t last) {
     return vllm_ext_staged_transfer(&cache, lanes.data(), static_cast<int32_t>(lanes.size()), ids.data(), bounds, first,
-                                    count, num_layers, num_components, chunk_nbytes, alignment, device, nullptr,
+                                    count, num_layers, num_components, slice_nbytes, alignment, device, nullptr,
                                     nullptr, last);
   }
 
@@ -284,7 +284,7 @@ struct vllm_ext_pull_server {
 extern "C" {
 
 int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cache, const vllm_ext_staging* lanes,
-                               int32_t num_lanes, int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
+                               int32_t num_lanes, int32_t num_layers, int32_t num_components, int64_t slice_nbytes,
                                int32_t alignment, int32_t device, void* done_event, const int32_t* grants,
                                vllm_ext_pull_server** server) {
   if (server == nullptr || cache == nullptr || lanes == nullptr || done_event == nullptr || fd < 0)
@@ -303,7 +303,7 @@ int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cache, const vll
   s->lanes.assign(lanes, lanes + num_lanes);
   s->num_layers = num_layers;
   s->num_components = num_components;
-  s->chunk_nbytes = chunk_nbytes;
+  s->slice_nbytes = slice_nbytes;
   s->alignment = alignment;
   s->device = device;
   s->done = static_cast<cudaEvent_t>(done_event);

@@ -2,7 +2,7 @@
  * vllm_ext.h: the whole C ABI of libvllm_ext.
  *
  * One primitive moves KV-cache blocks: a batched copy of `num_ids` blocks, each made of
- * `num_layers x num_components` chunks of `chunk_nbytes` contiguous bytes, from one side to
+ * `num_layers x num_components` chunks of `slice_nbytes` contiguous bytes, from one side to
  * another. A side is a paged KV cache (per-layer base addresses plus strides) or a buffer (the
  * same description with identity block ids), so gather, scatter and peer pull are one kernel.
  *
@@ -44,9 +44,9 @@ typedef enum {
  * One side of a block copy. Chunk (layer l, component c) of block b starts at
  *   layer_base(l) + b * block_stride + c * component_stride
  * where layer_base(l) = layer_ptrs[l] if layer_ptrs is non-null, else base + l * layer_stride.
- * A buffer of rows [n, num_layers * num_components * chunk_nbytes] is the side
- *   {layer_ptrs = NULL, base = buf, layer_stride = C * chunk, block_stride = L * C * chunk,
- *    component_stride = chunk, block_ids = NULL}.
+ * A buffer of rows [n, num_layers * num_components * slice_nbytes] is the side
+ *   {layer_ptrs = NULL, base = buf, layer_stride = C * slice, block_stride = L * C * slice,
+ *    component_stride = slice, block_ids = NULL}.
  * Ids >= num_blocks or < 0 are skipped by every implementation: nothing outside the
  * described blocks is ever read or written (callers validate ids before calling).
  */
@@ -61,9 +61,9 @@ typedef struct {
 } vllm_ext_side;
 
 /*
- * Copies chunk (l, c) of block src.block_ids[i] to chunk (l, c) of block dst.block_ids[i] for
+ * Copies slice (l, c) of block src.block_ids[i] to slice (l, c) of block dst.block_ids[i] for
  * every i < num_ids, l < num_layers, c < num_components.
- * `alignment` is a power of two that divides chunk_nbytes, every stride and every base
+ * `alignment` is a power of two that divides slice_nbytes, every stride and every base
  * address of both sides (the caller knows the addresses); it selects the access width (16
  * bytes at most).
  */
@@ -73,7 +73,7 @@ typedef struct {
  * fits on the GPU at once): a copy that runs beside a communication kernel (NCCL) leaves it
  * room on every SM. */
 VLLM_EXT_API int vllm_ext_copy_blocks_cuda(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
-                              int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
+                              int32_t num_layers, int32_t num_components, int64_t slice_nbytes,
                               int32_t alignment, int32_t device, void* stream, int32_t max_ctas);
 
 /* The same copy with the block ids given as [host] arrays, read during the call and carried
@@ -84,7 +84,7 @@ VLLM_EXT_API int vllm_ext_copy_blocks_cuda(const vllm_ext_side* src, const vllm_
 #define VLLM_EXT_MAX_INLINE_IDS 448
 VLLM_EXT_API int vllm_ext_copy_blocks_cuda_inline(const vllm_ext_side* src, const vllm_ext_side* dst,
                                      const int64_t* src_ids, const int64_t* dst_ids, int64_t num_ids,
-                                     int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
+                                     int32_t num_layers, int32_t num_components, int64_t slice_nbytes,
                                      int32_t alignment, int32_t device, void* stream, int32_t max_ctas);
 
 /*
@@ -131,12 +131,12 @@ typedef struct {              /* one lane */
 } vllm_ext_staging;
 
 /* `cache` describes the paged cache (its block_ids must be NULL); ids and bounds are [host];
- * rows of a slot are num_layers * num_components * chunk_nbytes bytes (the buffer wire
+ * rows of a slot are num_layers * num_components * slice_nbytes bytes (the buffer wire
  * format); alignment divides the cache's and the slots' addresses and strides. */
 VLLM_EXT_API int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging* lanes,
                              int32_t num_lanes, const int64_t* ids, const int64_t* bounds,
                              int32_t first_chunk, int32_t num_chunks, int32_t num_layers,
-                             int32_t num_components, int64_t chunk_nbytes, int32_t alignment,
+                             int32_t num_components, int64_t slice_nbytes, int32_t alignment,
                              int32_t device, void* after_stream, void* after_event, void* done);
 
 /* The chunks of a staged pull of n blocks, which both sides derive from n alone: they grow
@@ -184,7 +184,7 @@ typedef enum {
 } vllm_ext_pull_server_end;
 typedef struct vllm_ext_pull_server vllm_ext_pull_server;
 VLLM_EXT_API int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cache, const vllm_ext_staging* lanes,
-                               int32_t num_lanes, int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
+                               int32_t num_lanes, int32_t num_layers, int32_t num_components, int64_t slice_nbytes,
                                int32_t alignment, int32_t device, void* done_event, const int32_t* grants,
                                vllm_ext_pull_server** server);
 /* Tests only, never called in production: `stall` ([host], NULL to end it) holds {chunk,
@@ -206,12 +206,12 @@ VLLM_EXT_API int vllm_ext_pull_server_destroy(vllm_ext_pull_server* server);
  * component) on the copy engines. Here layer_ptrs and block_ids of both sides are [host]; host
  * work grows with blocks x layers. Benchmarks compare the kernel against it. */
 VLLM_EXT_API int vllm_ext_copy_blocks_memcpy(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
-                                int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
+                                int32_t num_layers, int32_t num_components, int64_t slice_nbytes,
                                 int32_t device, void* stream);
 
 /* CPU twin: the same copy with memcpy over [host] memory, split over num_threads threads. */
 VLLM_EXT_API int vllm_ext_copy_blocks_cpu(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
-                             int32_t num_layers, int32_t num_components, int64_t chunk_nbytes,
+                             int32_t num_layers, int32_t num_components, int64_t slice_nbytes,
                              int32_t num_threads);
 
 /* Checks that the library holds code that runs on `device` (loading the kernel on it).

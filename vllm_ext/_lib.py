@@ -75,25 +75,25 @@ _handle = ctypes.c_uint8 * IPC_HANDLE_BYTES
 # name: (restype, argtypes). The C prototype of each row is in csrc/vllm_ext.h.
 _FUNCTIONS = {
     # int vllm_ext_copy_blocks_cuda(const side* src, const side* dst, int64 num_ids,
-    #     int32 num_layers, int32 num_components, int64 chunk_nbytes, int32 alignment,
+    #     int32 num_layers, int32 num_components, int64 slice_nbytes, int32 alignment,
     #     int32 device, void* stream, int32 max_ctas)
     "vllm_ext_copy_blocks_cuda": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i32, _i32, _ptr, _i32]),
     # int vllm_ext_copy_blocks_cuda_inline(const side* src, const side* dst,
     #     const int64* src_ids, const int64* dst_ids, int64 num_ids, int32 num_layers,
-    #     int32 num_components, int64 chunk_nbytes, int32 alignment, int32 device, void* stream,
+    #     int32 num_components, int64 slice_nbytes, int32 alignment, int32 device, void* stream,
     #     int32 max_ctas)
     "vllm_ext_copy_blocks_cuda_inline": (_i32, [_side_p, _side_p, _ptr, _ptr, _i64, _i32, _i32, _i64, _i32,
                                                 _i32, _ptr, _i32]),
     # int vllm_ext_staged_transfer(const side* cache, const staging* lanes, int32 num_lanes,
     #     const int64* ids, const int64* bounds, int32 first_chunk, int32 num_chunks,
-    #     int32 num_layers, int32 num_components, int64 chunk_nbytes, int32 alignment,
+    #     int32 num_layers, int32 num_components, int64 slice_nbytes, int32 alignment,
     #     int32 device, void* after_stream, void* after_event, void* done)
     "vllm_ext_staged_transfer": (_i32, [_side_p, _staging_p, _i32, _ptr, _ptr, _i32, _i32, _i32, _i32, _i64,
                                         _i32, _i32, _ptr, _ptr, _ptr]),
     # int64 vllm_ext_ramp_bounds(int64 n, int64 slot_blocks, int64* bounds, int64 capacity)
     "vllm_ext_ramp_bounds": (_i64, [_i64, _i64, _ptr, _i64]),
     # int vllm_ext_pull_server_start(int32 fd, const side* cache, const staging* lanes,
-    #     int32 num_lanes, int32 num_layers, int32 num_components, int64 chunk_nbytes,
+    #     int32 num_lanes, int32 num_layers, int32 num_components, int64 slice_nbytes,
     #     int32 alignment, int32 device, void* done_event, const int32* grants, pull_server** server)
     "vllm_ext_pull_server_start": (_i32, [_i32, _side_p, _staging_p, _i32, _i32, _i32, _i64, _i32, _i32, _ptr,
                                           _ptr, ctypes.POINTER(_ptr)]),
@@ -107,10 +107,10 @@ _FUNCTIONS = {
     # int vllm_ext_pull_server_destroy(pull_server* server)
     "vllm_ext_pull_server_destroy": (_i32, [_ptr]),
     # int vllm_ext_copy_blocks_memcpy(const side* src, const side* dst, int64 num_ids,
-    #     int32 num_layers, int32 num_components, int64 chunk_nbytes, int32 device, void* stream)
+    #     int32 num_layers, int32 num_components, int64 slice_nbytes, int32 device, void* stream)
     "vllm_ext_copy_blocks_memcpy": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i32, _ptr]),
     # int vllm_ext_copy_blocks_cpu(const side* src, const side* dst, int64 num_ids,
-    #     int32 num_layers, int32 num_components, int64 chunk_nbytes, int32 num_threads)
+    #     int32 num_layers, int32 num_components, int64 slice_nbytes, int32 num_threads)
     "vllm_ext_copy_blocks_cpu": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i32]),
     # int vllm_ext_check_device(int32 device, int32* major, int32* minor)
     "vllm_ext_check_device": (_i32, [_i32, _i32_p, _i32_p]),
@@ -277,29 +277,29 @@ def ipc_close(base, device):
     check(lib().vllm_ext_ipc_close(base, device), "closing a CUDA IPC mapping")
 
 
-def copy_blocks_cuda(src, dst, num_ids, num_layers, num_components, chunk_nbytes, alignment, device,
+def copy_blocks_cuda(src, dst, num_ids, num_layers, num_components, slice_nbytes, alignment, device,
                      stream, max_ctas=0):
     check(lib().vllm_ext_copy_blocks_cuda(ctypes.byref(src), ctypes.byref(dst), num_ids, num_layers,
-                                          num_components, chunk_nbytes, alignment, device, stream,
+                                          num_components, slice_nbytes, alignment, device, stream,
                                           max_ctas),
           "vllm_ext_copy_blocks_cuda")
 
 
-def copy_blocks_cuda_inline(src, dst, src_ids, dst_ids, num_ids, num_layers, num_components, chunk_nbytes,
+def copy_blocks_cuda_inline(src, dst, src_ids, dst_ids, num_ids, num_layers, num_components, slice_nbytes,
                             alignment, device, stream, max_ctas=0):
     """src_ids / dst_ids: addresses of [host] int64 arrays of num_ids ids, or None (rows 0..)."""
     check(lib().vllm_ext_copy_blocks_cuda_inline(ctypes.byref(src), ctypes.byref(dst), src_ids, dst_ids, num_ids,
-                                                 num_layers, num_components, chunk_nbytes, alignment, device,
+                                                 num_layers, num_components, slice_nbytes, alignment, device,
                                                  stream, max_ctas),
           "vllm_ext_copy_blocks_cuda_inline")
 
 
 def staged_transfer(cache, lanes, ids, bounds, first_chunk, num_chunks, num_layers, num_components,
-                    chunk_nbytes, alignment, device, after_stream=None, after_event=None, done=None):
+                    slice_nbytes, alignment, device, after_stream=None, after_event=None, done=None):
     """lanes: a ctypes array of Staging; ids / bounds: addresses of [host] int64 arrays; the
     streams and events are raw CUDA handles (see vllm_ext_staged_transfer)."""
     check(lib().vllm_ext_staged_transfer(ctypes.byref(cache), lanes, len(lanes), ids, bounds, first_chunk,
-                                         num_chunks, num_layers, num_components, chunk_nbytes, alignment, device,
+                                         num_chunks, num_layers, num_components, slice_nbytes, alignment, device,
                                          after_stream, after_event, done),
           "vllm_ext_staged_transfer")
 
@@ -320,7 +320,7 @@ class PullServer:
     vllm_ext_pull_server_start in csrc/vllm_ext.h). The owner (one thread) calls wait() until
     the server ends, then destroy(); stop() may come from any thread before destroy()."""
 
-    def __init__(self, fd, cache, lanes, num_layers, num_components, chunk_nbytes, alignment, device,
+    def __init__(self, fd, cache, lanes, num_layers, num_components, slice_nbytes, alignment, device,
                  done_event, grants=None):
         """fd: a socket descriptor the server takes over (closed by destroy, or here on
         failure); cache (Side), lanes (a ctypes array of Staging) and grants (c_int32 * num_blocks,
@@ -329,7 +329,7 @@ class PullServer:
         self._keep = [cache, lanes, grants]
         self._lock = threading.Lock()
         status = lib().vllm_ext_pull_server_start(fd, ctypes.byref(cache), lanes, len(lanes), num_layers,
-                                                  num_components, chunk_nbytes, alignment, device, done_event,
+                                                  num_components, slice_nbytes, alignment, device, done_event,
                                                   None if grants is None else ctypes.addressof(grants),
                                                   ctypes.byref(handle))
         if status != OK:
@@ -367,13 +367,13 @@ class PullServer:
                 self._handle = None
 
 
-def copy_blocks_memcpy(src, dst, num_ids, num_layers, num_components, chunk_nbytes, device, stream):
+def copy_blocks_memcpy(src, dst, num_ids, num_layers, num_components, slice_nbytes, device, stream):
     check(lib().vllm_ext_copy_blocks_memcpy(ctypes.byref(src), ctypes.byref(dst), num_ids, num_layers,
-                                            num_components, chunk_nbytes, device, stream),
+                                            num_components, slice_nbytes, device, stream),
           "vllm_ext_copy_blocks_memcpy")
 
 
-def copy_blocks_cpu(src, dst, num_ids, num_layers, num_components, chunk_nbytes, num_threads):
+def copy_blocks_cpu(src, dst, num_ids, num_layers, num_components, slice_nbytes, num_threads):
     check(lib().vllm_ext_copy_blocks_cpu(ctypes.byref(src), ctypes.byref(dst), num_ids, num_layers,
-                                         num_components, chunk_nbytes, num_threads),
+                                         num_components, slice_nbytes, num_threads),
           "vllm_ext_copy_blocks_cpu")

@@ -1,8 +1,8 @@
 """KVCache: a paged KV cache described the way the copy kernel sees it.
 
 Per layer the cache holds `num_blocks` blocks; each block has one or two components (K and V,
-or the single latent of MLA), and each component of a block is one contiguous chunk of
-`chunk_nbytes` bytes. Layouts of one layer tensor:
+or the single latent of MLA), and each component of a block is one contiguous slice of
+`slice_nbytes` bytes. Layouts of one layer tensor:
 
     flash       [2, num_blocks, block_size, num_kv_heads, head_size]   (vLLM FlashAttention)
     flashinfer  [num_blocks, 2, block_size, num_kv_heads, head_size]
@@ -13,7 +13,7 @@ The block and component dimensions may have any stride (padding between blocks i
 dimensions inside a block half must be dense, in this order. `blocks` is vLLM's per-layer view
 (0.32: `[B, H, N, C]` of one allocation in any of its LB**/BL** physical orders; 0.26: the
 FlashAttention tensor `[B, H, N, 2 * head_size]`): its dimensions after the first may be dense
-in any order, and the whole block of a layer, as it lies in memory, is the one chunk.
+in any order, and the whole block of a layer, as it lies in memory, is the one slice.
 """
 
 import dataclasses
@@ -92,13 +92,13 @@ class KVCache:
         self.layers = layers
         self.pinned = pinned
         self.num_components = _num_components(layout)
-        self.chunk_nbytes = block_size * num_kv_heads * head_size * dtype.itemsize
-        self.block_nbytes = num_layers * self.num_components * self.chunk_nbytes
+        self.slice_nbytes = block_size * num_kv_heads * head_size * dtype.itemsize
+        self.block_nbytes = num_layers * self.num_components * self.slice_nbytes
         self.block_stride = block_stride
         self.component_stride = component_stride
         self.layer_addresses = tuple(int(a) for a in layer_addresses)
         self.alignment = _pow2_alignment(
-            [*self.layer_addresses, block_stride, component_stride, self.chunk_nbytes])
+            [*self.layer_addresses, block_stride, component_stride, self.slice_nbytes])
         self._ipc_mappings = ipc_mappings  # [(base, device)] for an imported cache
         self._tables = {}
         self._extents = None  # the layers' byte ranges, computed on first use (never change)
@@ -188,7 +188,7 @@ class KVCache:
             "num_kv_heads": self.num_kv_heads,
             "head_size": self.head_size,
             "dtype": _dtype_name(self.dtype),
-            "chunk_nbytes": self.chunk_nbytes,
+            "slice_nbytes": self.slice_nbytes,
         }
 
     def __repr__(self):
@@ -198,8 +198,8 @@ class KVCache:
                 f"dtype={self.dtype}, device={self.device}, block_nbytes={self.block_nbytes})")
 
     def layout_key(self) -> tuple:
-        """Where every chunk lives: equal keys mean the same memory described the same way."""
-        return (self.layer_addresses, self.block_stride, self.component_stride, self.chunk_nbytes)
+        """Where every slice lives: equal keys mean the same memory described the same way."""
+        return (self.layer_addresses, self.block_stride, self.component_stride, self.slice_nbytes)
 
     def extents(self) -> list:
         """Sorted [start, end) byte ranges of the layers (address-space footprint)."""
@@ -209,7 +209,7 @@ class KVCache:
         """extents() as a tuple, computed once (ops checks overlap on every copy)."""
         if self._extents is None:
             span = ((self.num_blocks - 1) * self.block_stride
-                    + (self.num_components - 1) * self.component_stride + self.chunk_nbytes)
+                    + (self.num_components - 1) * self.component_stride + self.slice_nbytes)
             self._extents = tuple(sorted((a, a + span) for a in self.layer_addresses))
         return self._extents
 
@@ -296,9 +296,9 @@ class KVCache:
             raise ValueError(f"handle: {len(handle.layer_offsets)} layer offsets for "
                              f"{handle.num_layers} layers")
         num_components = _num_components(handle.layout)
-        chunk = handle.block_size * handle.num_kv_heads * handle.head_size * dtype.itemsize
+        slice_nbytes = handle.block_size * handle.num_kv_heads * handle.head_size * dtype.itemsize
         extent = ((handle.num_blocks - 1) * handle.block_stride
-                  + (num_components - 1) * handle.component_stride + chunk)
+                  + (num_components - 1) * handle.component_stride + slice_nbytes)
         for layer, (alloc, offset) in enumerate(handle.layer_offsets):
             if not 0 <= alloc < len(handle.allocations):
                 raise ValueError(f"handle: layer {layer} names allocation {alloc} of "
@@ -456,11 +456,11 @@ def _check_no_overlap(cache):
     dims = [(cache.block_stride, cache.num_blocks)]
     if cache.num_components == 2:
         dims.append((cache.component_stride, 2))
-    span = cache.chunk_nbytes
+    span = cache.slice_nbytes
     for stride, count in sorted(d for d in dims if d[1] > 1):
         if stride < span:
             raise ValueError(
                 f"layers: strides (block {cache.block_stride} bytes, component "
                 f"{cache.component_stride} bytes) make blocks or K/V of one layer overlap "
-                f"(a chunk is {cache.chunk_nbytes} bytes)")
+                f"(a slice is {cache.slice_nbytes} bytes)")
         span = stride * (count - 1) + span

@@ -2,7 +2,7 @@
 
 Wire format of a buffer (fixed): a uint8 tensor [n, cache.block_nbytes]; row i holds block
 `block_ids[i]`, laid out layer by layer, and within a layer component by component (K then V;
-MLA has one), each component's `chunk_nbytes` bytes exactly as the cache stores them. So the
+MLA has one), each component's `slice_nbytes` bytes exactly as the cache stores them. So the
 first k rows are a self-contained prefix that can be sent before the rest is gathered.
 
 Where the copy runs:
@@ -140,7 +140,7 @@ def _copy_inline(src: _lib.Side, dst: _lib.Side, src_ids: Optional[int], dst_ids
     dst_ids are addresses of host int64 arrays of n ids, or None for rows 0..n-1."""
     if n:
         _lib.copy_blocks_cuda_inline(src, dst, src_ids, dst_ids, n, cache.num_layers, cache.num_components,
-                                     cache.chunk_nbytes, alignment, device.index,
+                                     cache.slice_nbytes, alignment, device.index,
                                      _current_raw_stream(device.index), max_ctas)
 
 
@@ -351,14 +351,14 @@ def _cache_side(cache: KVCache, ids: Optional[Ids], device: torch.device) -> _li
 
 
 def _buffer_side(buf: torch.Tensor, cache: KVCache) -> _lib.Side:
-    chunk = cache.chunk_nbytes
+    slice_nbytes = cache.slice_nbytes
     return _lib.Side(layer_ptrs=None, base=buf.data_ptr(),
-                     layer_stride=cache.num_components * chunk, block_stride=cache.block_nbytes,
-                     component_stride=chunk, num_blocks=buf.shape[0], block_ids=None)
+                     layer_stride=cache.num_components * slice_nbytes, block_stride=cache.block_nbytes,
+                     component_stride=slice_nbytes, num_blocks=buf.shape[0], block_ids=None)
 
 
 def _buffer_alignment(buf, cache):
-    return _pow2_alignment([buf.data_ptr(), cache.chunk_nbytes])
+    return _pow2_alignment([buf.data_ptr(), cache.slice_nbytes])
 
 
 try:  # the raw handle without building a torch.cuda.Stream object: a few us less per call
@@ -377,8 +377,8 @@ def _run(src: _lib.Side, dst: _lib.Side, n: int, cache: KVCache, alignment: int,
         return
     if device.type == "cpu":
         _lib.copy_blocks_cpu(src, dst, n, cache.num_layers, cache.num_components,
-                             cache.chunk_nbytes, torch.get_num_threads())
+                             cache.slice_nbytes, torch.get_num_threads())
         return
     stream = _current_raw_stream(device.index)
-    _lib.copy_blocks_cuda(src, dst, n, cache.num_layers, cache.num_components, cache.chunk_nbytes,
+    _lib.copy_blocks_cuda(src, dst, n, cache.num_layers, cache.num_components, cache.slice_nbytes,
                           alignment, device.index, stream, max_ctas)

@@ -41,7 +41,7 @@ def baseline_recv(kind, cache, ids, staging, recv):
 
 
 def baseline_staging(kind, cache, max_blocks):
-    chunk = cache.chunk_nbytes // cache.dtype.itemsize
+    chunk = cache.slice_nbytes // cache.dtype.itemsize
     pin = kind == "gloo" and cache.device.type == "cuda"
     device = cache.device if kind == "nccl" else "cpu"
     return torch.empty((max_blocks, 2, chunk), dtype=cache.dtype, device=device, pin_memory=pin)

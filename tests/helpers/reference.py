@@ -73,7 +73,7 @@ def ref_gather(cache: KVCache, ids) -> torch.Tensor:
 
 
 def ref_scatter(buf: torch.Tensor, cache: KVCache, ids) -> None:
-    chunk = cache.chunk_nbytes
+    chunk = cache.slice_nbytes
     for i, b in enumerate(ids):
         row = buf[i].cpu()
         k = 0

@@ -75,18 +75,18 @@ def test_ramp_bounds_grow_from_one_block_to_a_slot():
 
 
 @pytest.mark.parametrize("contiguous", [True, False])
-def test_rayrpc_chunk_views_round_trip(contiguous):
+def test_rayrpc_slice_views_round_trip(contiguous):
     """The host source hands Ray zero-copy views of its chunks; the destination reads them as
     rows (one view when Ray stored them back to back, else one copy): the bytes of gather."""
     np = pytest.importorskip("numpy")
     from vllm_ext import ops
-    from vllm_ext.migration.rayrpc import _as_rows, _chunk_views
+    from vllm_ext.migration.rayrpc import _as_rows, _slice_views
 
     spec = {"num_layers": 3, "num_blocks": 9, "block_size": 4, "num_kv_heads": 2, "head_size": 8,
             "dtype": "bfloat16", "layout": "flashinfer", "seed": 5}
     cache = make_cache(spec)
     ids = [7, 2, 2, 5]
-    views = _chunk_views(cache, ids)
+    views = _slice_views(cache, ids)
     assert len(views) == len(ids) * cache.num_layers * cache.num_components
     if contiguous:  # what Ray's object store returns: the chunks back to back
         store = np.concatenate(views)

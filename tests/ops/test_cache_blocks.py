@@ -59,8 +59,8 @@ def test_gather_scatter_copy_match_reference(order, dtype, geometry):
     cache = KVCache.from_layers(layers, layout="blocks")
     assert [t.data_ptr() for t in cache.layers] == pointers  # wrapped, not copied
     assert cache.num_components == 1
-    assert cache.chunk_nbytes == heads * block_size * c * dtype.itemsize
-    assert cache.block_nbytes == num_layers * cache.chunk_nbytes
+    assert cache.slice_nbytes == heads * block_size * c * dtype.itemsize
+    assert cache.block_nbytes == num_layers * cache.slice_nbytes
 
     ids = [rng.randrange(num_blocks) for _ in range(rng.randint(1, 2 * num_blocks))]
     buf = ops.gather_blocks(cache, ids)
@@ -146,4 +146,4 @@ def test_block_nbytes_formula():
     cache = KVCache.from_layers(layers, layout="blocks")
     assert cache.block_nbytes == 4 * math.prod((2, 16, 128)) * 2
     # BL**: layer l of block b sits right after layer l-1 of block b
-    assert cache.block_stride == 4 * cache.chunk_nbytes
+    assert cache.block_stride == 4 * cache.slice_nbytes

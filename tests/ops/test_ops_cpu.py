@@ -118,11 +118,11 @@ def test_wire_format_prefix():
 
 
 def test_wire_format_layout_is_layer_then_component():
-    """Row layout spelled out: layer l, component c starts at (l * C + c) * chunk_nbytes."""
+    """Row layout spelled out: layer l, component c starts at (l * C + c) * slice_nbytes."""
     cache = random_cache({"num_layers": 3, "num_blocks": 4, "block_size": 2, "num_kv_heads": 2,
                           "head_size": 4}, torch.float32, "flashinfer", seed=5)
     row = ops.gather_blocks(cache, [2])[0]
-    chunk = cache.chunk_nbytes
+    chunk = cache.slice_nbytes
     for index, layer in enumerate(cache.layers):
         for c in range(2):
             start = (index * 2 + c) * chunk
@@ -157,7 +157,7 @@ def test_padded_block_stride_from_layers():
     full = [fill_random_(torch.empty(2, 12, 4, 2, 8, dtype=torch.float16), g) for _ in range(3)]
     layers = [t[:, ::3] for t in full]  # every third block: block stride 3x the block size
     cache = KVCache.from_layers(layers, layout="flash")
-    assert cache.num_blocks == 4 and cache.block_stride == 3 * cache.chunk_nbytes
+    assert cache.num_blocks == 4 and cache.block_stride == 3 * cache.slice_nbytes
     ids = [3, 0, 2]
     assert torch.equal(ops.gather_blocks(cache, ids), ref_gather(cache, ids))
     buf = poisoned((2, cache.block_nbytes), 1)

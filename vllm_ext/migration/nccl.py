@@ -157,7 +157,7 @@ class _Lanes:
         values = array.array("q", ids)
         cache = self.cache
         _lib.staged_transfer(self.side, self.lanes, values.buffer_info()[0], bounds.buffer_info()[0], 0,
-                             len(bounds) - 1, cache.num_layers, cache.num_components, cache.chunk_nbytes,
+                             len(bounds) - 1, cache.num_layers, cache.num_components, cache.slice_nbytes,
                              self.alignment, self.device.index,
                              after_stream=self._current_stream(self.device.index),
                              after_event=self.entry.cuda_event, done=self.done.cuda_event)
@@ -175,7 +175,7 @@ class _Lanes:
                 return
             conn.sock.setblocking(True)
             self.server = _lib.PullServer(os.dup(conn.sock.fileno()), self.side, self.lanes,
-                                          cache.num_layers, cache.num_components, cache.chunk_nbytes,
+                                          cache.num_layers, cache.num_components, cache.slice_nbytes,
                                           self.alignment, self.device.index, self.done.cuda_event,
                                           None if grants is None else grants.counts)
             if stall is not None:

@@ -75,16 +75,16 @@ def _serve_chunk(actor, endpoint_id: str, geometry: Dict[str, Any], src_ids: Lis
     if cache.device.type == "cuda":
         rows = ops.gather_blocks(cache, ids)  # on the GPU, then one copy to host
         return rows.cpu().numpy()
-    return _chunk_views(cache, ids)
+    return _slice_views(cache, ids)
 
 
-def _chunk_views(cache, ids: List[int]) -> list:
-    """Zero-copy numpy views of a host cache's (block, layer, component) chunks, in the wire
+def _slice_views(cache, ids: List[int]) -> list:
+    """Zero-copy numpy views of a host cache's (block, layer, component) slices, in the wire
     order of gather_blocks. Ray copies each straight into its object store as it stores the
     result (one copy; a gather into a buffer first would be a second)."""
     import numpy as np
 
-    chunk = cache.chunk_nbytes
+    chunk = cache.slice_nbytes
     start, end = cache.extents()[0]  # every layer spans the same bytes
     span = end - start
     layers = [np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(address))
@@ -99,10 +99,10 @@ def _chunk_views(cache, ids: List[int]) -> list:
 
 
 def _as_rows(parts, nblocks: int, cache) -> torch.Tensor:
-    """The chunks of _chunk_views, as Ray returned them, as uint8 rows [nblocks, block_nbytes]:
+    """The slices of _slice_views, as Ray returned them, as uint8 rows [nblocks, block_nbytes]:
     a view of the object store's memory when Ray laid them out back to back (it does, for
     chunk sizes that are multiples of its alignment), else one copy into a new buffer."""
-    chunk = cache.chunk_nbytes
+    chunk = cache.slice_nbytes
     expected = nblocks * cache.num_layers * cache.num_components
     if len(parts) != expected or any(p.dtype.itemsize != 1 or p.nbytes != chunk for p in parts):
         raise MigrationError(f"rayrpc: got {len(parts)} chunks, expected {expected} of {chunk} "
