@@ -112,7 +112,7 @@ OCI_LABELS = \
 , := ,
 
 .PHONY: help develop test _test bench _bench lint clean
-.PHONY: wheel image test-gpu image-test-cpu image-serve-cpu base-images
+.PHONY: wheel image test-gpu image-test-cpu base-images
 .PHONY: _docker-ready _wheel-docker _wheel-export _wheel-host _image _image-target
 .PHONY: _test-gpu-docker _test-gpu-host
 
@@ -188,6 +188,7 @@ image-test-cpu: _docker-ready ## Run the CPU tests in the test image, against th
 	@$(WITH_BASE_IMAGES) _image-target TARGET=test
 	$(DOCKER) run --rm $(call image_name,test) python -m pytest $(CPU_TEST_SELECTION) $(PYTEST_ARGS) tests
 
+.PHONY: image-serve-cpu
 image-serve-cpu: _docker-ready ## Serve a tiny random model from vllm-openai-cpu and check its answers; P/D too once vllm_ext/connector exists (CI runs it)
 	@$(WITH_BASE_IMAGES) _image-target TARGET=vllm-openai-cpu
 	DOCKER=$(DOCKER) PYTHON=$(PYTHON) tools/docker/serve-test.sh $(call image_name,vllm-openai-cpu)
