@@ -70,8 +70,9 @@ timed() {  # timed NAME CMD...: runs CMD, records its wall time under NAME
 }
 
 # What every server gets: the model, a small KV cache, shared memory for vLLM's engine-to-worker
-# queue (Docker's default 64 MB /dev/shm is too small), greedy-friendly defaults.
-server_args=(/models/tiny-llama --served-model-name tiny --dtype bfloat16 --max-model-len 512)
+# queue (Docker's default 64 MB /dev/shm is too small). float32: on CPUs with AMX, bf16 takes
+# vLLM 0.32's AMX attention kernels, which crashed after an external KV load (docs/connector.md).
+server_args=(/models/tiny-llama --served-model-name tiny --dtype float32 --max-model-len 512)
 run_server() {  # run_server NAME [DOCKER RUN OPTIONS...] -- [SERVER ARGS...]: prints the host address
   local name=$1 opts=()
   shift

@@ -5,12 +5,13 @@ Usage: serve_check.py URL MODEL [--steps health,completions,chat-stream,metrics]
                        [--expect FILE] [--container NAME ...] [--metric [URL=]NAME ...]
 
 Each step prints its wall time. `completions` sends PROMPTS greedily (temperature 0, ignore_eos,
-MAX_TOKENS each) and records the texts; `chat-stream` streams one greedy chat completion and
-checks the chunks form one message that ends with [DONE]. `--out` writes both results as JSON and
-`--expect` fails unless they equal a file written before (the same requests through P/D must
-give a single server's answers). `metrics` fails unless each --metric's samples on a /metrics page
-(URL's, else the server's) sum to more than 0. While it waits for health, a server container named with --container that
-stops fails the check at once. Standard library only: it runs on the CI machine, outside the image.
+MAX_TOKENS each) and records the texts and token ids; `chat-stream` streams one greedy chat
+completion, checks the chunks form one message that ends with [DONE], and records the same.
+`--out` writes both results as JSON and `--expect` fails unless they equal a file written
+before (the same requests through P/D must give a single server's answers). `metrics` fails
+unless each --metric's samples on a /metrics page (URL's, else the server's) sum to more than 0.
+While it waits for health, a server container named with --container that stops fails the check
+at once. Standard library only: it runs on the CI machine, outside the image.
 Exit status 1 when a step fails, with the reason.
 """
 
@@ -77,33 +78,30 @@ def wait_health(url: str, timeout: float, containers: List[str], docker: str) ->
     raise CheckError(f"{url}/health: not healthy after {timeout:.0f} s (last: {last})")
 
 
-def completions(url: str, model: str, timeout: float) -> List[str]:
-    texts = []
+# Greedy, the whole MAX_TOKENS, and the token ids beside the text (a random model's bytes are
+# often not valid UTF-8: different tokens can decode to the same replacement characters).
+SAMPLING = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+
+def completions(url: str, model: str, timeout: float) -> List[Dict]:
+    results = []
     for i, prompt in enumerate(PROMPTS):
         t0 = time.monotonic()
-        body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-        with post(f"{url}/v1/completions", body, timeout) as resp:
+        with post(f"{url}/v1/completions", dict(SAMPLING, model=model, prompt=prompt), timeout) as resp:
             out = json.load(resp)
         choice = out["choices"][0]
-        tokens = out.get("usage", {}).get("completion_tokens")
-        if tokens != MAX_TOKENS:
-            raise CheckError(f"completion {i}: {tokens} tokens, expected {MAX_TOKENS}: {out}")
-        texts.append(choice["text"])
-        print(f"  completion {i}: {tokens} tokens in {time.monotonic() - t0:.2f} s: {choice['text']!r}")
-    return texts
+        token_ids = choice.get("token_ids")
+        if not token_ids or len(token_ids) != MAX_TOKENS:
+            raise CheckError(f"completion {i}: token_ids {token_ids}, expected {MAX_TOKENS} of them: {out}")
+        results.append({"text": choice["text"], "token_ids": token_ids})
+        print(f"  completion {i}: {len(token_ids)} tokens in {time.monotonic() - t0:.2f} s: {token_ids}")
+    return results
 
 
-def chat_stream(url: str, model: str, timeout: float) -> str:
+def chat_stream(url: str, model: str, timeout: float) -> Dict:
     t0 = time.monotonic()
-    body = {
-        "model": model,
-        "messages": CHAT_MESSAGES,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    chunks, parts, done, first = 0, [], False, None
+    body = dict(SAMPLING, model=model, messages=CHAT_MESSAGES, stream=True)
+    chunks, parts, token_ids, done, first = 0, [], [], False, None
     with post(f"{url}/v1/chat/completions", body, timeout) as resp:
         for raw in resp:
             line = raw.decode().strip()
@@ -117,14 +115,17 @@ def chat_stream(url: str, model: str, timeout: float) -> str:
             first = first if first is not None else time.monotonic() - t0
             for choice in event.get("choices", []):
                 parts.append(choice.get("delta", {}).get("content") or "")
+                token_ids.extend(choice.get("token_ids") or [])
             chunks += 1
     if not done:
         raise CheckError(f"chat stream: ended after {chunks} chunks without [DONE]")
     if chunks < 2:
         raise CheckError(f"chat stream: {chunks} chunk(s), expected one per token")
-    text = "".join(parts)
-    print(f"  chat stream: {chunks} chunks, first after {first:.2f} s, all in {time.monotonic() - t0:.2f} s: {text!r}")
-    return text
+    if len(token_ids) != MAX_TOKENS:
+        raise CheckError(f"chat stream: {len(token_ids)} token ids in all chunks, expected {MAX_TOKENS}")
+    print(f"  chat stream: {chunks} chunks, first after {first:.2f} s, all in {time.monotonic() - t0:.2f} s: "
+          f"{token_ids}")
+    return {"text": "".join(parts), "token_ids": token_ids}
 
 
 def metric_total(url: str, name: str) -> float:
