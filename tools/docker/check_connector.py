@@ -20,8 +20,14 @@ import sys
 from typing import List, Optional
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-# Where vLLM keeps the server's argument parser (it moved between releases).
-ARG_PARSER_MODULES = ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args")
+# Where vLLM keeps the server's argument parser. It moves between releases; `vllm serve`'s own
+# module imports it in 0.32 and 0.33.
+ARG_PARSER_MODULES = (
+    "vllm.entrypoints.cli.serve",
+    "vllm.entrypoints.common.cli_args",  # 0.33
+    "vllm.entrypoints.launchers.cli_args",  # 0.32
+    "vllm.entrypoints.openai.cli_args",  # up to 0.2x
+)
 
 
 def server_arg_parser():
