@@ -56,10 +56,12 @@ STATIC = {"vllm": "0.32", "attn_backend": ["CPU_ATTN"], "kv_cache_layout": "LBHN
           "block_size": BLOCK_SIZE, "num_kv_heads": 2, "head_size": 8}
 
 
-def make_worker(kv_caches, producer, static=STATIC, pull_timeout_s=10.0):
+def make_worker(kv_caches, producer, static=STATIC, pull_timeout_s=10.0, allowed=()):
+    """`allowed`: the producers (schedulers, or "host:port") a consumer may dial."""
+    allowed = [a if isinstance(a, str) else "%s:%d" % a.lease_address for a in allowed]
     w = WorkerHalf(is_producer=producer, is_consumer=not producer, backend="gloo", endpoint_host="127.0.0.1",
                    endpoint_options={}, secret=SECRET, pull_timeout_s=pull_timeout_s, static_fields=dict(static),
-                   connect_to=[])
+                   connect_to=[], allowed_producers=allowed)
     w.register_kv_caches(kv_caches)
     return w
 
@@ -86,6 +88,17 @@ def producer():
         worker.shutdown()
 
 
+def step(sched, worker):
+    """One engine step as vLLM runs it: the scheduler's metadata to the worker, the worker's
+    output (its worker metadata) back to the scheduler. Returns the metadata."""
+    from types import SimpleNamespace
+
+    meta = sched.build_connector_meta()
+    worker.start_load_kv(meta)
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker.build_worker_meta()))
+    return meta
+
+
 def finish_prefill(sched, prompt, req_id="p-0", block_ids=None):
     """Runs the producer's request_finished as the engine does after a 1-token prefill."""
     req = make_request(prompt, {"do_remote_decode": True}, req_id=req_id, max_tokens=1)
@@ -107,6 +120,24 @@ def test_supported_releases(version):
 def test_unsupported_release_is_refused_with_the_range(version):
     with pytest.raises(RuntimeError, match=rf"supports vLLM 0\.26 to 0\.33; this is vLLM {version}"):
         check_vllm_version(version)
+
+
+def test_an_unsupported_release_is_named_before_any_import_fails():
+    """Each module that imports release-specific vLLM symbols checks the release first (one
+    subprocess: importing vLLM takes a while)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, vllm\nvllm.__version__ = '0.40.0'\n"
+            "for m in ('connector', 'metadata', 'stats'):\n"
+            "    for k in [k for k in sys.modules if k.startswith('vllm_ext.connector.')]:\n"
+            "        del sys.modules[k]\n"
+            "    try:\n        __import__('vllm_ext.connector.' + m)\n"
+            "    except RuntimeError as e:\n        print(m, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    for m in ("connector", "metadata", "stats"):
+        assert f"{m} vllm-ext's VllmExtConnector supports vLLM 0.26 to 0.33; this is vLLM 0.40.0" in out.stdout, \
+            out.stdout + out.stderr
 
 
 # ---- producer: leases -------------------------------------------------------------------------
@@ -160,8 +191,9 @@ def test_lease_expires_and_frees_the_blocks(producer):
 
 
 def test_acquire_extends_the_lease_for_the_pull_then_release_frees(producer):
-    sched, _ = producer
+    sched, worker = producer
     _, params = finish_prefill(sched, list(range(40)))
+    step(sched, worker)
     client = lease_client(sched)
     sched.clock.now += 25.0
     reply = client.request({"op": "acquire", "lease": params["remote_lease"], "hold_s": 20}, 5)
@@ -174,8 +206,9 @@ def test_acquire_extends_the_lease_for_the_pull_then_release_frees(producer):
 
 
 def test_duplicate_and_unknown_leases_are_refused(producer):
-    sched, _ = producer
+    sched, worker = producer
     _, params = finish_prefill(sched, list(range(40)))
+    step(sched, worker)
     client = lease_client(sched)
     client.request({"op": "acquire", "lease": params["remote_lease"], "hold_s": 5}, 5)
     with pytest.raises(ChannelError, match="already taken"):
@@ -184,6 +217,7 @@ def test_duplicate_and_unknown_leases_are_refused(producer):
         client.request({"op": "acquire", "lease": "0" * 32, "hold_s": 5}, 5)
     with pytest.raises(ChannelError, match="hold_s"):
         _, other = finish_prefill(sched, list(range(20)), req_id="p-1")
+        step(sched, worker)
         client.request({"op": "acquire", "lease": other["remote_lease"], "hold_s": 1e9}, 5)
     with pytest.raises(ChannelError, match="unknown operation"):
         client.request({"op": "steal", "lease": params["remote_lease"]}, 5)
@@ -341,12 +375,12 @@ def block_bytes(kv_caches, block):
 def test_pull_moves_the_leased_blocks_and_frees_the_lease(producer):
     sched, p_worker = producer
     consumer_caches = vllm_layers(seed=2)
-    d_sched, d_worker = make_scheduler(False), make_worker(consumer_caches, producer=False)
+    d_sched, d_worker = make_scheduler(False), make_worker(consumer_caches, producer=False, allowed=[sched])
     try:
         d_sched.set_handshake({0: d_worker.handshake()})
         prompt = list(range(50))  # 4 blocks, the last partial
         _, params = finish_prefill(sched, prompt)
-        sched.build_connector_meta()
+        step(sched, p_worker)
         req = make_request(prompt, params, req_id="d-0")
         assert d_sched.get_num_new_matched_tokens(req, 16) == (34, True)
         d_sched.update_state_after_alloc(req, [20, 21, 22, 23], 34)
@@ -361,9 +395,10 @@ def test_pull_moves_the_leased_blocks_and_frees_the_lease(producer):
         deadline = time.monotonic() + 10
         finished = []
         while not finished and time.monotonic() < deadline:  # the release arrives after the report
-            finished = sched.build_connector_meta().finished_sending
+            finished = step(sched, p_worker).finished_sending
             time.sleep(0.01)
         assert finished == ["p-0"]
+        assert p_worker.leased_blocks == {}  # revoked with the lease
         stats = d_worker.get_stats().data
         assert stats["transfers"] == 1 and stats["bytes"] == 3 * p_worker.cache.block_nbytes
     finally:
@@ -379,7 +414,7 @@ def test_pull_moves_the_leased_blocks_and_frees_the_lease(producer):
 def test_mismatched_layouts_are_refused_at_the_handshake(producer, what, static, order):
     sched, _ = producer
     consumer_caches = vllm_layers(order=order, seed=3)
-    d_worker = make_worker(consumer_caches, producer=False, static=static)
+    d_worker = make_worker(consumer_caches, producer=False, static=static, allowed=[sched])
     d_sched = make_scheduler(False)
     try:
         d_sched.set_handshake({0: d_worker.handshake()})
@@ -410,7 +445,7 @@ def test_mismatched_layouts_are_refused_at_the_handshake(producer, what, static,
 
 def test_dead_producer_fails_the_receive_within_the_deadline(producer):
     sched, _ = producer
-    d_worker = make_worker(vllm_layers(seed=4), producer=False, pull_timeout_s=5.0)
+    d_worker = make_worker(vllm_layers(seed=4), producer=False, pull_timeout_s=5.0, allowed=[sched])
     try:
         _, params = finish_prefill(sched, list(range(40)))
         from vllm_ext.connector.metadata import RecvJob
@@ -482,3 +517,125 @@ def test_whole_block_loads_stop_before_the_last_token(producer, n, local_hit, ex
         first, last = local_hit // BLOCK_SIZE, (local_hit + expected) // BLOCK_SIZE
         assert job.src_block_ids == params["remote_block_ids"][first:last]
         assert job.dst_block_ids == list(range(30 + first, 30 + last))
+
+
+# ---- the data path serves only live leases ----------------------------------------------------
+def test_acquire_waits_for_the_worker_to_serve_the_lease(producer):
+    """A lease made but not yet granted by the producer's worker is not handed out."""
+    sched, worker = producer
+    _, params = finish_prefill(sched, list(range(40)))
+    client = lease_client(sched)
+    try:
+        with pytest.raises(ChannelError, match="not served yet"):
+            client.request({"op": "acquire", "lease": params["remote_lease"], "hold_s": 5}, 10)
+        step(sched, worker)
+        assert client.request({"op": "acquire", "lease": params["remote_lease"], "hold_s": 5}, 10)["block_ids"] == \
+            params["remote_block_ids"]
+    finally:
+        client.close()
+
+
+def test_an_authenticated_peer_cannot_pull_blocks_outside_live_leases(producer):
+    """The producer's endpoint (gloo, serve="granted") refuses blocks of no lease, serves a live
+    lease's blocks, and refuses them again once the lease was released."""
+    from vllm_ext import KVCache
+    from vllm_ext.migration import MigrationEndpoint, MigrationError, PeerDescriptor
+
+    sched, worker = producer
+    _, params = finish_prefill(sched, list(range(40)))  # blocks 3, 4, 5
+    step(sched, worker)
+    peer = PeerDescriptor(**worker.handshake().descriptor)
+    thief = MigrationEndpoint(KVCache.from_layers([t.clone() for t in vllm_layers(seed=9).values()],
+                                                  layout="blocks"), "gloo", secret=SECRET)
+    try:
+        with pytest.raises(MigrationError, match="block 40 is not granted"):
+            thief.pull(peer, [40], [0], timeout=10)
+        thief.pull(peer, params["remote_block_ids"], [0, 1, 2], timeout=10)  # a live lease's blocks
+        client = lease_client(sched)
+        client.request({"op": "release", "lease": params["remote_lease"]}, 5)
+        client.close()
+        assert step(sched, worker).finished_sending == ["p-0"]
+        with pytest.raises(MigrationError, match="block 3 is not granted"):
+            thief.pull(peer, params["remote_block_ids"], [0, 1, 2], timeout=10)
+    finally:
+        thief.close()
+
+
+def test_a_consumer_dials_only_allowed_producers(producer):
+    sched, _ = producer
+    _, params = finish_prefill(sched, list(range(40)))
+    d_worker = make_worker(vllm_layers(seed=5), producer=False, allowed=["127.0.0.1:9"])
+    try:
+        from vllm_ext.connector.metadata import RecvJob
+
+        job = RecvJob(req_id="d-0", lease=params["remote_lease"], lease_host="127.0.0.1",
+                      lease_port=params["remote_endpoint"]["lease_port"],
+                      endpoint_id=params["remote_endpoint"]["endpoint_id"], fingerprint=params["remote_fingerprint"],
+                      src_block_ids=params["remote_block_ids"], dst_block_ids=[1, 2, 3])
+        done, failed = receive(d_worker, [job])
+        assert failed == {"d-0"}
+        assert sched.num_leases() == 1 and not sched.build_connector_meta().finished_sending  # never dialled
+    finally:
+        d_worker.shutdown()
+
+
+# ---- a lease the consumer does not pull is released at once -----------------------------------
+def released(sched, worker, deadline_s=30.0):
+    """The producer's finished_sending once a release arrived (a stated, generous deadline)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        finished = step(sched, worker).finished_sending
+        if finished:
+            return finished
+        assert time.monotonic() < deadline, "the lease was not released within the deadline"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("case", ["full_local_hit", "partial_tail_hit", "whole_blocks_short", "skip_prefix_cache",
+                                  "bad_params_recompute", "bad_params_fail", "aborted_while_waiting"])
+def test_a_lease_that_is_not_pulled_is_released(producer, case):
+    """Whenever valid params carry a lease and this instance pulls nothing, it releases the
+    lease (a release-only job) and reports no receive for it."""
+    sched, p_worker = producer
+    policy = "fail" if case == "bad_params_fail" else "recompute"
+    d = SchedulerHalf(is_producer=False, is_consumer=True, block_size=BLOCK_SIZE, lease_s=30.0,
+                      lease_host="127.0.0.1", lease_port=0, secret=SECRET, failure_policy=policy,
+                      whole_blocks=case == "whole_blocks_short")
+    d_worker = make_worker(vllm_layers(seed=6), producer=False, allowed=[sched])
+    try:
+        d.set_handshake({0: d_worker.handshake()})
+        n = {"full_local_hit": 48, "partial_tail_hit": 40, "whole_blocks_short": 16}.get(case, 40)
+        prompt = list(range(n))
+        _, params = finish_prefill(sched, prompt)
+        step(sched, p_worker)
+        if case.startswith("bad_params"):
+            params = dict(params, remote_prompt_hash=prompt_hash(range(1, n + 1)))  # refused, lease fields good
+        # a later turn: the decode prompt extends the prefilled one, and D's own cache holds it all
+        more = {"full_local_hit": 16, "partial_tail_hit": 8}.get(case, 0)
+        req = make_request(prompt + [7] * more, params, req_id="d-0")
+        if case == "aborted_while_waiting":
+            d.request_finished(req, [])
+        else:
+            local = {"full_local_hit": 48, "partial_tail_hit": 40}.get(case, 0)
+            tail = local % BLOCK_SIZE  # vLLM shows the block-aligned hit, then keeps its tail ...
+            ext, _ = d.get_num_new_matched_tokens(req, local - tail)
+            if tail and ext <= tail:
+                ext = 0  # ... unless the remote hit strictly exceeds it
+            if case == "skip_prefix_cache":
+                ext = 0  # vLLM overrides the connector's answer
+            assert (ext > 0) == (case == "bad_params_fail"), ext
+            d.update_state_after_alloc(req, [30, 31, 32], ext)
+        meta = d.build_connector_meta()
+        assert [r.lease for r in meta.releases] == [params["remote_lease"]]
+        assert [j.req_id for j in meta.recvs] == (["d-0"] if case == "bad_params_fail" else [])
+        d_worker.start_load_kv(meta)
+        assert released(sched, p_worker) == ["p-0"]
+        assert sched.num_leases() == 0 and p_worker.leased_blocks == {}
+        _, recving, failed = d_worker.take_results(None)
+        assert recving == failed == ({"d-0"} if case == "bad_params_fail" else set())
+        assert d.build_connector_meta().releases == []  # once
+        d.request_finished(req, [])
+        assert d.build_connector_meta().releases == []
+    finally:
+        d.shutdown()
+        d_worker.shutdown()

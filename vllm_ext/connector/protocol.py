@@ -112,6 +112,24 @@ def parse_remote_params(params: Any, block_size: int) -> RemoteKV:
                     backend=backend)
 
 
+def lease_ref(params: Any):
+    """(lease, lease_host, lease_port) of kv_transfer_params whose lease fields are well formed
+    (the rest may be refused), else None: what a consumer needs to release a lease it will not
+    pull."""
+    try:
+        if not isinstance(params, dict):
+            return None
+        lease = _hex(params, "remote_lease", 32)
+        endpoint = _field(params, "remote_endpoint", dict)
+        host = _field(endpoint, "lease_host", str)
+        port = _field(endpoint, "lease_port", int)
+    except ParamsError:
+        return None
+    if not host or len(host) > 255 or not 0 < port < 65536:
+        return None
+    return lease, host, port
+
+
 def producer_params(*, lease: str, block_ids: List[int], num_tokens: int, prompt_hash_: str,
                     fingerprint: str, lease_host: str, lease_port: int, endpoint_id: str, backend: str,
                     lease_s: float) -> Dict[str, Any]:
