@@ -143,8 +143,8 @@ def ceiling_pull(prefill_url, body, prompt, secret, device, timeout=60.0):
     client = LeaseClient(secret, ep_info["lease_host"], ep_info["lease_port"])
     ep = None
     try:
-        peer = descriptor_from_fields(client.request({"op": "describe"}, 10)["descriptor"])
-        client.request({"op": "acquire", "lease": params["remote_lease"], "hold_s": 4 * timeout + 10}, 10)
+        peer = descriptor_from_fields(client.describe(10).descriptor)
+        client.acquire(params["remote_lease"], 4 * timeout + 10, 10)
         g = peer.geometry
         src = list(params["remote_block_ids"])
         cache = KVCache.allocate(num_layers=g["num_layers"], num_blocks=len(src), block_size=g["block_size"],
@@ -157,7 +157,7 @@ def ceiling_pull(prefill_url, body, prompt, secret, device, timeout=60.0):
         return statistics.median(r.seconds for r in runs), runs[0].nbytes
     finally:
         try:
-            client.request({"op": "release", "lease": params["remote_lease"]}, 10)
+            client.release(params["remote_lease"], 10)
         finally:
             client.close()
             if ep is not None:

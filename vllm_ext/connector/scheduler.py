@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..migration import protocol
 from .channel import LeaseServer
 from .metadata import ReleaseJob, RecvJob, VllmExtHandshake, VllmExtMetadata
 from .protocol import ParamsError, lease_ref, parse_remote_params, producer_params, prompt_hash
@@ -29,7 +30,7 @@ logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
 # A consumer's acquire may extend a lease by at most this much beyond its remaining time (the
 # pull's deadline): a lease is never freed under a pull in progress, nor held forever.
-MAX_HOLD_S = 600.0
+MAX_HOLD_S = 900.0  # a pull's deadline is at most 600 s (pull_timeout_s)
 # An acquire waits at most this long for the producer's worker to serve the lease's blocks (it
 # grants them in the engine step after the lease is made: milliseconds).
 GRANT_WAIT_S = 3.0
@@ -235,25 +236,23 @@ class SchedulerHalf:
             for lease in [x for x in self._leases.values() if x.expires_at <= now]:
                 self._end_lease(lease, "expired")
 
-    def _serve(self, op: str, message: Dict[str, Any]) -> Dict[str, Any]:
-        """A consumer's request on the lease channel (already authenticated). ValueError refuses."""
-        if op == "describe":
+    def _serve(self, request):
+        """A consumer's request on the lease channel (authenticated, its fields checked by
+        protocol.py): (reply message or None, payload). ValueError refuses."""
+        if isinstance(request, protocol.LeaseDescribe):
             if self._handshake is None:
                 raise ValueError("this instance's worker has not registered its KV cache yet")
-            return {"descriptor": self._handshake.descriptor, "fingerprint": self._handshake.fingerprint,
-                    "fingerprint_fields": self._handshake.fingerprint_fields}
-        lease_id = message.get("lease")
-        if not isinstance(lease_id, str) or len(lease_id) != 32:
-            raise ValueError(f"lease: expected 32 hex digits, got {str(lease_id)[:40]!r}")
+            return protocol.LeaseDescribeReply(self._handshake.descriptor, self._handshake.fingerprint,
+                                               self._handshake.fingerprint_fields), b""
+        lease_id = request.lease
         self._reap_expired()
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None:
                 raise ValueError(f"lease {lease_id[:8]}: unknown, released or expired")
-            if op == "acquire":
-                hold = message.get("hold_s")
-                if not isinstance(hold, (int, float)) or isinstance(hold, bool) or not 0 <= hold <= MAX_HOLD_S:
-                    raise ValueError(f"hold_s: expected 0 to {MAX_HOLD_S:g} seconds, got {hold!r}")
+            if isinstance(request, protocol.LeaseAcquire):
+                if request.hold_s > MAX_HOLD_S:
+                    raise ValueError(f"hold_s: expected at most {MAX_HOLD_S:g} seconds, got {request.hold_s!r}")
                 if lease.taken:
                     raise ValueError(f"lease {lease_id[:8]}: already taken by another pull")
                 lease.taken = True  # before waiting: a second acquire is refused meanwhile
@@ -265,13 +264,11 @@ class SchedulerHalf:
                     lease.taken = False
                     raise ValueError(f"lease {lease_id[:8]}: its blocks are not served yet (the producer's worker "
                                      f"did not grant them within {GRANT_WAIT_S:g} s)")
-                lease.expires_at = max(lease.expires_at, self._clock() + hold)
-                return {"block_ids": lease.block_ids, "num_tokens": lease.num_tokens,
-                        "prompt_hash": lease.prompt_hash}
-            if op == "release":
-                self._end_lease(lease, "released")
-                return {}
-        raise ValueError(f"op: unknown operation {op!r}")
+                lease.expires_at = max(lease.expires_at, self._clock() + request.hold_s)
+                return (protocol.LeaseAcquireReply(len(lease.block_ids), lease.num_tokens, lease.prompt_hash),
+                        protocol.encode_ids(lease.block_ids))
+            self._end_lease(lease, "released")  # LeaseRelease
+            return None, b""
 
     # ---- every step ----------------------------------------------------------------------
     def build_connector_meta(self) -> VllmExtMetadata:

@@ -267,15 +267,14 @@ class WorkerHalf:
             if peer is not None:
                 return peer
             try:
-                reply = client.request({"op": "describe"}, _left(deadline, CHANNEL_TIMEOUT_S))
+                reply = client.describe(_left(deadline, CHANNEL_TIMEOUT_S))
             except ChannelError:
                 self._back_off(host, port)
                 raise
-            theirs = reply.get("fingerprint_fields")
-            diff = fingerprint_mismatch(self.fingerprint_fields, theirs if isinstance(theirs, dict) else {})
+            diff = fingerprint_mismatch(self.fingerprint_fields, reply.fingerprint_fields)
             if diff:
                 raise TransferFailed(f"producer {host}:{port} has an incompatible KV cache: {diff}")
-            peer = descriptor_from_fields(reply.get("descriptor"))
+            peer = descriptor_from_fields(reply.descriptor)
             if endpoint_id and peer.endpoint_id != endpoint_id:
                 raise TransferFailed(f"producer {host}:{port} serves endpoint {peer.endpoint_id[:8]}, the request "
                                      f"names {endpoint_id[:8]} (the prefill instance restarted?)")
@@ -310,13 +309,10 @@ class WorkerHalf:
                 raise TransferFailed(f"the pull's deadline ({self.pull_timeout_s:g} s) passed while it was queued")
             client = self._client(job.lease_host, job.lease_port)
             peer = self._peer(job.lease_host, job.lease_port, job.endpoint_id, deadline)
-            reply = client.request({"op": "acquire", "lease": job.lease, "hold_s": _left(deadline) + 5.0},
-                                   _left(deadline, CHANNEL_TIMEOUT_S))
+            lease_blocks, _, _ = client.acquire(job.lease, _left(deadline) + 5.0, _left(deadline, CHANNEL_TIMEOUT_S))
             acquired = True
-            lease_blocks = reply.get("block_ids")
             expected = job.src_block_ids
-            got = lease_blocks[job.first_block:job.first_block + len(expected)] if isinstance(lease_blocks, list) \
-                else None
+            got = lease_blocks[job.first_block:job.first_block + len(expected)]
             if got != expected:
                 raise TransferFailed(f"lease {job.lease[:8]}: kv_transfer_params.remote_block_ids differ from the "
                                      "lease's blocks")
@@ -332,7 +328,10 @@ class WorkerHalf:
             if pulling and self._stream is not None:
                 # nothing of this pull may still write into the blocks once vLLM reuses them: the
                 # endpoint has aborted the pair, what is left on the stream is local copies
-                self._stream.synchronize()
+                try:
+                    self._stream.synchronize()
+                except RuntimeError as sync_error:  # a broken device: the engine fails on its own
+                    logger.error("request %s: synchronising the failed pull's stream: %s", job.req_id, sync_error)
             if isinstance(e, MigrationError):
                 with self._lock:
                     self._peers.pop(job.endpoint_id, None)  # connect again next time (peer may have restarted)
@@ -346,7 +345,7 @@ class WorkerHalf:
 
     def _release(self, client: LeaseClient, lease: str) -> None:
         try:
-            client.request({"op": "release", "lease": lease}, CHANNEL_TIMEOUT_S)
+            client.release(lease, CHANNEL_TIMEOUT_S)
         except ChannelError as e:  # the lease then expires on the producer
             logger.warning("lease %s: release failed (it expires by itself): %s", lease[:8], e)
 
