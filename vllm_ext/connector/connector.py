@@ -102,6 +102,9 @@ class VllmExtConnector(KVConnectorBase_V1):
 
             connect_to = _addresses(extra, "connect_to", [])
             allowed = _addresses(extra, "allowed_producers", connect_to)
+            if config.is_kv_consumer and not allowed:
+                logger.warning("VllmExtConnector: no producer is allowed (kv_connector_extra_config.connect_to and "
+                               "allowed_producers are empty): every remote KV is computed here instead")
             self._worker = WorkerHalf(
                 is_producer=config.is_kv_producer, is_consumer=config.is_kv_consumer,
                 backend=extra.get("backend"), endpoint_host=str(extra.get("endpoint_host", "127.0.0.1")),
