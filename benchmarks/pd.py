@@ -125,32 +125,43 @@ def write_tiny_model(path: Path, max_len: int) -> Path:
     return path
 
 
-def ceiling_pull(params, secret, device, timeout=60.0):
-    """MigrationEndpoint.pull of the prefill side's blocks named in `params` into a fresh cache
-    of this process with the same geometry: (seconds, bytes), median of 3 after one warm-up."""
+def ceiling_pull(prefill_url, body, prompt, secret, device, timeout=60.0):
+    """MigrationEndpoint.pull of a prompt's blocks on the prefill side, under a live lease (the
+    producer's endpoint serves only leased blocks): a prefill leg of `prompt`, its lease
+    acquired on the lease channel, its blocks pulled into a fresh cache of this process with the
+    same geometry, then released. (seconds, bytes), median of 3 after one warm-up."""
     import torch
 
     from vllm_ext import KVCache
     from vllm_ext.connector.channel import LeaseClient
     from vllm_ext.connector.worker import descriptor_from_fields, make_endpoint
 
+    leg = post(prefill_url + "/v1/completions", dict(body, prompt=prompt, max_tokens=1,
+                                                     kv_transfer_params={"do_remote_decode": True}))
+    params = leg["kv_transfer_params"]
     ep_info = params["remote_endpoint"]
     client = LeaseClient(secret, ep_info["lease_host"], ep_info["lease_port"])
-    peer = descriptor_from_fields(client.request({"op": "describe"}, 10)["descriptor"])
-    client.close()
-    g = peer.geometry
-    src = list(params["remote_block_ids"])
-    cache = KVCache.allocate(num_layers=g["num_layers"], num_blocks=len(src), block_size=g["block_size"],
-                             num_kv_heads=g["num_kv_heads"], head_size=g["head_size"],
-                             dtype=getattr(torch, g["dtype"]), device=device, layout="blocks")
-    ep = make_endpoint(cache, peer.backend, "127.0.0.1", {}, secret)
+    ep = None
     try:
+        peer = descriptor_from_fields(client.describe(10).descriptor)
+        client.acquire(params["remote_lease"], 4 * timeout + 10, 10)
+        g = peer.geometry
+        src = list(params["remote_block_ids"])
+        cache = KVCache.allocate(num_layers=g["num_layers"], num_blocks=len(src), block_size=g["block_size"],
+                                 num_kv_heads=g["num_kv_heads"], head_size=g["head_size"],
+                                 dtype=getattr(torch, g["dtype"]), device=device, layout="blocks")
+        ep = make_endpoint(cache, peer.backend, "127.0.0.1", {}, secret)
         ep.connect(peer, timeout=timeout)
         ep.pull(peer, src, list(range(len(src))), timeout=timeout)
         runs = [ep.pull(peer, src, list(range(len(src))), timeout=timeout) for _ in range(3)]
         return statistics.median(r.seconds for r in runs), runs[0].nbytes
     finally:
-        ep.close()
+        try:
+            client.release(params["remote_lease"], 10)
+        finally:
+            client.close()
+            if ep is not None:
+                ep.close()
 
 
 def main():
@@ -177,6 +188,9 @@ def main():
     else:
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     extra = {"backend": backend, "lease_s": 60, "pull_timeout_s": 60}
+    lease = f"127.0.0.1:{free_port()}"  # the prefill side's lease channel: the one producer decode dials
+    role_extra = {"kv_producer": dict(extra, lease_port=int(lease.rpartition(":")[2])),
+                  "kv_consumer": dict(extra, connect_to=[lease])}
     common = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
               "--served-model-name", "m", "--skip-tokenizer-init", "--dtype", args.dtype,
               "--max-model-len", str(max_len), "--block-size", str(args.block_size),
@@ -186,7 +200,7 @@ def main():
         for name, role, core, more in (("prefill", "kv_producer", "0", ["--no-enable-prefix-caching"]),
                                        ("decode", "kv_consumer", "1", [])):
             port = free_port()
-            kv = {"kv_connector": "VllmExtConnector", "kv_role": role, "kv_connector_extra_config": extra}
+            kv = {"kv_connector": "VllmExtConnector", "kv_role": role, "kv_connector_extra_config": role_extra[role]}
             senv = dict(env, VLLM_CPU_OMP_THREADS_BIND=core) if args.device == "cpu" else env
             servers.append(Server(name, common + ["--port", str(port), "--kv-transfer-config", json.dumps(kv), *more],
                                   senv, args.out, port))
@@ -237,7 +251,7 @@ def measure(args, prefill, decode, proxy, secret):
                 time.sleep(0.1)
             transfer = metric(decode.url, "vllm:vllm_ext_pull_seconds_sum") - sec0
             nbytes = metric(decode.url, "vllm:vllm_ext_transfer_bytes_total") - bytes0
-            ceiling, ceiling_bytes = ceiling_pull(params, secret, args.device)
+            ceiling, ceiling_bytes = ceiling_pull(prefill.url, body, prompt3, secret, args.device)
             want3 = post(prefill.url + "/v1/completions", dict(body, prompt=prompt3))["choices"][0]["token_ids"]
             samples.append({"ttft_single_s": single, "ttft_pd_s": pd, "transfer_s": transfer,
                             "transfer_bytes": nbytes, "ceiling_s": ceiling, "ceiling_bytes": ceiling_bytes,

@@ -5,9 +5,13 @@
 For each /v1/completions or /v1/chat/completions request it asks a prefill server for one token
 with `kv_transfer_params={"do_remote_decode": true}` (not streamed), then sends the original
 request with the returned kv_transfer_params to a decode server and relays its answer,
-streamed or not. A prefill server's error answer (a bad request) is relayed as is; a server
-that cannot be reached is skipped with a log line and the next one tried. Also serves /health
-and /v1/models. Needs aiohttp (a vLLM dependency); does not import vLLM.
+streamed or not. A client's own kv_transfer_params are dropped (only the prefill leg's reach
+the decode server), and the prefill leg always asks for one choice (n=1). The client's
+Authorization and X-Request-Id headers go to both legs. A prefill server's error answer (a bad
+request) is relayed as is, a prefill answer that is not JSON gives 502; a server that cannot be
+reached is skipped with a log line and the next one tried; a decode server that fails mid-stream
+ends the stream with an error event. Also serves /health and /v1/models; other routes get a
+JSON 404 as vLLM gives. Needs aiohttp (a vLLM dependency); does not import vLLM.
 """
 
 import argparse
@@ -23,6 +27,7 @@ from aiohttp import web
 logger = logging.getLogger("vllm_ext.proxy")
 
 POLICIES = ("round_robin", "least_loaded")
+FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 
 
 class Backend:
@@ -106,48 +111,55 @@ class Proxy:
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object", "BadRequestError")
 
-        prefill_body = dict(body, stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        headers = {k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers}
+        prefill_body = dict(body, stream=False, max_tokens=1, n=1, kv_transfer_params={"do_remote_decode": True})
         prefill_body.pop("stream_options", None)
         prefill_body.pop("min_tokens", None)
         if "max_completion_tokens" in prefill_body:
             prefill_body["max_completion_tokens"] = 1
-        answer = await self._prefill(path, prefill_body)
+        answer = await self._prefill(path, prefill_body, headers)
         if isinstance(answer, web.Response):
             return answer  # the prefill server's error (a bad request), or none reachable
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         decode_body = dict(body)
+        decode_body.pop("kv_transfer_params", None)  # a client's own never reach a decode server
         if isinstance(params, dict):
             decode_body["kv_transfer_params"] = params
         else:
             logger.warning("prefill answered without kv_transfer_params (is VllmExtConnector configured?): "
                            "the decode server computes the prompt itself")
-        return await self._decode(request, path, decode_body)
+        return await self._decode(request, path, decode_body, headers)
 
     # ---- legs ----------------------------------------------------------------------------
-    async def _prefill(self, path: str, body: Dict):
+    async def _prefill(self, path: str, body: Dict, headers: Dict[str, str]):
         for backend in self.prefill.candidates():
             backend.in_flight += 1
             try:
-                async with self.session.post(backend.url + path, json=body) as r:
+                async with self.session.post(backend.url + path, json=body, headers=headers) as r:
                     raw = await r.read()
                     if r.status != 200:
                         return web.Response(status=r.status, body=raw,
                                             content_type=r.content_type or "application/json")
-                    return json.loads(raw)
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+                    try:
+                        return json.loads(raw)
+                    except (UnicodeDecodeError, ValueError) as e:
+                        logger.warning("prefill server %s answered 200 with a body that is not JSON: %s",
+                                       backend.url, e)
+                        return _error(502, f"the prefill server's answer is not JSON: {e}", "BadGatewayError")
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
                 logger.warning("prefill server %s is down (%s: %s): trying the next", backend.url,
                                type(e).__name__, e)
             finally:
                 backend.in_flight -= 1
         return _error(503, "no prefill server is reachable", "ServiceUnavailableError")
 
-    async def _decode(self, request: web.Request, path: str, body: Dict) -> web.StreamResponse:
+    async def _decode(self, request: web.Request, path: str, body: Dict, headers: Dict[str, str]) -> web.StreamResponse:
         stream = bool(body.get("stream"))
         for backend in self.decode.candidates():
             backend.in_flight += 1
             out = None
             try:
-                async with self.session.post(backend.url + path, json=body) as r:
+                async with self.session.post(backend.url + path, json=body, headers=headers) as r:
                     if not stream or r.status != 200:
                         return web.Response(status=r.status, body=await r.read(),
                                             content_type=r.content_type or "application/json")
@@ -159,9 +171,16 @@ class Proxy:
                         await out.write(chunk)
                     await out.write_eof()
                     return out
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
-                if out is not None:  # part of the stream went out already: it ends here
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
+                if out is not None:  # part of the stream went out already: it ends here, with an error event
                     logger.warning("decode server %s failed mid-stream (%s: %s)", backend.url, type(e).__name__, e)
+                    event = {"error": {"message": f"the decode server failed mid-stream: {type(e).__name__}",
+                                       "type": "BadGatewayError", "param": None, "code": 502}}
+                    try:
+                        await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                        await out.write_eof()
+                    except (ConnectionError, RuntimeError) as e2:  # the client left meanwhile
+                        logger.debug("could not end the stream: %s", e2)
                     return out
                 logger.warning("decode server %s is down (%s: %s): trying the next", backend.url,
                                type(e).__name__, e)
@@ -170,12 +189,23 @@ class Proxy:
         return _error(503, "no decode server is reachable", "ServiceUnavailableError")
 
 
+@web.middleware
+async def _json_http_errors(request: web.Request, handler):
+    """Unknown routes and methods answer JSON, as vLLM's (FastAPI) server does."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return web.json_response({"detail": "Not Found"}, status=404)
+    except web.HTTPMethodNotAllowed:
+        return web.json_response({"detail": "Method Not Allowed"}, status=405)
+
+
 def build_app(prefill: List[str], decode: List[str], policy: str = "round_robin",
               timeout_s: float = 600.0) -> web.Application:
     if policy not in POLICIES:
         raise ValueError(f"policy: {policy!r} is not one of {', '.join(POLICIES)}")
     proxy = Proxy(Pool("prefill", prefill, policy), Pool("decode", decode, policy), timeout_s)
-    app = web.Application(client_max_size=64 << 20)
+    app = web.Application(client_max_size=64 << 20, middlewares=[_json_http_errors])
     app.on_startup.append(proxy.start)
     app.on_cleanup.append(proxy.stop)
     app.router.add_get("/health", proxy.health)

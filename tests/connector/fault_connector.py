@@ -1,5 +1,6 @@
 """Test-only fault: a VllmExtConnector whose worker, while the file named by
-VLLM_EXT_TEST_CORRUPT exists, overwrites the blocks leased in each step with noise. Served by
+VLLM_EXT_TEST_CORRUPT exists, overwrites the blocks leased in each step with noise, then writes
+their ids to that path + ".done". Served by
 the end-to-end tests' prefill server (through kv_connector_module_path) to show that the decode
 side attends over the KV it pulled."""
 
@@ -22,3 +23,7 @@ class FaultInjectingConnector(VllmExtConnector):
             for layer in self._worker.cache.layers:
                 noise = torch.randn(layer[blocks].shape, generator=g).to(layer.dtype) * 3
                 layer[blocks] = noise
+        corrupted = [str(b) for blocks in meta.new_leases.values() for b in blocks]
+        with open(path + ".done.tmp", "w") as f:
+            f.write(" ".join(corrupted))
+        os.replace(path + ".done.tmp", path + ".done")

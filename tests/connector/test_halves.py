@@ -2,11 +2,15 @@
 RequestStatus), in one process: leases, external-token counts, bad kv_transfer_params field by
 field, mismatched layouts, and a whole P -> D hand-off over a real gloo MigrationEndpoint."""
 
+import os
 import time
 
 import pytest
 
-vllm = pytest.importorskip("vllm", reason="vllm is not installed here (make test-connector installs it)")
+if os.environ.get("VLLM_EXT_REQUIRE_VLLM") == "1":  # make test-connector: a missing vllm is a failure
+    import vllm
+else:
+    vllm = pytest.importorskip("vllm", reason="vllm is not installed here (make test-connector installs it)")
 
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
@@ -56,10 +60,12 @@ STATIC = {"vllm": "0.32", "attn_backend": ["CPU_ATTN"], "kv_cache_layout": "LBHN
           "block_size": BLOCK_SIZE, "num_kv_heads": 2, "head_size": 8}
 
 
-def make_worker(kv_caches, producer, static=STATIC, pull_timeout_s=10.0):
+def make_worker(kv_caches, producer, static=STATIC, pull_timeout_s=10.0, allowed=()):
+    """`allowed`: the producers (schedulers, or "host:port") a consumer may dial."""
+    allowed = [a if isinstance(a, str) else "%s:%d" % a.lease_address for a in allowed]
     w = WorkerHalf(is_producer=producer, is_consumer=not producer, backend="gloo", endpoint_host="127.0.0.1",
                    endpoint_options={}, secret=SECRET, pull_timeout_s=pull_timeout_s, static_fields=dict(static),
-                   connect_to=[])
+                   connect_to=[], allowed_producers=allowed)
     w.register_kv_caches(kv_caches)
     return w
 
@@ -86,6 +92,17 @@ def producer():
         worker.shutdown()
 
 
+def step(sched, worker):
+    """One engine step as vLLM runs it: the scheduler's metadata to the worker, the worker's
+    output (its worker metadata) back to the scheduler. Returns the metadata."""
+    from types import SimpleNamespace
+
+    meta = sched.build_connector_meta()
+    worker.start_load_kv(meta)
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker.build_worker_meta()))
+    return meta
+
+
 def finish_prefill(sched, prompt, req_id="p-0", block_ids=None):
     """Runs the producer's request_finished as the engine does after a 1-token prefill."""
     req = make_request(prompt, {"do_remote_decode": True}, req_id=req_id, max_tokens=1)
@@ -107,6 +124,24 @@ def test_supported_releases(version):
 def test_unsupported_release_is_refused_with_the_range(version):
     with pytest.raises(RuntimeError, match=rf"supports vLLM 0\.26 to 0\.33; this is vLLM {version}"):
         check_vllm_version(version)
+
+
+def test_an_unsupported_release_is_named_before_any_import_fails():
+    """Each module that imports release-specific vLLM symbols checks the release first (one
+    subprocess: importing vLLM takes a while)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, vllm\nvllm.__version__ = '0.40.0'\n"
+            "for m in ('connector', 'metadata', 'stats'):\n"
+            "    for k in [k for k in sys.modules if k.startswith('vllm_ext.connector.')]:\n"
+            "        del sys.modules[k]\n"
+            "    try:\n        __import__('vllm_ext.connector.' + m)\n"
+            "    except RuntimeError as e:\n        print(m, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    for m in ("connector", "metadata", "stats"):
+        assert f"{m} vllm-ext's VllmExtConnector supports vLLM 0.26 to 0.33; this is vLLM 0.40.0" in out.stdout, \
+            out.stdout + out.stderr
 
 
 # ---- producer: leases -------------------------------------------------------------------------
@@ -141,6 +176,16 @@ def test_producer_ignores_other_requests(producer):
     assert sched.num_leases() == 0
 
 
+class _Raw:
+    """A hand-made request header (what a buggy or hostile client might send)."""
+
+    def __init__(self, op, **fields):
+        self.op, self.fields = op, fields
+
+    def header(self):
+        return dict(self.fields, op=self.op)
+
+
 def lease_client(sched):
     host, port = sched.lease_address
     return LeaseClient(SECRET, host, port)
@@ -156,45 +201,54 @@ def test_lease_expires_and_frees_the_blocks(producer):
     assert sched.build_connector_meta().finished_sending == ["p-0"]
     assert sched.get_stats().data["expired"] == 1
     with pytest.raises(ChannelError, match="unknown, released or expired"):
-        lease_client(sched).request({"op": "acquire", "lease": params["remote_lease"], "hold_s": 5}, 5)
+        lease_client(sched).acquire(params["remote_lease"], 5, 5)
 
 
 def test_acquire_extends_the_lease_for_the_pull_then_release_frees(producer):
-    sched, _ = producer
+    sched, worker = producer
     _, params = finish_prefill(sched, list(range(40)))
+    step(sched, worker)
     client = lease_client(sched)
     sched.clock.now += 25.0
-    reply = client.request({"op": "acquire", "lease": params["remote_lease"], "hold_s": 20}, 5)
-    assert reply["block_ids"] == params["remote_block_ids"]
+    block_ids, num_tokens, hash_ = client.acquire(params["remote_lease"], 20, 5)
+    assert block_ids == params["remote_block_ids"] and num_tokens == 40 and hash_ == params["remote_prompt_hash"]
     sched.clock.now += 10.0  # past the 30 s lease, within the pull's hold
     assert sched.build_connector_meta().finished_sending == []
-    client.request({"op": "release", "lease": params["remote_lease"]}, 5)
+    client.release(params["remote_lease"], 5)
     assert sched.build_connector_meta().finished_sending == ["p-0"]
     client.close()
 
 
 def test_duplicate_and_unknown_leases_are_refused(producer):
-    sched, _ = producer
+    sched, worker = producer
     _, params = finish_prefill(sched, list(range(40)))
+    step(sched, worker)
     client = lease_client(sched)
-    client.request({"op": "acquire", "lease": params["remote_lease"], "hold_s": 5}, 5)
+    client.acquire(params["remote_lease"], 5, 5)
     with pytest.raises(ChannelError, match="already taken"):
-        client.request({"op": "acquire", "lease": params["remote_lease"], "hold_s": 5}, 5)
+        client.acquire(params["remote_lease"], 5, 5)
     with pytest.raises(ChannelError, match="unknown, released or expired"):
-        client.request({"op": "acquire", "lease": "0" * 32, "hold_s": 5}, 5)
+        client.acquire("0" * 32, 5, 5)
     with pytest.raises(ChannelError, match="hold_s"):
         _, other = finish_prefill(sched, list(range(20)), req_id="p-1")
-        client.request({"op": "acquire", "lease": other["remote_lease"], "hold_s": 1e9}, 5)
-    with pytest.raises(ChannelError, match="unknown operation"):
-        client.request({"op": "steal", "lease": params["remote_lease"]}, 5)
+        step(sched, worker)
+        client.acquire(other["remote_lease"], 1e9, 5)
+    from vllm_ext.migration import protocol
+
+    with pytest.raises(ChannelError, match="lease.acquire: unexpected steal"):  # field checks of protocol.py
+        client._request(_Raw("lease.acquire", lease=other["remote_lease"], hold_s=5, steal=1), 5)
+    with pytest.raises(ChannelError, match="unknown request 'steal'"):
+        client._request(_Raw("steal", lease=params["remote_lease"]), 5)
+    with pytest.raises(ChannelError, match="unknown request 'gloo.pull'"):  # an endpoint's request
+        client._request(protocol.GlooPull(1, 5.0), 5)
     client.close()
 
 
 def test_lease_channel_refuses_another_secret(producer):
     sched, _ = producer
     host, port = sched.lease_address
-    with pytest.raises(ChannelError, match="authentication failed"):
-        LeaseClient(b"some-other-deployment-secret!!", host, port).request({"op": "describe"}, 5)
+    with pytest.raises(ChannelError, match="did not prove it holds the secret"):
+        LeaseClient(b"some-other-deployment-secret!!", host, port).describe(5)
 
 
 # ---- consumer: external tokens ----------------------------------------------------------------
@@ -234,7 +288,14 @@ def good_params():
             "remote_block_ids": [4, 5, 6], "remote_num_tokens": 40, "remote_prompt_hash": prompt_hash(range(40)),
             "remote_fingerprint": "cd" * 16,
             "remote_endpoint": {"lease_host": "127.0.0.1", "lease_port": 9, "endpoint_id": "ef" * 16,
-                                "backend": "gloo"}}
+                                "backend": "gloo"}, "remote_lease_s": 30.0}
+
+
+def test_kv_transfer_params_may_carry_what_vllm_adds():
+    from vllm_ext.connector.protocol import RemoteKV
+
+    params = dict(good_params(), remote_prefill_cached_tokens=0)  # vLLM's scheduler adds it
+    assert RemoteKV.parse(params, BLOCK_SIZE).block_ids == [4, 5, 6]
 
 
 def _without(key):
@@ -282,6 +343,10 @@ BAD_PARAMS = [
     (_set("remote_endpoint.lease_port", 70000), "remote_endpoint.lease_port: 70000 is not a TCP port"),
     (_without("remote_endpoint.endpoint_id"), "remote_endpoint.endpoint_id: missing"),
     (_without("remote_endpoint.backend"), "remote_endpoint.backend: missing"),
+    (_without("remote_lease_s"), "kv_transfer_params.remote_lease_s: missing"),
+    (_set("remote_lease_s", "30"), "kv_transfer_params.remote_lease_s: expected number"),
+    (_set("remote_token", "x"), "kv_transfer_params: unexpected field"),
+    (_set("remote_endpoint.secret", "x"), "kv_transfer_params.remote_endpoint: unexpected field"),
 ]
 
 
@@ -341,12 +406,12 @@ def block_bytes(kv_caches, block):
 def test_pull_moves_the_leased_blocks_and_frees_the_lease(producer):
     sched, p_worker = producer
     consumer_caches = vllm_layers(seed=2)
-    d_sched, d_worker = make_scheduler(False), make_worker(consumer_caches, producer=False)
+    d_sched, d_worker = make_scheduler(False), make_worker(consumer_caches, producer=False, allowed=[sched])
     try:
         d_sched.set_handshake({0: d_worker.handshake()})
         prompt = list(range(50))  # 4 blocks, the last partial
         _, params = finish_prefill(sched, prompt)
-        sched.build_connector_meta()
+        step(sched, p_worker)
         req = make_request(prompt, params, req_id="d-0")
         assert d_sched.get_num_new_matched_tokens(req, 16) == (34, True)
         d_sched.update_state_after_alloc(req, [20, 21, 22, 23], 34)
@@ -361,9 +426,10 @@ def test_pull_moves_the_leased_blocks_and_frees_the_lease(producer):
         deadline = time.monotonic() + 10
         finished = []
         while not finished and time.monotonic() < deadline:  # the release arrives after the report
-            finished = sched.build_connector_meta().finished_sending
+            finished = step(sched, p_worker).finished_sending
             time.sleep(0.01)
         assert finished == ["p-0"]
+        assert p_worker.leased_blocks == {}  # revoked with the lease
         stats = d_worker.get_stats().data
         assert stats["transfers"] == 1 and stats["bytes"] == 3 * p_worker.cache.block_nbytes
     finally:
@@ -379,7 +445,7 @@ def test_pull_moves_the_leased_blocks_and_frees_the_lease(producer):
 def test_mismatched_layouts_are_refused_at_the_handshake(producer, what, static, order):
     sched, _ = producer
     consumer_caches = vllm_layers(order=order, seed=3)
-    d_worker = make_worker(consumer_caches, producer=False, static=static)
+    d_worker = make_worker(consumer_caches, producer=False, static=static, allowed=[sched])
     d_sched = make_scheduler(False)
     try:
         d_sched.set_handshake({0: d_worker.handshake()})
@@ -410,7 +476,7 @@ def test_mismatched_layouts_are_refused_at_the_handshake(producer, what, static,
 
 def test_dead_producer_fails_the_receive_within_the_deadline(producer):
     sched, _ = producer
-    d_worker = make_worker(vllm_layers(seed=4), producer=False, pull_timeout_s=5.0)
+    d_worker = make_worker(vllm_layers(seed=4), producer=False, pull_timeout_s=5.0, allowed=[sched])
     try:
         _, params = finish_prefill(sched, list(range(40)))
         from vllm_ext.connector.metadata import RecvJob
@@ -420,34 +486,85 @@ def test_dead_producer_fails_the_receive_within_the_deadline(producer):
                       endpoint_id=params["remote_endpoint"]["endpoint_id"], fingerprint=params["remote_fingerprint"],
                       src_block_ids=params["remote_block_ids"], dst_block_ids=[1, 2, 3])
         sched.shutdown()  # the producer is gone
-        started = time.monotonic()
-        done, failed = receive(d_worker, [job], deadline_s=30.0)
-        assert failed == {"d-0"} and time.monotonic() - started < 30.0
+        done, failed = receive(d_worker, [job], deadline_s=120.0)
+        assert failed == {"d-0"}
         assert d_worker.take_failed_blocks() == {1, 2, 3}
     finally:
         d_worker.shutdown()
 
 
+def test_a_silent_producer_fails_the_receive_at_the_jobs_deadline():
+    """A lease channel that accepts the connection and never answers: the receive is reported
+    failed once the job's deadline (pull_timeout_s from when it was queued) has passed, not
+    later than that plus one lease-channel deadline, and not before it."""
+    import socket
+
+    from vllm_ext.connector.metadata import RecvJob
+    from vllm_ext.connector.worker import CHANNEL_TIMEOUT_S
+
+    silent = socket.create_server(("127.0.0.1", 0))  # listens, never accepts nor answers
+    port = silent.getsockname()[1]
+    pull_timeout_s = 3.0
+    d_worker = make_worker(vllm_layers(seed=4), producer=False, pull_timeout_s=pull_timeout_s,
+                           allowed=[f"127.0.0.1:{port}"])
+    try:
+        job = RecvJob(req_id="d-0", lease="ab" * 16, lease_host="127.0.0.1", lease_port=port, endpoint_id="ef" * 16,
+                      fingerprint="cd" * 16, src_block_ids=[1], dst_block_ids=[2])
+        started = time.monotonic()
+        done, failed = receive(d_worker, [job], deadline_s=120.0)
+        elapsed = time.monotonic() - started
+        assert failed == {"d-0"}
+        assert min(pull_timeout_s, CHANNEL_TIMEOUT_S) - 0.5 < elapsed < pull_timeout_s + CHANNEL_TIMEOUT_S, elapsed
+    finally:
+        d_worker.shutdown()
+        silent.close()
+
+
 def test_lease_channel_bounds_frames_and_never_trusts_unauthenticated_input(producer):
+    """Before authentication the lease server answers at most a refusal, then closes; it keeps
+    serving authenticated clients."""
     import socket
     import struct
 
-    from vllm_ext.connector import channel
+    from vllm_ext.migration import protocol
 
     sched, _ = producer
     host, port = sched.lease_address
-    for payload in (struct.pack(">I", channel.MAX_FRAME + 1), struct.pack(">I", 5) + b"\x80\x04N.\x00",
-                    struct.pack(">I", 2) + b"[]"):
-        with socket.create_connection((host, port), timeout=5) as s:
-            s.settimeout(5)
-            channel.recv_frame(s, time.monotonic() + 5)  # the server's hello
+    describe = protocol.encode_frame(protocol.LeaseDescribe().header())
+    for payload in (struct.pack("!II", protocol.MAX_HEADER_BYTES + 1, 0), struct.pack("!II", 5, 0) + b"\x80\x04N.\x00",
+                    struct.pack("!II", 2, 0) + b"[]", describe):
+        with socket.create_connection((host, port), timeout=30) as s:
             s.sendall(payload)
-            try:  # the server drops the connection without serving anything
-                data = s.recv(1 << 16)
-                assert b'"ok":true' not in data
-            except (ConnectionResetError, socket.timeout):
-                pass
-    assert lease_client(sched).request({"op": "describe"}, 5)["fingerprint"]  # and keeps serving
+            data = b""
+            while True:  # until the server closes (a timeout fails the test)
+                try:
+                    chunk = s.recv(1 << 16)
+                except ConnectionResetError:
+                    break
+                if not chunk:
+                    break
+                data += chunk
+            assert b'"ok":true' not in data and b"descriptor" not in data, data
+    assert lease_client(sched).describe(5).fingerprint  # and keeps serving
+
+
+def test_an_endpoint_serves_no_lease_message(producer):
+    """The producer's MigrationEndpoint refuses the lease messages (they have a registry of their
+    own), also from an authenticated peer."""
+    from vllm_ext.migration import MigrationError, PeerDescriptor, protocol
+    from vllm_ext.migration.control import open_connection
+    from vllm_ext.migration.timing import Deadline
+
+    _, worker = producer
+    peer = PeerDescriptor(**worker.handshake().descriptor)
+    conn = open_connection(peer.host, peer.port, "", Deadline(10), client_id="c" * 32, server_id=peer.endpoint_id,
+                           secret=SECRET)
+    try:
+        conn.send_message(protocol.LeaseDescribe(), b"", Deadline(10))
+        with pytest.raises(MigrationError, match="unknown request 'lease.describe'"):
+            conn.recv_reply(Deadline(10), "describe")
+    finally:
+        conn.close()
 
 
 def test_kv_both_is_producer_and_consumer(producer):
@@ -482,3 +599,163 @@ def test_whole_block_loads_stop_before_the_last_token(producer, n, local_hit, ex
         first, last = local_hit // BLOCK_SIZE, (local_hit + expected) // BLOCK_SIZE
         assert job.src_block_ids == params["remote_block_ids"][first:last]
         assert job.dst_block_ids == list(range(30 + first, 30 + last))
+
+
+# ---- the data path serves only live leases ----------------------------------------------------
+def test_acquire_waits_for_the_worker_to_serve_the_lease(producer):
+    """A lease made but not yet granted by the producer's worker is not handed out."""
+    sched, worker = producer
+    _, params = finish_prefill(sched, list(range(40)))
+    client = lease_client(sched)
+    try:
+        with pytest.raises(ChannelError, match="not served yet"):
+            client.acquire(params["remote_lease"], 5, 10)
+        step(sched, worker)
+        assert client.acquire(params["remote_lease"], 5, 10)[0] == params["remote_block_ids"]
+    finally:
+        client.close()
+
+
+def test_an_authenticated_peer_cannot_pull_blocks_outside_live_leases(producer):
+    """The producer's endpoint (gloo, serve="granted") refuses blocks of no lease, serves a live
+    lease's blocks, and refuses them again once the lease was released."""
+    from vllm_ext import KVCache
+    from vllm_ext.migration import MigrationEndpoint, MigrationError, PeerDescriptor
+
+    sched, worker = producer
+    _, params = finish_prefill(sched, list(range(40)))  # blocks 3, 4, 5
+    step(sched, worker)
+    peer = PeerDescriptor(**worker.handshake().descriptor)
+    thief = MigrationEndpoint(KVCache.from_layers([t.clone() for t in vllm_layers(seed=9).values()],
+                                                  layout="blocks"), "gloo", secret=SECRET)
+    try:
+        with pytest.raises(MigrationError, match="block 40 is not granted"):
+            thief.pull(peer, [40], [0], timeout=10)
+        thief.pull(peer, params["remote_block_ids"], [0, 1, 2], timeout=10)  # a live lease's blocks
+        client = lease_client(sched)
+        client.release(params["remote_lease"], 5)
+        client.close()
+        assert step(sched, worker).finished_sending == ["p-0"]
+        with pytest.raises(MigrationError, match="block 3 is not granted"):
+            thief.pull(peer, params["remote_block_ids"], [0, 1, 2], timeout=10)
+    finally:
+        thief.close()
+
+
+def test_a_consumer_dials_only_allowed_producers(producer):
+    sched, _ = producer
+    _, params = finish_prefill(sched, list(range(40)))
+    d_worker = make_worker(vllm_layers(seed=5), producer=False, allowed=["127.0.0.1:9"])
+    try:
+        from vllm_ext.connector.metadata import RecvJob
+
+        job = RecvJob(req_id="d-0", lease=params["remote_lease"], lease_host="127.0.0.1",
+                      lease_port=params["remote_endpoint"]["lease_port"],
+                      endpoint_id=params["remote_endpoint"]["endpoint_id"], fingerprint=params["remote_fingerprint"],
+                      src_block_ids=params["remote_block_ids"], dst_block_ids=[1, 2, 3])
+        done, failed = receive(d_worker, [job])
+        assert failed == {"d-0"}
+        assert sched.num_leases() == 1 and not sched.build_connector_meta().finished_sending  # never dialled
+    finally:
+        d_worker.shutdown()
+
+
+# ---- a lease the consumer does not pull is released at once -----------------------------------
+def released(sched, worker, deadline_s=30.0):
+    """The producer's finished_sending once a release arrived (a stated, generous deadline)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        finished = step(sched, worker).finished_sending
+        if finished:
+            return finished
+        assert time.monotonic() < deadline, "the lease was not released within the deadline"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("case", ["full_local_hit", "partial_tail_hit", "whole_blocks_short", "skip_prefix_cache",
+                                  "bad_params_recompute", "bad_params_fail", "aborted_while_waiting"])
+def test_a_lease_that_is_not_pulled_is_released(producer, case):
+    """Whenever valid params carry a lease and this instance pulls nothing, it releases the
+    lease (a release-only job) and reports no receive for it."""
+    sched, p_worker = producer
+    policy = "fail" if case == "bad_params_fail" else "recompute"
+    d = SchedulerHalf(is_producer=False, is_consumer=True, block_size=BLOCK_SIZE, lease_s=30.0,
+                      lease_host="127.0.0.1", lease_port=0, secret=SECRET, failure_policy=policy,
+                      whole_blocks=case == "whole_blocks_short")
+    d_worker = make_worker(vllm_layers(seed=6), producer=False, allowed=[sched])
+    try:
+        d.set_handshake({0: d_worker.handshake()})
+        n = {"full_local_hit": 48, "partial_tail_hit": 40, "whole_blocks_short": 16}.get(case, 40)
+        prompt = list(range(n))
+        _, params = finish_prefill(sched, prompt)
+        step(sched, p_worker)
+        if case.startswith("bad_params"):
+            params = dict(params, remote_prompt_hash=prompt_hash(range(1, n + 1)))  # refused, lease fields good
+        # a later turn: the decode prompt extends the prefilled one, and D's own cache holds it all
+        more = {"full_local_hit": 16, "partial_tail_hit": 8}.get(case, 0)
+        req = make_request(prompt + [7] * more, params, req_id="d-0")
+        if case == "aborted_while_waiting":
+            d.request_finished(req, [])
+        else:
+            local = {"full_local_hit": 48, "partial_tail_hit": 40}.get(case, 0)
+            tail = local % BLOCK_SIZE  # vLLM shows the block-aligned hit, then keeps its tail ...
+            ext, _ = d.get_num_new_matched_tokens(req, local - tail)
+            if tail and ext <= tail:
+                ext = 0  # ... unless the remote hit strictly exceeds it
+            if case == "skip_prefix_cache":
+                ext = 0  # vLLM overrides the connector's answer
+            assert (ext > 0) == (case == "bad_params_fail"), ext
+            d.update_state_after_alloc(req, [30, 31, 32], ext)
+        meta = d.build_connector_meta()
+        assert [r.lease for r in meta.releases] == [params["remote_lease"]]
+        assert [j.req_id for j in meta.recvs] == (["d-0"] if case == "bad_params_fail" else [])
+        d_worker.start_load_kv(meta)
+        assert released(sched, p_worker) == ["p-0"]
+        assert sched.num_leases() == 0 and p_worker.leased_blocks == {}
+        _, recving, failed = d_worker.take_results(None)
+        assert recving == failed == ({"d-0"} if case == "bad_params_fail" else set())
+        assert d.build_connector_meta().releases == []  # once
+        d.request_finished(req, [])
+        assert d.build_connector_meta().releases == []
+    finally:
+        d.shutdown()
+        d_worker.shutdown()
+
+
+def test_a_failed_pull_synchronises_its_stream_before_it_is_reported(producer, monkeypatch):
+    """On a GPU the pull runs on the worker's own stream: when it fails, the stream is
+    synchronised before failed_recving is reported (vLLM then reuses the blocks). Stood in for
+    on CPU by a stream that records its synchronisations."""
+    import contextlib
+
+    from vllm_ext.connector import worker as worker_mod
+    from vllm_ext.migration import MigrationError
+
+    sched, p_worker = producer
+    d_worker = make_worker(vllm_layers(seed=7), producer=False, allowed=[sched])
+    events = []
+
+    class Stream:
+        def synchronize(self):
+            events.append("synchronize")
+
+    def failing_pull(*args, **kwargs):
+        events.append("pull")
+        raise MigrationError("the source stalled past the deadline")
+
+    try:
+        d_worker._stream = Stream()
+        monkeypatch.setattr(worker_mod.torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(d_worker.endpoint, "pull", failing_pull)
+        _, params = finish_prefill(sched, list(range(40)))
+        step(sched, p_worker)
+        from vllm_ext.connector.metadata import RecvJob
+
+        job = RecvJob(req_id="d-0", lease=params["remote_lease"], lease_host="127.0.0.1",
+                      lease_port=params["remote_endpoint"]["lease_port"],
+                      endpoint_id=params["remote_endpoint"]["endpoint_id"], fingerprint=params["remote_fingerprint"],
+                      src_block_ids=params["remote_block_ids"], dst_block_ids=[1, 2, 3])
+        done, failed = receive(d_worker, [job])
+        assert failed == {"d-0"} and events == ["pull", "synchronize"]
+    finally:
+        d_worker.shutdown()

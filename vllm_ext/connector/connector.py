@@ -13,6 +13,7 @@ WorkerHalf; each half gets values, not this object. Configuration
     lease_s          how long a producer holds a finished request's blocks (default 30)
     pull_timeout_s   deadline of one pull on the consumer (default 10)
     connect_to       ["host:port", ...] producers' lease channels to connect to at start-up
+    allowed_producers  ["host:port", ...] the only lease channels a consumer dials (default: connect_to)
     load_whole_blocks  load only whole blocks before the last token, compute the rest (< 1 block)
                      here (default: on CPU, where vLLM 0.32's AMX attention fails a first step that
                      starts inside a block)
@@ -24,11 +25,14 @@ instance. Failed receives follow vLLM's `kv_load_failure_policy` ("fail" or "rec
 import logging
 from typing import TYPE_CHECKING, Any, Optional
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
-
 from . import check_vllm_version
+
+check_vllm_version()  # before importing what another release may lack: one clear message
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole  # noqa: E402
+
 from .channel import deployment_secret
-from .metadata import VllmExtMetadata
+from .metadata import VllmExtMetadata, VllmExtWorkerMetadata
 from .stats import VllmExtPromMetrics, VllmExtStats
 
 if TYPE_CHECKING:
@@ -42,6 +46,21 @@ except ImportError:  # releases before hit sources
     CacheHitSource = None
 
 _HAS_TRANSFER_RESULTS = hasattr(KVConnectorBase_V1, "get_transfer_results")
+
+
+def _addresses(extra, key, default):
+    """A list of 'host:port' strings (port 1 to 65535), normalised."""
+    value = extra.get(key, default)
+    out = []
+    if isinstance(value, list):
+        for a in value:
+            host, _, port = a.rpartition(":") if isinstance(a, str) else ("", "", "")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                break
+            out.append(f"{host}:{int(port)}")
+        else:
+            return out
+    raise ValueError(f"kv_connector_extra_config.{key}: expected a list of 'host:port', got {value!r}")
 
 
 def _check_number(extra, key, default, low, high):
@@ -76,20 +95,22 @@ class VllmExtConnector(KVConnectorBase_V1):
                 lease_s=_check_number(extra, "lease_s", 30.0, 0, 3600),
                 lease_host=str(extra.get("lease_host", "127.0.0.1")), lease_port=int(extra.get("lease_port", 0)),
                 secret=secret, failure_policy=policy,
-                whole_blocks=bool(extra.get("load_whole_blocks", vllm_config.device_config.device_type == "cpu")))
+                whole_blocks=bool(extra.get("load_whole_blocks", vllm_config.device_config.device_type == "cpu")),
+                wait_for_grant=VllmExtWorkerMetadata is not None)
         else:
             from .worker import WorkerHalf
 
-            connect_to = extra.get("connect_to", [])
-            if not isinstance(connect_to, list) or not all(isinstance(a, str) and ":" in a for a in connect_to):
-                raise ValueError(f"kv_connector_extra_config.connect_to: expected a list of 'host:port', "
-                                 f"got {connect_to!r}")
+            connect_to = _addresses(extra, "connect_to", [])
+            allowed = _addresses(extra, "allowed_producers", connect_to)
+            if config.is_kv_consumer and not allowed:
+                logger.warning("VllmExtConnector: no producer is allowed (kv_connector_extra_config.connect_to and "
+                               "allowed_producers are empty): every remote KV is computed here instead")
             self._worker = WorkerHalf(
                 is_producer=config.is_kv_producer, is_consumer=config.is_kv_consumer,
                 backend=extra.get("backend"), endpoint_host=str(extra.get("endpoint_host", "127.0.0.1")),
                 endpoint_options=dict(extra.get("backend_options", {})), secret=secret,
                 pull_timeout_s=_check_number(extra, "pull_timeout_s", 10.0, 0, 600),
-                static_fields=_static_fields(vllm_config), connect_to=connect_to)
+                static_fields=_static_fields(vllm_config), connect_to=connect_to, allowed_producers=allowed)
 
     # ==== worker side =====================================================================
     def register_kv_caches(self, kv_caches):
@@ -121,6 +142,9 @@ class VllmExtConnector(KVConnectorBase_V1):
         sending, recving, _ = self._worker.take_results(self._meta())
         return sending or None, recving or None
 
+    def build_connector_worker_meta(self):
+        return self._worker.build_worker_meta()
+
     def get_block_ids_with_load_errors(self):
         blocks = self._worker.take_failed_blocks()
         return set() if _HAS_TRANSFER_RESULTS else blocks  # 0.32+ reports failed_recving instead
@@ -149,6 +173,9 @@ class VllmExtConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids):
         return self._scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output):
+        self._scheduler.update_connector_output(connector_output)
 
     def set_xfer_handshake_metadata(self, metadata):
         self._scheduler.set_handshake(metadata)

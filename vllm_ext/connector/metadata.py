@@ -5,10 +5,19 @@ scheduler -> worker each step (VllmExtMetadata), worker -> scheduler once at sta
 import dataclasses
 from typing import Any, Dict, List, Optional
 
+from . import check_vllm_version
+
+check_vllm_version()  # before importing what another release may lack: one clear message
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
 )
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+except ImportError:  # releases without worker -> scheduler metadata: leases count as served at once
+    KVConnectorWorkerMetadata = None
 
 
 @dataclasses.dataclass
@@ -29,8 +38,20 @@ class RecvJob:
 
 
 @dataclasses.dataclass
+class ReleaseJob:
+    """Consumer: tell the producer to free a lease this instance will not pull (a full local
+    hit, nothing left to load, a request refused or finished before it was scheduled)."""
+
+    req_id: str
+    lease: str
+    lease_host: str
+    lease_port: int
+
+
+@dataclasses.dataclass
 class VllmExtMetadata(KVConnectorMetadata):
     recvs: List[RecvJob] = dataclasses.field(default_factory=list)
+    releases: List[ReleaseJob] = dataclasses.field(default_factory=list)
     # producer: leases made since the last step (request id -> blocks), and requests whose
     # lease ended (released or expired): the worker reports them in finished_sending
     new_leases: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
@@ -42,3 +63,18 @@ class VllmExtHandshake(KVConnectorHandshakeMetadata):
     descriptor: Dict[str, Any]  # the worker's MigrationEndpoint descriptor, as JSON-able fields
     fingerprint: str
     fingerprint_fields: Dict[str, Any]
+
+
+if KVConnectorWorkerMetadata is not None:
+    @dataclasses.dataclass
+    class VllmExtWorkerMetadata(KVConnectorWorkerMetadata):
+        """Worker -> scheduler, per step: the requests whose lease blocks the worker's endpoint
+        now serves (granted), so that the lease channel hands a lease out only once its blocks
+        can be pulled."""
+
+        granted: List[str] = dataclasses.field(default_factory=list)
+
+        def aggregate(self, other):
+            return VllmExtWorkerMetadata(granted=list(self.granted) + list(getattr(other, "granted", [])))
+else:
+    VllmExtWorkerMetadata = None

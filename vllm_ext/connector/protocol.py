@@ -16,7 +16,9 @@ A producer answers a finished `do_remote_decode` request with:
                          "backend": str},
      "remote_lease_s": float}                # how long the producer holds the blocks
 
-None of it is a credential: pulling needs the deployment secret as well.
+None of it is a credential: pulling needs the deployment secret as well. RemoteKV.parse
+refuses a missing, mistyped or unexpected field, naming it. The messages between instances
+(describe, acquire, release) are typed messages of vllm_ext/migration/protocol.py.
 """
 
 import dataclasses
@@ -34,9 +36,23 @@ class ParamsError(ValueError):
     """One field of a request's kv_transfer_params is missing or wrong (the message names it)."""
 
 
+_FIELDS = ("do_remote_prefill", "do_remote_decode", "vllm_ext", "remote_lease", "remote_block_ids",
+           "remote_num_tokens", "remote_prompt_hash", "remote_fingerprint", "remote_endpoint", "remote_lease_s")
+_ENDPOINT_FIELDS = ("lease_host", "lease_port", "endpoint_id", "backend")
+# What vLLM itself adds to kv_transfer_params on their way (its scheduler: the producer's cached
+# prompt tokens; its chat endpoint: pre-tokenized prompts); any other key is refused.
+_VLLM_FIELDS = ("remote_prefill_cached_tokens", "prompt_token_ids")
+
+
+def _no_extra(params: Dict[str, Any], allowed, where: str) -> None:
+    extra = sorted(str(k)[:40] for k in params if k not in allowed)
+    if extra:
+        raise ParamsError(f"{where}: unexpected field(s) {', '.join(extra)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RemoteKV:
-    """A decode request's parsed kv_transfer_params."""
+    """A decode request's parsed kv_transfer_params (RemoteKV.parse)."""
 
     lease: str
     block_ids: List[int]
@@ -47,6 +63,10 @@ class RemoteKV:
     lease_port: int
     endpoint_id: str
     backend: str
+
+    @classmethod
+    def parse(cls, params: Any, block_size: int) -> "RemoteKV":
+        return parse_remote_params(params, block_size)
 
 
 def prompt_hash(token_ids: Sequence[int]) -> str:
@@ -62,7 +82,7 @@ def _field(params: Dict[str, Any], name: str, kind, where: str = "kv_transfer_pa
     else:
         ok = isinstance(value, kind)
     if not ok:
-        raise ParamsError(f"{where}.{name}: expected {kind.__name__}, got {type(value).__name__} {str(value)[:60]!r}")
+        raise ParamsError(f"{where}.{name}: expected {getattr(kind, '__name__', 'number')}, got {type(value).__name__} {str(value)[:60]!r}")
     return value
 
 
@@ -78,6 +98,7 @@ def parse_remote_params(params: Any, block_size: int) -> RemoteKV:
     """Checks every field a decode instance reads; ParamsError naming the first bad one."""
     if not isinstance(params, dict):
         raise ParamsError(f"kv_transfer_params: expected an object, got {type(params).__name__}")
+    _no_extra(params, _FIELDS + _VLLM_FIELDS, "kv_transfer_params")
     version = _field(params, "vllm_ext", int)
     if version != PROTOCOL:
         raise ParamsError(f"kv_transfer_params.vllm_ext: protocol {version}, this instance speaks {PROTOCOL} "
@@ -99,6 +120,7 @@ def parse_remote_params(params: Any, block_size: int) -> RemoteKV:
     fingerprint = _hex(params, "remote_fingerprint", 32)
     endpoint = _field(params, "remote_endpoint", dict)
     where = "kv_transfer_params.remote_endpoint"
+    _no_extra(endpoint, _ENDPOINT_FIELDS, where)
     host = _field(endpoint, "lease_host", str, where)
     if not host or len(host) > 255:
         raise ParamsError(f"{where}.lease_host: expected a host name, got {host[:80]!r}")
@@ -107,9 +129,30 @@ def parse_remote_params(params: Any, block_size: int) -> RemoteKV:
         raise ParamsError(f"{where}.lease_port: {port} is not a TCP port")
     endpoint_id = _hex(endpoint, "endpoint_id", None, where)
     backend = _field(endpoint, "backend", str, where)
+    lease_s = _field(params, "remote_lease_s", (int, float))
+    if isinstance(lease_s, bool) or not 0 < lease_s <= 1e6:
+        raise ParamsError(f"kv_transfer_params.remote_lease_s: expected seconds > 0, got {lease_s!r}")
     return RemoteKV(lease=lease, block_ids=list(block_ids), num_tokens=num_tokens, prompt_hash=hash_,
                     fingerprint=fingerprint, lease_host=host, lease_port=port, endpoint_id=endpoint_id,
                     backend=backend)
+
+
+def lease_ref(params: Any):
+    """(lease, lease_host, lease_port) of kv_transfer_params whose lease fields are well formed
+    (the rest may be refused), else None: what a consumer needs to release a lease it will not
+    pull."""
+    try:
+        if not isinstance(params, dict):
+            return None
+        lease = _hex(params, "remote_lease", 32)
+        endpoint = _field(params, "remote_endpoint", dict)
+        host = _field(endpoint, "lease_host", str)
+        port = _field(endpoint, "lease_port", int)
+    except ParamsError:
+        return None
+    if not host or len(host) > 255 or not 0 < port < 65536:
+        return None
+    return lease, host, port
 
 
 def producer_params(*, lease: str, block_ids: List[int], num_tokens: int, prompt_hash_: str,

@@ -20,24 +20,28 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..migration import protocol
 from .channel import LeaseServer
-from .metadata import RecvJob, VllmExtHandshake, VllmExtMetadata
-from .protocol import ParamsError, parse_remote_params, producer_params, prompt_hash
+from .metadata import ReleaseJob, RecvJob, VllmExtHandshake, VllmExtMetadata
+from .protocol import ParamsError, lease_ref, parse_remote_params, producer_params, prompt_hash
 from .stats import VllmExtStats
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
 # A consumer's acquire may extend a lease by at most this much beyond its remaining time (the
 # pull's deadline): a lease is never freed under a pull in progress, nor held forever.
-MAX_HOLD_S = 600.0
+MAX_HOLD_S = 900.0  # a pull's deadline is at most 600 s (pull_timeout_s)
+# An acquire waits at most this long for the producer's worker to serve the lease's blocks (it
+# grants them in the engine step after the lease is made: milliseconds).
+GRANT_WAIT_S = 3.0
 
 
 class Lease:
     """A finished request's blocks held for consumers (producer side)."""
 
-    __slots__ = ("lease_id", "req_id", "block_ids", "num_tokens", "prompt_hash", "expires_at", "taken")
+    __slots__ = ("lease_id", "req_id", "block_ids", "num_tokens", "prompt_hash", "expires_at", "taken", "granted")
 
-    def __init__(self, lease_id, req_id, block_ids, num_tokens, prompt_hash_, expires_at):
+    def __init__(self, lease_id, req_id, block_ids, num_tokens, prompt_hash_, expires_at, granted):
         self.lease_id = lease_id
         self.req_id = req_id
         self.block_ids = block_ids
@@ -45,6 +49,7 @@ class Lease:
         self.prompt_hash = prompt_hash_
         self.expires_at = expires_at
         self.taken = False
+        self.granted = granted  # the worker's endpoint serves block_ids
 
 
 class SchedulerHalf:
@@ -53,7 +58,8 @@ class SchedulerHalf:
 
     def __init__(self, *, is_producer: bool, is_consumer: bool, block_size: int, lease_s: float,
                  lease_host: str, lease_port: int, secret: bytes, failure_policy: str,
-                 whole_blocks: bool = False, clock: Callable[[], float] = time.monotonic):
+                 whole_blocks: bool = False, clock: Callable[[], float] = time.monotonic,
+                 wait_for_grant: bool = True):
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.block_size = block_size
@@ -61,12 +67,17 @@ class SchedulerHalf:
         self.failure_policy = failure_policy
         self.whole_blocks = whole_blocks
         self._clock = clock
+        # wait_for_grant: the worker reports the leases it serves (update_connector_output) and
+        # acquire waits for that; False (releases without worker metadata): served at once
+        self.wait_for_grant = wait_for_grant
         self._lock = threading.Lock()  # leases and _finished_sending: engine thread + channel threads
+        self._granted = threading.Condition(self._lock)
         self._leases: Dict[str, Lease] = {}
         self._by_req: Dict[str, str] = {}
         self._finished_sending: List[str] = []
         self._new_leases: Dict[str, List[int]] = {}
         self._recvs: List[RecvJob] = []
+        self._releases: List[ReleaseJob] = []
         self._warned: set = set()
         self._handshake: Optional[VllmExtHandshake] = None
         self._stats = VllmExtStats()
@@ -133,15 +144,18 @@ class SchedulerHalf:
         return min(remote.num_tokens, request.num_tokens - 1) // self.block_size * self.block_size
 
     def update_state_after_alloc(self, request, block_ids: List[int], num_external_tokens: int) -> None:
-        """`block_ids`: all of the request's blocks (local-hit blocks first)."""
-        if num_external_tokens <= 0:
-            return
+        """`block_ids`: all of the request's blocks (local-hit blocks first). vLLM calls it for
+        every request it schedules from the waiting queue, also when nothing is loaded (a full
+        local hit, nothing beyond it, skip_reading_prefix_cache, refused params): then the
+        lease is released at once, so the producer frees its blocks now and not at expiry."""
         remote, error = self._remote(request)
         if remote is None and error is None:
             return
-        request.kv_transfer_params["do_remote_prefill"] = False  # a preempted request recomputes
-        if error is not None:
-            self._recvs.append(RecvJob(req_id=request.request_id, error=error))
+        request.kv_transfer_params["do_remote_prefill"] = False  # once: a preempted request recomputes
+        if num_external_tokens <= 0 or error is not None:
+            if error is not None and num_external_tokens > 0:
+                self._recvs.append(RecvJob(req_id=request.request_id, error=error))
+            self._release(request.request_id, request.kv_transfer_params)
             return
         end = self._load_end(request, remote)
         start = end - num_external_tokens
@@ -150,6 +164,13 @@ class SchedulerHalf:
             req_id=request.request_id, lease=remote.lease, lease_host=remote.lease_host,
             lease_port=remote.lease_port, endpoint_id=remote.endpoint_id, fingerprint=remote.fingerprint,
             first_block=first, src_block_ids=remote.block_ids[first:last], dst_block_ids=list(block_ids[first:last])))
+
+    def _release(self, req_id: str, params: Any) -> None:
+        """A release-only job for the lease named by `params`, when its lease fields are well
+        formed (the worker dials only allowed producers)."""
+        ref = lease_ref(params)
+        if ref is not None:
+            self._releases.append(ReleaseJob(req_id=req_id, lease=ref[0], lease_host=ref[1], lease_port=ref[2]))
 
     def _warn_once(self, req_id: str, error: str) -> None:
         """One log line per refused request (vLLM may ask about a waiting request many times)."""
@@ -165,6 +186,10 @@ class SchedulerHalf:
     # ---- producer ------------------------------------------------------------------------
     def request_finished(self, request, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         params = request.kv_transfer_params
+        if self.is_consumer and isinstance(params, dict) and params.get("do_remote_prefill"):
+            # never scheduled (aborted while waiting): nothing will pull its lease
+            params["do_remote_prefill"] = False
+            self._release(request.request_id, params)
         if not self.is_producer or not isinstance(params, dict) or not params.get("do_remote_decode"):
             return False, None
         from vllm.v1.request import RequestStatus
@@ -181,7 +206,8 @@ class SchedulerHalf:
             return False, None
         lease_id = secrets.token_hex(16)
         lease = Lease(lease_id, request.request_id, list(block_ids[:nblocks]), num_tokens,
-                      prompt_hash(request.all_token_ids[:num_tokens]), self._clock() + self.lease_s)
+                      prompt_hash(request.all_token_ids[:num_tokens]), self._clock() + self.lease_s,
+                      granted=not self.wait_for_grant)
         with self._lock:
             self._leases[lease_id] = lease
             self._by_req[request.request_id] = lease_id
@@ -197,6 +223,7 @@ class SchedulerHalf:
         """With self._lock held: the lease's blocks go back to the engine at the next step."""
         del self._leases[lease.lease_id]
         self._by_req.pop(lease.req_id, None)
+        self._granted.notify_all()
         self._finished_sending.append(lease.req_id)
         if why == "expired":
             self._stats.record_expiry()
@@ -209,46 +236,62 @@ class SchedulerHalf:
             for lease in [x for x in self._leases.values() if x.expires_at <= now]:
                 self._end_lease(lease, "expired")
 
-    def _serve(self, op: str, message: Dict[str, Any]) -> Dict[str, Any]:
-        """A consumer's request on the lease channel (already authenticated). ValueError refuses."""
-        if op == "describe":
+    def _serve(self, request):
+        """A consumer's request on the lease channel (authenticated, its fields checked by
+        protocol.py): (reply message or None, payload). ValueError refuses."""
+        if isinstance(request, protocol.LeaseDescribe):
             if self._handshake is None:
                 raise ValueError("this instance's worker has not registered its KV cache yet")
-            return {"descriptor": self._handshake.descriptor, "fingerprint": self._handshake.fingerprint,
-                    "fingerprint_fields": self._handshake.fingerprint_fields}
-        lease_id = message.get("lease")
-        if not isinstance(lease_id, str) or len(lease_id) != 32:
-            raise ValueError(f"lease: expected 32 hex digits, got {str(lease_id)[:40]!r}")
+            return protocol.LeaseDescribeReply(self._handshake.descriptor, self._handshake.fingerprint,
+                                               self._handshake.fingerprint_fields), b""
+        lease_id = request.lease
         self._reap_expired()
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None:
                 raise ValueError(f"lease {lease_id[:8]}: unknown, released or expired")
-            if op == "acquire":
-                hold = message.get("hold_s")
-                if not isinstance(hold, (int, float)) or isinstance(hold, bool) or not 0 <= hold <= MAX_HOLD_S:
-                    raise ValueError(f"hold_s: expected 0 to {MAX_HOLD_S:g} seconds, got {hold!r}")
+            if isinstance(request, protocol.LeaseAcquire):
+                if request.hold_s > MAX_HOLD_S:
+                    raise ValueError(f"hold_s: expected at most {MAX_HOLD_S:g} seconds, got {request.hold_s!r}")
                 if lease.taken:
                     raise ValueError(f"lease {lease_id[:8]}: already taken by another pull")
-                lease.taken = True
-                lease.expires_at = max(lease.expires_at, self._clock() + hold)
-                return {"block_ids": lease.block_ids, "num_tokens": lease.num_tokens,
-                        "prompt_hash": lease.prompt_hash}
-            if op == "release":
-                self._end_lease(lease, "released")
-                return {}
-        raise ValueError(f"op: unknown operation {op!r}")
+                lease.taken = True  # before waiting: a second acquire is refused meanwhile
+                waited = self._granted.wait_for(lambda: lease.granted or lease.lease_id not in self._leases,
+                                                timeout=GRANT_WAIT_S)
+                if lease.lease_id not in self._leases:
+                    raise ValueError(f"lease {lease_id[:8]}: released or expired")
+                if not waited:
+                    lease.taken = False
+                    raise ValueError(f"lease {lease_id[:8]}: its blocks are not served yet (the producer's worker "
+                                     f"did not grant them within {GRANT_WAIT_S:g} s)")
+                lease.expires_at = max(lease.expires_at, self._clock() + request.hold_s)
+                return (protocol.LeaseAcquireReply(len(lease.block_ids), lease.num_tokens, lease.prompt_hash),
+                        protocol.encode_ids(lease.block_ids))
+            self._end_lease(lease, "released")  # LeaseRelease
+            return None, b""
 
     # ---- every step ----------------------------------------------------------------------
     def build_connector_meta(self) -> VllmExtMetadata:
         if self.is_producer:
             self._reap_expired()
         with self._lock:
-            meta = VllmExtMetadata(recvs=self._recvs, new_leases=self._new_leases,
+            meta = VllmExtMetadata(recvs=self._recvs, releases=self._releases, new_leases=self._new_leases,
                                    finished_sending=self._finished_sending)
             self._new_leases, self._finished_sending = {}, []
-        self._recvs = []
+        self._recvs, self._releases = [], []
         return meta
+
+    def update_connector_output(self, output) -> None:
+        """The step's worker output: the leases whose blocks the worker now serves."""
+        granted = getattr(getattr(output, "kv_connector_worker_meta", None), "granted", None)
+        if not granted:
+            return
+        with self._lock:
+            for req_id in granted:
+                lease = self._leases.get(self._by_req.get(req_id, ""))
+                if lease is not None:
+                    lease.granted = True
+            self._granted.notify_all()
 
     def has_pending_frees(self) -> bool:
         """Leases ended whose blocks go back at the next step (live leases are not counted: a

@@ -10,6 +10,10 @@
 import dataclasses
 from typing import Any, Dict
 
+from . import check_vllm_version
+
+check_vllm_version()  # before importing what another release may lack: one clear message
+
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 _COUNTS = ("transfers", "failed", "expired", "bytes")

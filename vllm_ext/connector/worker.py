@@ -4,6 +4,14 @@ It wraps vLLM's KV cache views as one vllm_ext KVCache (layout `blocks`, no copy
 through a MigrationEndpoint, and, on a consumer, runs each RecvJob on a thread of its own
 (with its own CUDA stream): describe the producer and connect to it when first seen, acquire
 the lease, pull, release the lease. Results are reported at the next get_transfer_results.
+A consumer dials only producers on its allow-list; every job has a deadline counted from when it
+was queued, and a producer that just failed to answer is not dialled again for BACKOFF_S.
+
+On a producer (gloo, nccl: serve="granted") the endpoint serves only the blocks of live leases:
+granted when the worker learns of a lease (the step after it was made; reported back to the
+scheduler, whose lease channel hands the lease out only then), revoked when the lease ended
+(released after the consumer's pull, or expired: an acquire holds a lease past the pull's
+deadline). ipc maps the whole cache: its authenticated peers are trusted with all of it.
 
 Who calls what (vLLM, on the worker's thread): register_kv_caches once; per step
 start_load_kv (with the step's metadata), get_transfer_results, get_stats.
@@ -21,7 +29,7 @@ import torch
 from .. import KVCache
 from ..migration import MigrationEndpoint, MigrationError, PeerDescriptor
 from .channel import ChannelError, LeaseClient
-from .metadata import RecvJob, VllmExtHandshake, VllmExtMetadata
+from .metadata import ReleaseJob, RecvJob, VllmExtHandshake, VllmExtMetadata, VllmExtWorkerMetadata
 from .protocol import PROTOCOL, fingerprint_mismatch, layout_fingerprint
 from .stats import VllmExtStats
 
@@ -32,6 +40,19 @@ MAX_CONCURRENT_PULLS = 2
 # Producers a consumer keeps a lease connection to (their addresses come from requests): past
 # this many, the least recently added is closed.
 MAX_PRODUCERS = 64
+# A producer that could not be reached (or whose endpoint failed a pull) is not dialled again
+# for this long: jobs for it fail at once meanwhile.
+BACKOFF_S = 5.0
+# Backends whose peers can be held to the granted blocks (ipc maps the whole cache).
+GRANTED_BACKENDS = ("gloo", "nccl", "rayrpc")
+
+
+def _left(deadline: float, cap: Optional[float] = None) -> float:
+    """Seconds until `deadline` (at most `cap`); TransferFailed once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransferFailed("the pull's deadline passed")
+    return left if cap is None else min(left, cap)
 
 
 class TransferFailed(RuntimeError):
@@ -39,10 +60,10 @@ class TransferFailed(RuntimeError):
 
 
 def make_endpoint(cache: KVCache, backend: str, host: str, options: Dict[str, Any],
-                  secret: bytes) -> MigrationEndpoint:
+                  secret: bytes, serve: str = "all") -> MigrationEndpoint:
     """The one place the connector builds its MigrationEndpoint: authenticated with the
-    deployment secret."""
-    return MigrationEndpoint(cache, backend, host=host, secret=secret, **options)
+    deployment secret; `serve="granted"` on a producer of a backend that can check grants."""
+    return MigrationEndpoint(cache, backend, host=host, secret=secret, serve=serve, **options)
 
 
 def physical_order(t: torch.Tensor) -> str:
@@ -87,7 +108,8 @@ class WorkerHalf:
 
     def __init__(self, *, is_producer: bool, is_consumer: bool, backend: Optional[str], endpoint_host: str,
                  endpoint_options: Dict[str, Any], secret: bytes, pull_timeout_s: float,
-                 static_fields: Dict[str, Any], connect_to: List[str]):
+                 static_fields: Dict[str, Any], connect_to: List[str],
+                 allowed_producers: Optional[List[str]] = None):
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self._backend = backend
@@ -97,6 +119,8 @@ class WorkerHalf:
         self.pull_timeout_s = pull_timeout_s
         self._static_fields = static_fields
         self._connect_to = connect_to
+        # lease channels ("host:port") this consumer dials; default: the connect_to entries
+        self._allowed = set(connect_to if allowed_producers is None else allowed_producers)
         self.cache: Optional[KVCache] = None
         self.endpoint: Optional[MigrationEndpoint] = None
         self.fingerprint_fields: Dict[str, Any] = {}
@@ -110,8 +134,11 @@ class WorkerHalf:
         self._clients: Dict[Tuple[str, int], LeaseClient] = {}
         self._peers: Dict[str, PeerDescriptor] = {}
         self._peer_locks: Dict[Tuple[str, int], threading.Lock] = {}
+        self._backoff: Dict[Tuple[str, int], float] = {}  # producer -> monotonic time it may be dialled again
         self._stream = None
-        self.leased_blocks: Dict[str, List[int]] = {}  # producer: request id -> blocks under lease
+        self.leased_blocks: Dict[str, List[int]] = {}  # producer: request id -> blocks granted for its lease
+        self._granted_now: List[str] = []  # producer: leases granted since the last worker metadata
+        self._grants = False  # the endpoint serves only granted blocks
 
     # ---- start-up ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
@@ -125,7 +152,9 @@ class WorkerHalf:
             "device_type": first.device.type,
         }
         self.fingerprint = layout_fingerprint(self.fingerprint_fields)
-        self.endpoint = make_endpoint(self.cache, backend, self._endpoint_host, self._endpoint_options, self._secret)
+        self._grants = self.is_producer and backend in GRANTED_BACKENDS
+        self.endpoint = make_endpoint(self.cache, backend, self._endpoint_host, self._endpoint_options, self._secret,
+                                      serve="granted" if self._grants else "all")
         if first.is_cuda:
             self._stream = torch.cuda.Stream(device=first.device)
         logger.info("vllm-ext connector: %r serving %d layers [%s] over %s, fingerprint %s", self.cache,
@@ -142,14 +171,32 @@ class WorkerHalf:
     def start_load_kv(self, meta: Optional[VllmExtMetadata]) -> None:
         if meta is None:
             return
-        self.leased_blocks.update(meta.new_leases)
-        for req_id in meta.finished_sending:
-            self.leased_blocks.pop(req_id, None)
+        for req_id, blocks in meta.new_leases.items():
+            if self._grants:
+                self.endpoint.grant(blocks)
+            self.leased_blocks[req_id] = list(blocks)
+            self._granted_now.append(req_id)
+        for req_id in meta.finished_sending:  # the lease ended: its blocks go back to vLLM this step
+            blocks = self.leased_blocks.pop(req_id, None)
+            if blocks is not None and self._grants:
+                self.endpoint.revoke(blocks)
+        queued = time.monotonic()
         for job in meta.recvs:
             if job.error is not None:
                 self._finish(job, False, job.error)
             else:
-                self._pool.submit(self._receive, job)
+                self._pool.submit(self._receive, job, queued + self.pull_timeout_s)
+        for release in meta.releases:
+            self._pool.submit(self._release_only, release)
+
+    def build_worker_meta(self):
+        """The leases granted since the last call (None when none, or on releases without worker
+        metadata)."""
+        if not self._granted_now or VllmExtWorkerMetadata is None:
+            self._granted_now = []
+            return None
+        granted, self._granted_now = self._granted_now, []
+        return VllmExtWorkerMetadata(granted=granted)
 
     def take_results(self, meta: Optional[VllmExtMetadata]) -> Tuple[Set[str], Set[str], Set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call; failed
@@ -185,7 +232,22 @@ class WorkerHalf:
         if not ok:
             logger.warning("request %s: receiving its KV failed: %s", job.req_id, why)
 
+    def _check_allowed(self, host: str, port: int) -> None:
+        """TransferFailed unless host:port is an allowed producer not in back-off."""
+        if f"{host}:{port}" not in self._allowed:
+            raise TransferFailed(f"producer {host}:{port} is not in kv_connector_extra_config.allowed_producers "
+                                 f"(default: connect_to); not dialled")
+        with self._lock:
+            until = self._backoff.get((host, port), 0.0)
+        if time.monotonic() < until:
+            raise TransferFailed(f"producer {host}:{port} failed less than {BACKOFF_S:g} s ago; not dialled")
+
+    def _back_off(self, host: str, port: int) -> None:
+        with self._lock:
+            self._backoff[(host, port)] = time.monotonic() + BACKOFF_S
+
     def _client(self, host: str, port: int) -> LeaseClient:
+        self._check_allowed(host, port)
         with self._lock:
             client = self._clients.get((host, port))
             if client is None:
@@ -196,7 +258,7 @@ class WorkerHalf:
                 self._peer_locks.setdefault((host, port), threading.Lock())
             return client
 
-    def _peer(self, host: str, port: int, endpoint_id: Optional[str]) -> PeerDescriptor:
+    def _peer(self, host: str, port: int, endpoint_id: Optional[str], deadline: float) -> PeerDescriptor:
         """The producer's descriptor, checked against this cache and connected when first
         seen (the handshake: a layout mismatch is refused here, naming the fields)."""
         client = self._client(host, port)
@@ -204,68 +266,97 @@ class WorkerHalf:
             peer = self._peers.get(endpoint_id) if endpoint_id else None
             if peer is not None:
                 return peer
-            reply = client.request({"op": "describe"}, CHANNEL_TIMEOUT_S)
-            theirs = reply.get("fingerprint_fields")
-            diff = fingerprint_mismatch(self.fingerprint_fields, theirs if isinstance(theirs, dict) else {})
+            try:
+                reply = client.describe(_left(deadline, CHANNEL_TIMEOUT_S))
+            except ChannelError:
+                self._back_off(host, port)
+                raise
+            diff = fingerprint_mismatch(self.fingerprint_fields, reply.fingerprint_fields)
             if diff:
                 raise TransferFailed(f"producer {host}:{port} has an incompatible KV cache: {diff}")
-            peer = descriptor_from_fields(reply.get("descriptor"))
+            peer = descriptor_from_fields(reply.descriptor)
             if endpoint_id and peer.endpoint_id != endpoint_id:
                 raise TransferFailed(f"producer {host}:{port} serves endpoint {peer.endpoint_id[:8]}, the request "
                                      f"names {endpoint_id[:8]} (the prefill instance restarted?)")
             started = time.perf_counter()
-            self.endpoint.connect(peer, timeout=max(self.pull_timeout_s, 10.0))
+            try:
+                self.endpoint.connect(peer, timeout=_left(deadline))
+            except MigrationError:
+                self._back_off(host, port)
+                raise
             logger.info("vllm-ext connector: connected to producer %s:%d (%s) in %.1f ms", host, port,
                         peer.short(), 1e3 * (time.perf_counter() - started))
             with self._lock:
+                if len(self._peers) >= MAX_PRODUCERS:  # endpoints of restarted producers
+                    self._peers.pop(next(iter(self._peers)))
                 self._peers[peer.endpoint_id] = peer
             return peer
 
     def _connect_ahead(self, address: str) -> None:
         host, _, port = address.rpartition(":")
         try:
-            self._peer(host, int(port), None)
+            self._peer(host, int(port), None, time.monotonic() + max(self.pull_timeout_s, 10.0))
         except (ChannelError, MigrationError, TransferFailed, ValueError, OSError) as e:
             logger.warning("vllm-ext connector: connecting ahead to %s failed (the first pull retries): %s",
                            address, e)
 
-    def _receive(self, job: RecvJob) -> None:
+    def _receive(self, job: RecvJob, deadline: float) -> None:
+        """`deadline`: monotonic time by which the job is done, counted from when it was queued."""
         started = time.perf_counter()
-        client, acquired = None, False
+        client, acquired, pulling = None, False, False
         try:
+            if time.monotonic() >= deadline:
+                raise TransferFailed(f"the pull's deadline ({self.pull_timeout_s:g} s) passed while it was queued")
             client = self._client(job.lease_host, job.lease_port)
-            peer = self._peer(job.lease_host, job.lease_port, job.endpoint_id)
-            reply = client.request({"op": "acquire", "lease": job.lease, "hold_s": self.pull_timeout_s + 5.0},
-                                   CHANNEL_TIMEOUT_S)
+            peer = self._peer(job.lease_host, job.lease_port, job.endpoint_id, deadline)
+            lease_blocks, _, _ = client.acquire(job.lease, _left(deadline) + 5.0, _left(deadline, CHANNEL_TIMEOUT_S))
             acquired = True
-            lease_blocks = reply.get("block_ids")
             expected = job.src_block_ids
-            got = lease_blocks[job.first_block:job.first_block + len(expected)] if isinstance(lease_blocks, list) \
-                else None
+            got = lease_blocks[job.first_block:job.first_block + len(expected)]
             if got != expected:
                 raise TransferFailed(f"lease {job.lease[:8]}: kv_transfer_params.remote_block_ids differ from the "
                                      "lease's blocks")
+            pulling = True
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
-                    stats = self.endpoint.pull(peer, expected, job.dst_block_ids, timeout=self.pull_timeout_s)
+                    stats = self.endpoint.pull(peer, expected, job.dst_block_ids, timeout=_left(deadline))
                 self._stream.synchronize()
             else:
-                stats = self.endpoint.pull(peer, expected, job.dst_block_ids, timeout=self.pull_timeout_s)
+                stats = self.endpoint.pull(peer, expected, job.dst_block_ids, timeout=_left(deadline))
             self._finish(job, True, nbytes=stats.nbytes, seconds=time.perf_counter() - started)
-        except (ChannelError, MigrationError, TransferFailed, ValueError, TypeError, OSError) as e:
+        except BaseException as e:  # noqa: BLE001 - a receive must always be reported
+            if pulling and self._stream is not None:
+                # nothing of this pull may still write into the blocks once vLLM reuses them: the
+                # endpoint has aborted the pair, what is left on the stream is local copies
+                try:
+                    self._stream.synchronize()
+                except RuntimeError as sync_error:  # a broken device: the engine fails on its own
+                    logger.error("request %s: synchronising the failed pull's stream: %s", job.req_id, sync_error)
             if isinstance(e, MigrationError):
                 with self._lock:
                     self._peers.pop(job.endpoint_id, None)  # connect again next time (peer may have restarted)
-            self._finish(job, False, f"{type(e).__name__}: {e}")
-        except BaseException as e:  # noqa: BLE001 - a receive must always be reported
-            logger.exception("request %s: unexpected failure while receiving", job.req_id)
+                self._back_off(job.lease_host, job.lease_port)
+            if not isinstance(e, (ChannelError, MigrationError, TransferFailed, ValueError, TypeError, OSError)):
+                logger.exception("request %s: unexpected failure while receiving", job.req_id)
             self._finish(job, False, f"{type(e).__name__}: {e}")
         finally:
             if client is not None and acquired:
-                try:
-                    client.request({"op": "release", "lease": job.lease}, CHANNEL_TIMEOUT_S)
-                except ChannelError as e:  # the lease then expires on the producer
-                    logger.warning("lease %s: release failed (it expires by itself): %s", job.lease[:8], e)
+                self._release(client, job.lease)
+
+    def _release(self, client: LeaseClient, lease: str) -> None:
+        try:
+            client.release(lease, CHANNEL_TIMEOUT_S)
+        except ChannelError as e:  # the lease then expires on the producer
+            logger.warning("lease %s: release failed (it expires by itself): %s", lease[:8], e)
+
+    def _release_only(self, job: ReleaseJob) -> None:
+        """A lease this instance will not pull: freed now rather than at its expiry."""
+        try:
+            client = self._client(job.lease_host, job.lease_port)
+        except TransferFailed as e:
+            logger.warning("request %s: not releasing lease %s: %s", job.req_id, job.lease[:8], e)
+            return
+        self._release(client, job.lease)
 
     # ---- lifetime ------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -28,7 +28,9 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 # 4: an nccl pair has lanes, one communicator each (connect carries their uids).
 # 5: mutual HMAC authentication before any other message; typed messages; gloo's rendezvous
 #    address is the control connection's (no address travels in a message); "closing".
-PROTOCOL = 5
+# 6: the vLLM connector's lease messages (lease.*), served by a lease server of their own
+#    (LEASE_REQUESTS): an endpoint's server accepts none of them, a lease server none of REQUESTS.
+PROTOCOL = 6
 
 FRAME = struct.Struct("!II")
 MAX_HEADER_BYTES = 64 << 10  # a header is a small JSON object; refused past this, unread
@@ -48,6 +50,12 @@ MAX_LANES = 8  # nccl communicators per pair (VLLM_EXT_MAX_LANES)
 MAX_SLOT_BYTES = 1 << 30  # one staging slot; each side allocates two per lane or stripe set
 MAX_COPY_CTAS = (1 << 31) - 1
 MAX_TIMEOUT_S = 1e6
+# Lease messages (the vLLM connector): how long an acquire may hold a lease, and the size of the
+# JSON objects a describe reply carries.
+MAX_HOLD_S = 3600.0
+MAX_DESCRIBE_BYTES = 16 << 10
+# The server id a lease server authenticates as (it serves no endpoint of its own).
+LEASE_SERVER_ID = "vllm-ext-lease"
 
 
 class ProtocolError(ValueError):
@@ -165,7 +173,20 @@ def _check_handle(value) -> None:
         raise ProtocolError("handle: expected an IPC handle object")
 
 
-_FIELD_CHECKS.update(geometry=_check_geometry, uids=_check_uids, handle=_check_handle)
+def _check_object(name: str):
+    def check(value) -> None:
+        if not isinstance(value, dict) or len(json.dumps(value)) > MAX_DESCRIBE_BYTES:
+            raise ProtocolError(f"{name}: expected a JSON object of at most {MAX_DESCRIBE_BYTES} bytes")
+    return check
+
+
+_FIELD_CHECKS.update(geometry=_check_geometry, uids=_check_uids, handle=_check_handle,
+                     lease=lambda v: _check_hex("lease", v, 16),
+                     hold_s=lambda v: _check_number("hold_s", v, 0, MAX_HOLD_S),
+                     num_tokens=lambda v: _check_int("num_tokens", v, 1, 1 << 40),
+                     prompt_hash=lambda v: _check_hex("prompt_hash", v, 32),
+                     fingerprint=lambda v: _check_hex("fingerprint", v, 16),
+                     descriptor=_check_object("descriptor"), fingerprint_fields=_check_object("fingerprint_fields"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,14 +322,60 @@ class Closing(Message):
     reason: str
 
 
+# ---- the vLLM connector's lease messages (consumer -> producer's lease server) ------------------
+@dataclasses.dataclass(frozen=True)
+class LeaseDescribe(Message):
+    """The producer's endpoint descriptor and KV layout (LeaseDescribeReply)."""
+
+    op: ClassVar[str] = "lease.describe"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseDescribeReply(Message):
+    op: ClassVar[str] = "lease.describe.reply"
+    descriptor: Dict[str, Any]
+    fingerprint: str
+    fingerprint_fields: Dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseAcquire(Message):
+    """Takes a live lease for one pull, holding it at least `hold_s` more (LeaseAcquireReply)."""
+
+    op: ClassVar[str] = "lease.acquire"
+    lease: str
+    hold_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseAcquireReply(Message):
+    """The lease's n block ids follow in the payload (encode_ids)."""
+
+    op: ClassVar[str] = "lease.acquire.reply"
+    n: int
+    num_tokens: int
+    prompt_hash: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseRelease(Message):
+    """Ends a lease: the producer frees its blocks (a plain ok)."""
+
+    op: ClassVar[str] = "lease.release"
+    lease: str
+
+
 REQUESTS: Dict[str, Type[Message]] = {m.op: m for m in (Hello, Ping, IpcExport, GlooConnect, GlooPull,
                                                            NcclConnect)}
+# A lease server's requests: a registry of their own, so that neither server accepts the other's.
+LEASE_REQUESTS: Dict[str, Type[Message]] = {m.op: m for m in (LeaseDescribe, LeaseAcquire, LeaseRelease)}
 
 
-def parse_request(header: Dict[str, Any]) -> Message:
-    """The typed request of a header (after authentication); ProtocolError otherwise."""
+def parse_request(header: Dict[str, Any], registry: Optional[Dict[str, Type[Message]]] = None) -> Message:
+    """The typed request of a header (after authentication) among `registry`'s (default: an
+    endpoint's, REQUESTS); ProtocolError otherwise."""
     op = header.get("op")
-    cls = REQUESTS.get(op) if isinstance(op, str) else None
+    cls = (REQUESTS if registry is None else registry).get(op) if isinstance(op, str) else None
     if cls is None:
         raise ProtocolError(f"unknown request {str(op)[:40]!r}")
     return cls.parse(header)
