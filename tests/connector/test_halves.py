@@ -62,7 +62,7 @@ STATIC = {"vllm": "0.32", "attn_backend": ["CPU_ATTN"], "kv_cache_layout": "LBHN
 
 def make_worker(kv_caches, producer, static=STATIC, pull_timeout_s=10.0, allowed=()):
     """`allowed`: the producers (schedulers, or "host:port") a consumer may dial."""
-    allowed = [a if isinstance(a, str) else "%s:%d" % a.lease_address for a in allowed]
+    allowed = [a if isinstance(a, str) else "{}:{}".format(*a.lease_address) for a in allowed]
     w = WorkerHalf(is_producer=producer, is_consumer=not producer, backend="gloo", endpoint_host="127.0.0.1",
                    endpoint_options={}, secret=SECRET, pull_timeout_s=pull_timeout_s, static_fields=dict(static),
                    connect_to=[], allowed_producers=allowed)

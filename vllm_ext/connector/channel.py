@@ -14,11 +14,11 @@ import threading
 import uuid
 from typing import Callable, List, Optional, Tuple
 
+from ..errors import MigrationError
 from ..migration import auth, protocol
 from ..migration.control import Connection, ControlServer, open_connection
-from ..migration.timing import Deadline
-from ..errors import MigrationError
 from ..migration.protocol import ProtocolError
+from ..migration.timing import Deadline
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 

@@ -31,9 +31,9 @@ check_vllm_version()  # before importing what another release may lack: one clea
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole  # noqa: E402
 
-from .channel import deployment_secret
-from .metadata import VllmExtMetadata, VllmExtWorkerMetadata
-from .stats import VllmExtPromMetrics, VllmExtStats
+from .channel import deployment_secret  # noqa: E402
+from .metadata import VllmExtMetadata, VllmExtWorkerMetadata  # noqa: E402
+from .stats import VllmExtPromMetrics, VllmExtStats  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

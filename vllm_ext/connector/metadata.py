@@ -9,7 +9,7 @@ from . import check_vllm_version
 
 check_vllm_version()  # before importing what another release may lack: one clear message
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
 )

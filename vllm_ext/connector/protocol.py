@@ -82,7 +82,8 @@ def _field(params: Dict[str, Any], name: str, kind, where: str = "kv_transfer_pa
     else:
         ok = isinstance(value, kind)
     if not ok:
-        raise ParamsError(f"{where}.{name}: expected {getattr(kind, '__name__', 'number')}, got {type(value).__name__} {str(value)[:60]!r}")
+        raise ParamsError(f"{where}.{name}: expected {getattr(kind, '__name__', 'number')}, "
+                          f"got {type(value).__name__} {str(value)[:60]!r}")
     return value
 
 

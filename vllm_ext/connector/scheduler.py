@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..migration import protocol
 from .channel import LeaseServer
-from .metadata import ReleaseJob, RecvJob, VllmExtHandshake, VllmExtMetadata
+from .metadata import RecvJob, ReleaseJob, VllmExtHandshake, VllmExtMetadata
 from .protocol import ParamsError, lease_ref, parse_remote_params, producer_params, prompt_hash
 from .stats import VllmExtStats
 

@@ -14,7 +14,7 @@ from . import check_vllm_version
 
 check_vllm_version()  # before importing what another release may lack: one clear message
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats  # noqa: E402
 
 _COUNTS = ("transfers", "failed", "expired", "bytes")
 

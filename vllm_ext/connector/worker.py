@@ -29,7 +29,7 @@ import torch
 from .. import KVCache
 from ..migration import MigrationEndpoint, MigrationError, PeerDescriptor
 from .channel import ChannelError, LeaseClient
-from .metadata import ReleaseJob, RecvJob, VllmExtHandshake, VllmExtMetadata, VllmExtWorkerMetadata
+from .metadata import RecvJob, ReleaseJob, VllmExtHandshake, VllmExtMetadata, VllmExtWorkerMetadata
 from .protocol import PROTOCOL, fingerprint_mismatch, layout_fingerprint
 from .stats import VllmExtStats
 
