@@ -27,6 +27,8 @@ import json
 import re
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..migration.base import geometry_mismatch
+
 PROTOCOL = 1
 MAX_REMOTE_BLOCKS = 1 << 20
 _HEX = re.compile(r"^[0-9a-f]+$")
@@ -176,8 +178,4 @@ def layout_fingerprint(fields: Dict[str, Any]) -> str:
 
 def fingerprint_mismatch(mine: Dict[str, Any], theirs: Dict[str, Any]) -> Optional[str]:
     """None when equal, else which fields differ, with both values."""
-    if mine == theirs:
-        return None
-    keys = sorted(set(mine) | set(theirs))
-    return ", ".join(f"{k} {mine.get(k)!r} here vs {theirs.get(k)!r} at the producer"
-                     for k in keys if mine.get(k) != theirs.get(k))
+    return geometry_mismatch(mine, theirs, "at the producer")

@@ -259,12 +259,13 @@ def check_slot(chunk_blocks: int, block_nbytes: int, what: str) -> None:
             f"{chunk_blocks * block_nbytes} bytes, at most {protocol.MAX_SLOT_BYTES}")
 
 
-def geometry_mismatch(mine: Dict[str, Any], theirs: Dict[str, Any]) -> Optional[str]:
-    """None when two caches can exchange blocks, else a description of the difference."""
+def geometry_mismatch(mine: Dict[str, Any], theirs: Dict[str, Any], where: str = "at the peer") -> Optional[str]:
+    """None when two caches can exchange blocks, else a description of the difference: each
+    field that differs, with its value here and `where` (the other side)."""
     if mine == theirs:
         return None
     keys = sorted(set(mine) | set(theirs))
-    return ", ".join(f"{k} {mine.get(k)!r} here vs {theirs.get(k)!r} at the peer"
+    return ", ".join(f"{k} {mine.get(k)!r} here vs {theirs.get(k)!r} {where}"
                      for k in keys if mine.get(k) != theirs.get(k))
 
 
