@@ -132,13 +132,17 @@ if [ "$PD" = 1 ]; then
       bind_p=(-e VLLM_CPU_OMP_THREADS_BIND=0)
       bind_d=(-e VLLM_CPU_OMP_THREADS_BIND=1)
     fi
-    kv_config() {  # kv_config ROLE HOST: the connector binds and advertises HOST, its network alias
-      printf '{"kv_connector":"VllmExtConnector","kv_role":"%s","kv_connector_extra_config":{"backend":"gloo","endpoint_host":"%s","lease_host":"%s"}}' "$1" "$2" "$2"
+    # kv_config ROLE HOST EXTRA: the connector binds and advertises HOST, its network alias. The
+    # producer's lease channel has a fixed port, and the consumer dials only producers it lists.
+    kv_config() {
+      printf '{"kv_connector":"VllmExtConnector","kv_role":"%s","kv_connector_extra_config":{"backend":"gloo","endpoint_host":"%s","lease_host":"%s"%s}}' "$1" "$2" "$2" "$3"
     }
     prefill=$(run_server "$run_id-prefill" --network "$network" --network-alias prefill --hostname prefill \
-      -e "VLLM_EXT_AUTH_SECRET=$secret" "${bind_p[@]}" -- --kv-transfer-config "$(kv_config kv_producer prefill)")
+      -e "VLLM_EXT_AUTH_SECRET=$secret" "${bind_p[@]}" -- \
+      --kv-transfer-config "$(kv_config kv_producer prefill ',"lease_port":8101')")
     decode=$(run_server "$run_id-decode" --network "$network" --network-alias decode --hostname decode \
-      -e "VLLM_EXT_AUTH_SECRET=$secret" "${bind_d[@]}" -- --kv-transfer-config "$(kv_config kv_consumer decode)")
+      -e "VLLM_EXT_AUTH_SECRET=$secret" "${bind_d[@]}" -- \
+      --kv-transfer-config "$(kv_config kv_consumer decode ',"connect_to":["prefill:8101"]')")
     "$DOCKER" run -d --name "$run_id-proxy" --label "$run_id" --network "$network" -p 127.0.0.1::8000 \
       --entrypoint python "$image" -m vllm_ext.proxy --host 0.0.0.0 --port 8000 \
       --prefill http://prefill:8000 --decode http://decode:8000 >/dev/null
