@@ -168,8 +168,7 @@ class Connection:
         request of a burst (a migration's stages) is then read without the ~40 us of waking a
         blocked thread."""
         end = time.monotonic() + seconds
-        ready = _readiness(self.sock)
-        while not ready():
+        while not self.readable():
             if time.monotonic() >= end:
                 return False
         return True

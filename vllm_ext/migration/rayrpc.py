@@ -34,30 +34,30 @@ from .timing import Deadline
 DEFAULT_CHUNK_BYTES = 64 << 20
 
 # Backends of this process by endpoint id, for the source-side call (runs in the actor's process).
-_ENDPOINTS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
-_ENDPOINTS_LOCK = threading.Lock()
+_BACKENDS: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
+_BACKENDS_LOCK = threading.Lock()
 
 
 def _serves(actor, endpoint_id: str, geometry: Dict[str, Any]) -> bool:
     """Source side (runs in the source actor via __ray_call__; connect's round trip): True
     when this actor serves endpoint `endpoint_id` with a cache of `geometry`, else
     ValueError."""
-    _serving_endpoint(actor, endpoint_id, geometry)
+    _serving_backend(actor, endpoint_id, geometry)
     return True
 
 
-def _serving_endpoint(actor, endpoint_id: str, geometry: Dict[str, Any]):
+def _serving_backend(actor, endpoint_id: str, geometry: Dict[str, Any]):
     """Source side: the backend of endpoint `endpoint_id` of this actor, whose cache has
     `geometry`; ValueError otherwise."""
     del actor
-    with _ENDPOINTS_LOCK:
-        endpoint = _ENDPOINTS.get(endpoint_id)
-    if endpoint is None:
+    with _BACKENDS_LOCK:
+        backend = _BACKENDS.get(endpoint_id)
+    if backend is None:
         raise ValueError(f"rayrpc: no endpoint {endpoint_id!r} in this actor (closed?)")
-    diff = geometry_mismatch(endpoint.cache.geometry(), geometry)
+    diff = geometry_mismatch(backend.cache.geometry(), geometry)
     if diff:
         raise ValueError(f"rayrpc: cache geometry differs ({diff})")
-    return endpoint
+    return backend
 
 
 def _serve_chunk(actor, endpoint_id: str, geometry: Dict[str, Any], src_ids: List[int],
@@ -66,12 +66,12 @@ def _serve_chunk(actor, endpoint_id: str, geometry: Dict[str, Any], src_ids: Lis
     as a numpy uint8 array [len(src_ids), block_nbytes]."""
     from .. import ops
 
-    endpoint = _serving_endpoint(actor, endpoint_id, geometry)
-    cache = endpoint.cache
+    backend = _serving_backend(actor, endpoint_id, geometry)
+    cache = backend.cache
     ids = block_id_list(src_ids, "src_block_ids", cache.num_blocks, unique=False)
-    if endpoint.context.grants is not None:
-        endpoint.context.grants.check(ids)
-    endpoint.context.faults.pause(chunk)
+    if backend.context.grants is not None:
+        backend.context.grants.check(ids)
+    backend.context.faults.pause(chunk)
     if cache.device.type == "cuda":
         rows = ops.gather_blocks(cache, ids)  # on the GPU, then one copy to host
         return rows.cpu().numpy()
@@ -148,8 +148,8 @@ class RayRpcBackend(MigrationBackend):
         except Exception as e:  # noqa: BLE001 - Ray raises a plain exception outside actors
             raise RuntimeError(f"rayrpc: the endpoint must be created inside a Ray actor: {e}") \
                 from e
-        with _ENDPOINTS_LOCK:
-            _ENDPOINTS[context.endpoint_id] = self
+        with _BACKENDS_LOCK:
+            _BACKENDS[context.endpoint_id] = self
 
     @classmethod
     def is_available(cls):
@@ -172,8 +172,8 @@ class RayRpcBackend(MigrationBackend):
         return _RayPair(self, link.peer, actor)
 
     def close(self) -> None:
-        with _ENDPOINTS_LOCK:
-            _ENDPOINTS.pop(self.context.endpoint_id, None)
+        with _BACKENDS_LOCK:
+            _BACKENDS.pop(self.context.endpoint_id, None)
 
 
 class _RayPair(Pair):
