@@ -133,7 +133,7 @@ def ceiling_pull(prefill_url, body, prompt, secret, device, timeout=60.0):
     import torch
 
     from vllm_ext import KVCache
-    from vllm_ext.connector.channel import LeaseClient
+    from vllm_ext.migration.lease import LeaseClient
     from vllm_ext.connector.worker import descriptor_from_fields, make_endpoint
 
     leg = post(prefill_url + "/v1/completions", dict(body, prompt=prompt, max_tokens=1,

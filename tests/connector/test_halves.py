@@ -17,8 +17,8 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from vllm_ext.connector import check_vllm_version  # noqa: E402
-from vllm_ext.connector.channel import ChannelError, LeaseClient  # noqa: E402
-from vllm_ext.connector.protocol import prompt_hash  # noqa: E402
+from vllm_ext.migration.lease import ChannelError, LeaseClient  # noqa: E402
+from vllm_ext.migration.kv_params import PROTOCOL, prompt_hash  # noqa: E402
 from vllm_ext.connector.scheduler import SchedulerHalf  # noqa: E402
 from vllm_ext.connector.worker import WorkerHalf  # noqa: E402
 
@@ -161,7 +161,7 @@ def test_producer_leases_a_finished_prefill(producer, n):
     assert set(params["remote_endpoint"]) == {"lease_host", "lease_port", "endpoint_id", "backend"}
     assert "secret" not in str(params).lower()
     meta = sched.build_connector_meta()
-    assert meta.new_leases == {"p-0": params["remote_block_ids"]} and meta.finished_sending == []
+    assert meta.new_leases == {params["remote_lease"]: params["remote_block_ids"]} and meta.finished_sending == []
 
 
 def test_producer_ignores_other_requests(producer):
@@ -284,7 +284,7 @@ def test_consumer_counts_external_tokens_after_the_local_hit(producer, consumer_
 
 
 def good_params():
-    return {"do_remote_prefill": True, "do_remote_decode": False, "vllm_ext": 1, "remote_lease": "ab" * 16,
+    return {"do_remote_prefill": True, "do_remote_decode": False, "vllm_ext": PROTOCOL, "remote_lease": "ab" * 16,
             "remote_block_ids": [4, 5, 6], "remote_num_tokens": 40, "remote_prompt_hash": prompt_hash(range(40)),
             "remote_fingerprint": "cd" * 16,
             "remote_endpoint": {"lease_host": "127.0.0.1", "lease_port": 9, "endpoint_id": "ef" * 16,
@@ -292,7 +292,7 @@ def good_params():
 
 
 def test_kv_transfer_params_may_carry_what_vllm_adds():
-    from vllm_ext.connector.protocol import RemoteKV
+    from vllm_ext.migration.kv_params import RemoteKV
 
     params = dict(good_params(), remote_prefill_cached_tokens=0)  # vLLM's scheduler adds it
     assert RemoteKV.parse(params, BLOCK_SIZE).block_ids == [4, 5, 6]
@@ -320,7 +320,7 @@ def _set(key, value):
 
 BAD_PARAMS = [
     (_without("vllm_ext"), "kv_transfer_params.vllm_ext: missing"),
-    (_set("vllm_ext", 2), "kv_transfer_params.vllm_ext: protocol 2"),
+    (_set("vllm_ext", 99), "kv_transfer_params.vllm_ext: protocol 99"),
     (_without("remote_lease"), "kv_transfer_params.remote_lease: missing"),
     (_set("remote_lease", 7), "kv_transfer_params.remote_lease: expected str"),
     (_set("remote_lease", "xyz"), "kv_transfer_params.remote_lease: expected 32 hex digits"),

@@ -31,7 +31,7 @@ check_vllm_version()  # before importing what another release may lack: one clea
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole  # noqa: E402
 
-from .channel import deployment_secret  # noqa: E402
+from ..migration.lease import deployment_secret  # noqa: E402
 from .metadata import VllmExtMetadata, VllmExtWorkerMetadata  # noqa: E402
 from .stats import VllmExtPromMetrics, VllmExtStats  # noqa: E402
 
@@ -169,7 +169,7 @@ class VllmExtConnector(KVConnectorBase_V1):
         self._scheduler.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output):
-        return self._scheduler.build_connector_meta()
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request, block_ids):
         return self._scheduler.request_finished(request, block_ids)

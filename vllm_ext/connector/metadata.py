@@ -52,9 +52,11 @@ class ReleaseJob:
 class VllmExtMetadata(KVConnectorMetadata):
     recvs: List[RecvJob] = dataclasses.field(default_factory=list)
     releases: List[ReleaseJob] = dataclasses.field(default_factory=list)
-    # producer: leases made since the last step (request id -> blocks), and requests whose
-    # lease ended (released or expired): the worker reports them in finished_sending
+    # producer: leases made since the last step (lease id -> blocks: the worker grants them),
+    # leases ended since (their grants are revoked), and requests whose blocks go back to vLLM
+    # (their last lease ended): the worker reports them in finished_sending
     new_leases: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
+    ended_leases: List[str] = dataclasses.field(default_factory=list)
     finished_sending: List[str] = dataclasses.field(default_factory=list)
 
 
@@ -68,7 +70,7 @@ class VllmExtHandshake(KVConnectorHandshakeMetadata):
 if KVConnectorWorkerMetadata is not None:
     @dataclasses.dataclass
     class VllmExtWorkerMetadata(KVConnectorWorkerMetadata):
-        """Worker -> scheduler, per step: the requests whose lease blocks the worker's endpoint
+        """Worker -> scheduler, per step: the leases (ids) whose blocks the worker's endpoint
         now serves (granted), so that the lease channel hands a lease out only once its blocks
         can be pulled."""
 

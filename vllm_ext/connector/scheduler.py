@@ -9,6 +9,13 @@ or releases expires after `lease_s`.
 Consumer: a request whose kv_transfer_params come from a producer reports the tokens beyond
 its local prefix-cache hit as an asynchronous external hit, and hands the worker a RecvJob.
 
+Live migration (source side; vllm_ext/migration/live.py drives it): a request whose
+kv_transfer_params carry a `migration_id` is tracked with its block table (from the scheduler
+output of every step). A router may ask for a pre-copy lease on its complete blocks while it
+runs (made on the engine thread, from that step's exact counts), arm the stop, abort the request
+(its blocks then stay under a final lease, as a P/D lease), take that lease, and end the
+migration. A finished request's blocks go back to vLLM only when its last lease has ended.
+
 Who calls what (vLLM, on the engine thread unless said otherwise): get_num_new_matched_tokens,
 update_state_after_alloc, build_connector_meta, update_connector_output, request_finished,
 set_handshake (once at start-up), and the lease channel's threads call _serve.
@@ -21,9 +28,10 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..migration import protocol
-from .channel import LeaseServer
+from ..migration.lease import LeaseServer
 from .metadata import RecvJob, ReleaseJob, VllmExtHandshake, VllmExtMetadata
-from .protocol import ParamsError, lease_ref, parse_remote_params, producer_params, prompt_hash
+from ..migration.kv_params import (ParamsError, lease_ref, migration_id_of, parse_remote_params, producer_params,
+                                   prompt_hash)
 from .stats import VllmExtStats
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
@@ -36,12 +44,19 @@ MAX_HOLD_S = 900.0  # a pull's deadline is at most 600 s (pull_timeout_s)
 GRANT_WAIT_S = 3.0
 
 
+# A pre-copy asked on the lease channel waits at most this long for the engine's next step.
+PRECOPY_WAIT_S = 2.0
+
+
 class Lease:
-    """A finished request's blocks held for consumers (producer side)."""
+    """A request's blocks held for consumers (producer side): a finished request's (P/D, or a
+    stopped migration's), or a running request's complete blocks (a migration's pre-copy)."""
 
-    __slots__ = ("lease_id", "req_id", "block_ids", "num_tokens", "prompt_hash", "expires_at", "taken", "granted")
+    __slots__ = ("lease_id", "req_id", "block_ids", "num_tokens", "prompt_hash", "expires_at", "taken", "granted",
+                 "token_ids", "num_prompt_tokens", "preemptions", "tracked")
 
-    def __init__(self, lease_id, req_id, block_ids, num_tokens, prompt_hash_, expires_at, granted):
+    def __init__(self, lease_id, req_id, block_ids, num_tokens, prompt_hash_, expires_at, granted,
+                 token_ids=None, num_prompt_tokens=0, tracked=None):
         self.lease_id = lease_id
         self.req_id = req_id
         self.block_ids = block_ids
@@ -50,6 +65,26 @@ class Lease:
         self.expires_at = expires_at
         self.taken = False
         self.granted = granted  # the worker's endpoint serves block_ids
+        self.token_ids = token_ids or []  # migration leases: the request's tokens so far
+        self.num_prompt_tokens = num_prompt_tokens
+        self.tracked = tracked  # migration leases: the _Tracked request
+        # a pre-copy lease of a running request: its preemption count when the lease was made
+        self.preemptions = getattr(tracked.request, "num_preemptions", 0) if tracked is not None else None
+
+
+class _Tracked:
+    """A request that carries a migration id (source side): its block table and its leases."""
+
+    __slots__ = ("migration_id", "request", "block_ids", "armed", "finished", "leases", "final")
+
+    def __init__(self, migration_id: str, request, block_ids: List[int]):
+        self.migration_id = migration_id
+        self.request = request
+        self.block_ids = list(block_ids)
+        self.armed = False  # the router stopped it: its end makes a final lease
+        self.finished = False
+        self.leases: set = set()  # live lease ids
+        self.final: Optional[Lease] = None
 
 
 class SchedulerHalf:
@@ -75,7 +110,11 @@ class SchedulerHalf:
         self._leases: Dict[str, Lease] = {}
         self._by_req: Dict[str, str] = {}
         self._finished_sending: List[str] = []
-        self._new_leases: Dict[str, List[int]] = {}
+        self._new_leases: Dict[str, List[int]] = {}  # lease id -> blocks the worker grants
+        self._ended_leases: List[str] = []  # lease ids whose grants the worker revokes
+        self._tracked: Dict[str, _Tracked] = {}  # migration id -> request
+        self._tracked_req: Dict[str, str] = {}  # request id -> migration id
+        self._precopy_asks: Dict[str, Dict[str, Any]] = {}  # migration id -> {"event", "lease", "error"}
         self._recvs: List[RecvJob] = []
         self._releases: List[ReleaseJob] = []
         self._warned: set = set()
@@ -148,6 +187,7 @@ class SchedulerHalf:
         every request it schedules from the waiting queue, also when nothing is loaded (a full
         local hit, nothing beyond it, skip_reading_prefix_cache, refused params): then the
         lease is released at once, so the producer frees its blocks now and not at expiry."""
+        self._track(request, block_ids)
         remote, error = self._remote(request)
         if remote is None and error is None:
             return
@@ -164,6 +204,25 @@ class SchedulerHalf:
             req_id=request.request_id, lease=remote.lease, lease_host=remote.lease_host,
             lease_port=remote.lease_port, endpoint_id=remote.endpoint_id, fingerprint=remote.fingerprint,
             first_block=first, src_block_ids=remote.block_ids[first:last], dst_block_ids=list(block_ids[first:last])))
+
+    def _track(self, request, block_ids: List[int]) -> None:
+        """Follows a request that a router may migrate (a producer that carries a migration id)."""
+        if not self.is_producer:
+            return
+        mid = migration_id_of(request.kv_transfer_params)
+        if mid is None:
+            return
+        with self._lock:
+            tracked = self._tracked.get(mid)
+            if tracked is not None and tracked.request is not request:
+                logger.warning("request %s: migration id %s is already in use here; not migratable", request.request_id,
+                               mid[:8])
+                return
+            if tracked is None:
+                self._tracked[mid] = _Tracked(mid, request, block_ids)
+                self._tracked_req[request.request_id] = mid
+            else:  # resumed after a preemption: a new block table
+                tracked.block_ids = list(block_ids)
 
     def _release(self, req_id: str, params: Any) -> None:
         """A release-only job for the lease named by `params`, when its lease fields are well
@@ -190,6 +249,8 @@ class SchedulerHalf:
             # never scheduled (aborted while waiting): nothing will pull its lease
             params["do_remote_prefill"] = False
             self._release(request.request_id, params)
+        if self.is_producer and request.request_id in self._tracked_req:
+            return self._tracked_finished(request, block_ids), None
         if not self.is_producer or not isinstance(params, dict) or not params.get("do_remote_decode"):
             return False, None
         from vllm.v1.request import RequestStatus
@@ -211,7 +272,7 @@ class SchedulerHalf:
         with self._lock:
             self._leases[lease_id] = lease
             self._by_req[request.request_id] = lease_id
-            self._new_leases[request.request_id] = lease.block_ids
+            self._new_leases[lease_id] = lease.block_ids
         desc = self._handshake.descriptor
         host, port = self.lease_address
         return True, producer_params(
@@ -219,12 +280,57 @@ class SchedulerHalf:
             fingerprint=self._handshake.fingerprint, lease_host=host, lease_port=port,
             endpoint_id=desc["endpoint_id"], backend=desc["backend"], lease_s=self.lease_s)
 
+    def _tracked_finished(self, request, block_ids: List[int]) -> bool:
+        """A migratable request ended (the router's abort, or its own end): True keeps its
+        blocks, under the final lease of an armed stop and until its pre-copy leases end."""
+        with self._lock:
+            mid = self._tracked_req[request.request_id]
+            tracked = self._tracked[mid]
+            tracked.finished = True
+            num_tokens = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+            nblocks = -(-num_tokens // self.block_size)
+            if tracked.armed and self._handshake is not None and 0 < num_tokens and nblocks <= len(block_ids):
+                tokens = list(request.all_token_ids)
+                lease = self._add_lease(request, list(block_ids[:nblocks]), num_tokens, tokens, tracked)
+                tracked.final = lease
+            self._granted.notify_all()  # a take waiting for the final lease
+            if tracked.leases:
+                return True
+            self._untrack(tracked)
+            return False
+
+    def _add_lease(self, request, block_ids: List[int], num_tokens: int, tokens: List[int],
+                   tracked: "_Tracked") -> Lease:
+        """With self._lock held: a migration lease, granted by the worker at the next step."""
+        lease = Lease(secrets.token_hex(16), request.request_id, block_ids, num_tokens,
+                      prompt_hash(tokens[:num_tokens]), self._clock() + self.lease_s, granted=not self.wait_for_grant,
+                      token_ids=tokens, num_prompt_tokens=request.num_prompt_tokens, tracked=tracked)
+        self._leases[lease.lease_id] = lease
+        self._new_leases[lease.lease_id] = block_ids
+        tracked.leases.add(lease.lease_id)
+        return lease
+
+    def _untrack(self, tracked: "_Tracked") -> None:
+        self._tracked.pop(tracked.migration_id, None)
+        self._tracked_req.pop(tracked.request.request_id, None)
+
     def _end_lease(self, lease: Lease, why: str) -> None:
-        """With self._lock held: the lease's blocks go back to the engine at the next step."""
+        """With self._lock held: the lease's blocks go back to the engine at the next step
+        (a migration lease's: once its request finished and its last lease ended)."""
         del self._leases[lease.lease_id]
-        self._by_req.pop(lease.req_id, None)
+        self._ended_leases.append(lease.lease_id)
         self._granted.notify_all()
-        self._finished_sending.append(lease.req_id)
+        tracked = lease.tracked
+        if tracked is not None:
+            tracked.leases.discard(lease.lease_id)
+            if tracked.final is lease:
+                tracked.final = None
+            if tracked.finished and not tracked.leases:
+                self._finished_sending.append(lease.req_id)
+                self._untrack(tracked)
+        else:
+            self._by_req.pop(lease.req_id, None)
+            self._finished_sending.append(lease.req_id)
         if why == "expired":
             self._stats.record_expiry()
             logger.warning("lease %s (request %s, %d blocks) expired unused after %g s; blocks freed",
@@ -244,6 +350,9 @@ class SchedulerHalf:
                 raise ValueError("this instance's worker has not registered its KV cache yet")
             return protocol.LeaseDescribeReply(self._handshake.descriptor, self._handshake.fingerprint,
                                                self._handshake.fingerprint_fields), b""
+        if isinstance(request, (protocol.MigratePrecopy, protocol.MigrateStop, protocol.MigrateTake,
+                                protocol.MigrateEnd)):
+            return self._serve_migration(request)
         lease_id = request.lease
         self._reap_expired()
         with self._lock:
@@ -267,17 +376,125 @@ class SchedulerHalf:
                 lease.expires_at = max(lease.expires_at, self._clock() + request.hold_s)
                 return (protocol.LeaseAcquireReply(len(lease.block_ids), lease.num_tokens, lease.prompt_hash),
                         protocol.encode_ids(lease.block_ids))
-            self._end_lease(lease, "released")  # LeaseRelease
-            return None, b""
+            # LeaseRelease: a pre-copy lease's blocks were its request's throughout unless it was
+            # preempted meanwhile (its blocks then went back to vLLM, and may hold others' KV)
+            intact = lease.preemptions is None or (
+                getattr(lease.tracked.request, "num_preemptions", 0) == lease.preemptions)
+            self._end_lease(lease, "released")
+            return protocol.LeaseReleaseReply(intact), b""
+
+    # ---- live migration (the lease channel's threads) -----------------------------------
+    def _lease_reply(self, lease: Lease):
+        desc = self._handshake.descriptor
+        reply = protocol.MigrateLeaseReply(
+            lease=lease.lease_id, n=len(lease.block_ids), num_tokens=lease.num_tokens, n_tokens=len(lease.token_ids),
+            num_prompt_tokens=lease.num_prompt_tokens, prompt_hash=lease.prompt_hash,
+            fingerprint=self._handshake.fingerprint, endpoint_id=desc["endpoint_id"], backend=desc["backend"],
+            lease_s=float(self.lease_s))
+        return reply, protocol.encode_ids(lease.block_ids + lease.token_ids)
+
+    def _serve_migration(self, request):
+        mid = request.migration_id
+        if self._handshake is None:
+            raise ValueError("this instance's worker has not registered its KV cache yet")
+        self._reap_expired()
+        if isinstance(request, protocol.MigratePrecopy):
+            ask = {"event": threading.Event(), "lease": None, "error": None}
+            with self._lock:
+                if mid not in self._tracked:
+                    raise ValueError(f"migration {mid[:8]}: no running request of this instance carries it")
+                self._precopy_asks[mid] = ask
+            if not ask["event"].wait(PRECOPY_WAIT_S):
+                with self._lock:
+                    self._precopy_asks.pop(mid, None)
+                raise ValueError(f"migration {mid[:8]}: the engine took no step in {PRECOPY_WAIT_S:g} s")
+            if ask["error"]:
+                raise ValueError(f"migration {mid[:8]}: {ask['error']}")
+            with self._lock:
+                return self._lease_reply(ask["lease"])
+        with self._lock:
+            tracked = self._tracked.get(mid)
+            if isinstance(request, protocol.MigrateStop):
+                if tracked is not None and not tracked.finished:
+                    tracked.armed = True
+                return protocol.MigrateStopReply(running=tracked is not None and not tracked.finished), b""
+            if isinstance(request, protocol.MigrateEnd):
+                if tracked is not None:
+                    tracked.armed = False
+                    for lease_id in list(tracked.leases):
+                        self._end_lease(self._leases[lease_id], "released")
+                return None, b""
+            # MigrateTake: wait for the stopped request's end
+            if tracked is None or not tracked.armed:
+                raise ValueError(f"migration {mid[:8]}: not stopped here (unknown, ended, or never armed)")
+            self._granted.wait_for(lambda: tracked.finished, timeout=request.timeout)
+            if not tracked.finished:
+                raise ValueError(f"migration {mid[:8]}: the request did not stop within {request.timeout:g} s")
+            if tracked.final is None:
+                raise ValueError(f"migration {mid[:8]}: the request ended with no KV to take")
+            return self._lease_reply(tracked.final)
+
+    def _precopy(self, scheduler_output) -> None:
+        """Engine thread: the pre-copy leases asked since the last step, from this step's counts:
+        only complete blocks of tokens computed before this step (under asynchronous scheduling
+        one more step may still be writing: it is left out too)."""
+        from vllm.v1.request import RequestStatus
+
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", {}) if scheduler_output is not None else {}
+        with self._lock:
+            asks, self._precopy_asks = self._precopy_asks, {}
+            for mid, ask in asks.items():
+                tracked = self._tracked.get(mid)
+                request = tracked.request if tracked is not None else None
+                if request is None or tracked.finished or request.status != RequestStatus.RUNNING:
+                    ask["error"] = "the request is not running here"
+                else:
+                    valid = request.num_computed_tokens - scheduled.get(request.request_id, 0) - 1
+                    nblocks = min(max(valid, 0) // self.block_size, len(tracked.block_ids))
+                    if nblocks == 0:
+                        ask["error"] = "the request has no complete block yet"
+                    else:
+                        ask["lease"] = self._add_lease(request, tracked.block_ids[:nblocks], nblocks * self.block_size,
+                                                       list(request.all_token_ids), tracked)
+                ask["event"].set()
+
+    def _follow_blocks(self, scheduler_output) -> None:
+        """Engine thread: the tracked requests' block tables after this step's allocation."""
+        if scheduler_output is None or not self._tracked_req:
+            return
+        with self._lock:
+            for new in getattr(scheduler_output, "scheduled_new_reqs", ()):
+                mid = self._tracked_req.get(new.req_id)
+                if mid is not None:
+                    self._tracked[mid].block_ids = list(new.block_ids[0])
+            cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+            if cached is None:
+                return
+            resumed = getattr(cached, "resumed_req_ids", None)
+            if resumed is None:  # releases with a per-request flag
+                flags = getattr(cached, "resumed_from_preemption", [])
+                resumed = {r for r, f in zip(cached.req_ids, flags) if f}
+            for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
+                mid = self._tracked_req.get(req_id)
+                if mid is None or new_ids is None:
+                    continue
+                tracked = self._tracked[mid]
+                if req_id in resumed:
+                    tracked.block_ids = list(new_ids[0])
+                else:
+                    tracked.block_ids.extend(new_ids[0])
 
     # ---- every step ----------------------------------------------------------------------
-    def build_connector_meta(self) -> VllmExtMetadata:
+    def build_connector_meta(self, scheduler_output=None) -> VllmExtMetadata:
         if self.is_producer:
             self._reap_expired()
+            self._follow_blocks(scheduler_output)
+            if self._precopy_asks:
+                self._precopy(scheduler_output)
         with self._lock:
             meta = VllmExtMetadata(recvs=self._recvs, releases=self._releases, new_leases=self._new_leases,
-                                   finished_sending=self._finished_sending)
-            self._new_leases, self._finished_sending = {}, []
+                                   ended_leases=self._ended_leases, finished_sending=self._finished_sending)
+            self._new_leases, self._ended_leases, self._finished_sending = {}, [], []
         self._recvs, self._releases = [], []
         return meta
 
@@ -287,8 +504,8 @@ class SchedulerHalf:
         if not granted:
             return
         with self._lock:
-            for req_id in granted:
-                lease = self._leases.get(self._by_req.get(req_id, ""))
+            for lease_id in granted:
+                lease = self._leases.get(lease_id)
                 if lease is not None:
                     lease.granted = True
             self._granted.notify_all()

@@ -28,9 +28,9 @@ import torch
 
 from .. import KVCache
 from ..migration import MigrationEndpoint, MigrationError, PeerDescriptor
-from .channel import ChannelError, LeaseClient
+from ..migration.lease import ChannelError, LeaseClient
 from .metadata import RecvJob, ReleaseJob, VllmExtHandshake, VllmExtMetadata, VllmExtWorkerMetadata
-from .protocol import PROTOCOL, fingerprint_mismatch, layout_fingerprint
+from ..migration.kv_params import PROTOCOL, fingerprint_mismatch, layout_fingerprint
 from .stats import VllmExtStats
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
@@ -136,7 +136,7 @@ class WorkerHalf:
         self._peer_locks: Dict[Tuple[str, int], threading.Lock] = {}
         self._backoff: Dict[Tuple[str, int], float] = {}  # producer -> monotonic time it may be dialled again
         self._stream = None
-        self.leased_blocks: Dict[str, List[int]] = {}  # producer: request id -> blocks granted for its lease
+        self.leased_blocks: Dict[str, List[int]] = {}  # producer: lease id -> blocks granted for it
         self._granted_now: List[str] = []  # producer: leases granted since the last worker metadata
         self._grants = False  # the endpoint serves only granted blocks
 
@@ -171,13 +171,13 @@ class WorkerHalf:
     def start_load_kv(self, meta: Optional[VllmExtMetadata]) -> None:
         if meta is None:
             return
-        for req_id, blocks in meta.new_leases.items():
+        for lease_id, blocks in meta.new_leases.items():
             if self._grants:
                 self.endpoint.grant(blocks)
-            self.leased_blocks[req_id] = list(blocks)
-            self._granted_now.append(req_id)
-        for req_id in meta.finished_sending:  # the lease ended: its blocks go back to vLLM this step
-            blocks = self.leased_blocks.pop(req_id, None)
+            self.leased_blocks[lease_id] = list(blocks)
+            self._granted_now.append(lease_id)
+        for lease_id in meta.ended_leases:  # released or expired (its blocks may go back to vLLM this step)
+            blocks = self.leased_blocks.pop(lease_id, None)
             if blocks is not None and self._grants:
                 self.endpoint.revoke(blocks)
         queued = time.monotonic()
@@ -323,6 +323,10 @@ class WorkerHalf:
                 self._stream.synchronize()
             else:
                 stats = self.endpoint.pull(peer, expected, job.dst_block_ids, timeout=_left(deadline))
+            acquired = False
+            if not self._release(client, job.lease):
+                raise TransferFailed(f"lease {job.lease[:8]}: the producer could not vouch for the blocks after the "
+                                     "pull (its request was preempted meanwhile, or the release failed); not used")
             self._finish(job, True, nbytes=stats.nbytes, seconds=time.perf_counter() - started)
         except BaseException as e:  # noqa: BLE001 - a receive must always be reported
             if pulling and self._stream is not None:
@@ -343,11 +347,15 @@ class WorkerHalf:
             if client is not None and acquired:
                 self._release(client, job.lease)
 
-    def _release(self, client: LeaseClient, lease: str) -> None:
+    def _release(self, client: LeaseClient, lease: str) -> bool:
+        """Ends the lease; False when the producer says its blocks changed owner meanwhile (a
+        running request's pre-copy, preempted), or when the release fails (the lease then
+        expires by itself, and what was pulled cannot be vouched for)."""
         try:
-            client.release(lease, CHANNEL_TIMEOUT_S)
-        except ChannelError as e:  # the lease then expires on the producer
+            return client.release(lease, CHANNEL_TIMEOUT_S)
+        except ChannelError as e:
             logger.warning("lease %s: release failed (it expires by itself): %s", lease[:8], e)
+            return False
 
     def _release_only(self, job: ReleaseJob) -> None:
         """A lease this instance will not pull: freed now rather than at its expiry."""

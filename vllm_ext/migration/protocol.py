@@ -30,7 +30,9 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 #    address is the control connection's (no address travels in a message); "closing".
 # 6: the vLLM connector's lease messages (lease.*), served by a lease server of their own
 #    (LEASE_REQUESTS): an endpoint's server accepts none of them, a lease server none of REQUESTS.
-PROTOCOL = 6
+# 7: live migration's messages (migrate.*) on the lease server; a release answers whether the
+#    blocks stayed the request's throughout (LeaseReleaseReply).
+PROTOCOL = 7
 
 FRAME = struct.Struct("!II")
 MAX_HEADER_BYTES = 64 << 10  # a header is a small JSON object; refused past this, unread
@@ -186,7 +188,18 @@ _FIELD_CHECKS.update(geometry=_check_geometry, uids=_check_uids, handle=_check_h
                      num_tokens=lambda v: _check_int("num_tokens", v, 1, 1 << 40),
                      prompt_hash=lambda v: _check_hex("prompt_hash", v, 32),
                      fingerprint=lambda v: _check_hex("fingerprint", v, 16),
-                     descriptor=_check_object("descriptor"), fingerprint_fields=_check_object("fingerprint_fields"))
+                     descriptor=_check_object("descriptor"), fingerprint_fields=_check_object("fingerprint_fields"),
+                     intact=lambda v: _check_bool("intact", v), running=lambda v: _check_bool("running", v),
+                     migration_id=lambda v: _check_hex("migration_id", v, 16),
+                     n_tokens=lambda v: _check_int("n_tokens", v, 0, MAX_IDS_PER_PULL),
+                     num_prompt_tokens=lambda v: _check_int("num_prompt_tokens", v, 0, 1 << 40),
+                     endpoint_id=lambda v: _check_str("endpoint_id", v, 64),
+                     lease_s=lambda v: _check_number("lease_s", v, 0, MAX_HOLD_S))
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ProtocolError(f"{name}: expected true or false, got {str(value)[:40]!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,16 +372,88 @@ class LeaseAcquireReply(Message):
 
 @dataclasses.dataclass(frozen=True)
 class LeaseRelease(Message):
-    """Ends a lease: the producer frees its blocks (a plain ok)."""
+    """Ends a lease: the producer frees its blocks (LeaseReleaseReply)."""
 
     op: ClassVar[str] = "lease.release"
     lease: str
 
 
+@dataclasses.dataclass(frozen=True)
+class LeaseReleaseReply(Message):
+    """`intact`: the lease's blocks were its request's from the acquire to the release (false
+    when a running request's blocks were preempted meanwhile: what was pulled is not to be used)."""
+
+    op: ClassVar[str] = "lease.release.reply"
+    intact: bool
+
+
+# ---- live migration (a router -> the source instance's lease server) ------------------------
+# A request the router may move carries kv_transfer_params["migration_id"]; these messages name it.
+@dataclasses.dataclass(frozen=True)
+class MigratePrecopy(Message):
+    """A lease on the complete blocks of a running request (MigrateLeaseReply): the request
+    keeps running; a release tells whether they stayed its blocks."""
+
+    op: ClassVar[str] = "migrate.precopy"
+    migration_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MigrateStop(Message):
+    """Arms the stop: when the request next finishes (the router then aborts it), its blocks
+    stay under a lease for MigrateTake (MigrateStopReply)."""
+
+    op: ClassVar[str] = "migrate.stop"
+    migration_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MigrateStopReply(Message):
+    op: ClassVar[str] = "migrate.stop.reply"
+    running: bool  # the instance runs this request (else it finished or never came)
+
+
+@dataclasses.dataclass(frozen=True)
+class MigrateTake(Message):
+    """Waits up to `timeout` for the stopped request's lease (MigrateLeaseReply)."""
+
+    op: ClassVar[str] = "migrate.take"
+    migration_id: str
+    timeout: float
+
+
+@dataclasses.dataclass(frozen=True)
+class MigrateEnd(Message):
+    """Ends every lease of a migration and forgets it (idempotent; a plain ok)."""
+
+    op: ClassVar[str] = "migrate.end"
+    migration_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MigrateLeaseReply(Message):
+    """A lease on the request's first `num_tokens` tokens: `n` block ids, then `n_tokens`
+    token ids (the request's tokens so far: prompt, then output) follow in the payload."""
+
+    op: ClassVar[str] = "migrate.lease.reply"
+    lease: str
+    n: int
+    num_tokens: int
+    n_tokens: int
+    num_prompt_tokens: int
+    prompt_hash: str
+    fingerprint: str
+    endpoint_id: str
+    backend: str
+    lease_s: float
+
+
 REQUESTS: Dict[str, Type[Message]] = {m.op: m for m in (Hello, Ping, IpcExport, GlooConnect, GlooPull,
                                                            NcclConnect)}
 # A lease server's requests: a registry of their own, so that neither server accepts the other's.
-LEASE_REQUESTS: Dict[str, Type[Message]] = {m.op: m for m in (LeaseDescribe, LeaseAcquire, LeaseRelease)}
+LEASE_REQUESTS: Dict[str, Type[Message]] = {m.op: m for m in (LeaseDescribe, LeaseAcquire, LeaseRelease,
+                                                                 MigratePrecopy, MigrateStop, MigrateTake,
+                                                                 MigrateEnd)}
 
 
 def parse_request(header: Dict[str, Any], registry: Optional[Dict[str, Type[Message]]] = None) -> Message:

@@ -3,6 +3,7 @@ fingerprint they must agree on. Imports neither vllm nor torch.
 
 Version history (PROTOCOL, carried as `kv_transfer_params["vllm_ext"]`):
   1: first version: lease id, block ids, token count, prompt hash, fingerprint, lease address.
+  2: `migration_id` (a router's id of a request it may migrate; see migration/live.py).
 
 A producer answers a finished `do_remote_decode` request with:
 
@@ -27,9 +28,9 @@ import json
 import re
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..migration.base import geometry_mismatch
+from .base import geometry_mismatch
 
-PROTOCOL = 1
+PROTOCOL = 2
 MAX_REMOTE_BLOCKS = 1 << 20
 _HEX = re.compile(r"^[0-9a-f]+$")
 
@@ -39,7 +40,8 @@ class ParamsError(ValueError):
 
 
 _FIELDS = ("do_remote_prefill", "do_remote_decode", "vllm_ext", "remote_lease", "remote_block_ids",
-           "remote_num_tokens", "remote_prompt_hash", "remote_fingerprint", "remote_endpoint", "remote_lease_s")
+           "remote_num_tokens", "remote_prompt_hash", "remote_fingerprint", "remote_endpoint", "remote_lease_s",
+           "migration_id")
 _ENDPOINT_FIELDS = ("lease_host", "lease_port", "endpoint_id", "backend")
 # What vLLM itself adds to kv_transfer_params on their way (its scheduler: the producer's cached
 # prompt tokens; its chat endpoint: pre-tokenized prompts); any other key is refused.
@@ -138,6 +140,16 @@ def parse_remote_params(params: Any, block_size: int) -> RemoteKV:
     return RemoteKV(lease=lease, block_ids=list(block_ids), num_tokens=num_tokens, prompt_hash=hash_,
                     fingerprint=fingerprint, lease_host=host, lease_port=port, endpoint_id=endpoint_id,
                     backend=backend)
+
+
+def migration_id_of(params: Any) -> Optional[str]:
+    """The well-formed `migration_id` (32 hex digits) of kv_transfer_params, else None."""
+    if not isinstance(params, dict):
+        return None
+    value = params.get("migration_id")
+    if isinstance(value, str) and len(value) == 32 and _HEX.match(value):
+        return value
+    return None
 
 
 def lease_ref(params: Any):

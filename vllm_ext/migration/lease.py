@@ -15,10 +15,10 @@ import uuid
 from typing import Callable, List, Optional, Tuple
 
 from ..errors import MigrationError
-from ..migration import auth, protocol
-from ..migration.control import Connection, ControlServer, open_connection
-from ..migration.protocol import ProtocolError
-from ..migration.timing import Deadline
+from . import auth, protocol
+from .control import Connection, ControlServer, open_connection
+from .protocol import ProtocolError
+from .timing import Deadline
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
@@ -73,6 +73,17 @@ class LeaseServer:
         self._server.close()
 
 
+class MigrationLease:
+    """A source instance's lease for a migration: the reply's fields, its block ids and the
+    request's token ids so far."""
+
+    def __init__(self, reply: protocol.MigrateLeaseReply, block_ids: List[int], token_ids: List[int]):
+        self.reply, self.block_ids, self.token_ids = reply, block_ids, token_ids
+
+    def __getattr__(self, name):
+        return getattr(self.reply, name)
+
+
 class LeaseClient:
     """One authenticated connection to a producer's lease server, opened on first use and again
     (once) after a failure. Thread-safe: requests are serialised."""
@@ -124,8 +135,31 @@ class LeaseClient:
             raise ChannelError(f"lease channel {self.host}:{self.port}: a malformed reply: {e}") from e
         return ids, reply.num_tokens, reply.prompt_hash
 
-    def release(self, lease: str, timeout: float) -> None:
-        self._request(protocol.LeaseRelease(lease), timeout)
+    def release(self, lease: str, timeout: float) -> bool:
+        """Ends the lease; True when its blocks stayed its request's throughout."""
+        return self._request(protocol.LeaseRelease(lease), timeout, protocol.LeaseReleaseReply)[0].intact
+
+    # ---- live migration (a router -> the source instance) ----------------------------------
+    def precopy(self, migration_id: str, timeout: float) -> "MigrationLease":
+        return self._lease(protocol.MigratePrecopy(migration_id), timeout)
+
+    def stop(self, migration_id: str, timeout: float) -> bool:
+        """Arms the stop; True when the instance runs the request."""
+        return self._request(protocol.MigrateStop(migration_id), timeout, protocol.MigrateStopReply)[0].running
+
+    def take(self, migration_id: str, wait_s: float, timeout: float) -> "MigrationLease":
+        return self._lease(protocol.MigrateTake(migration_id, float(wait_s)), timeout)
+
+    def end(self, migration_id: str, timeout: float) -> None:
+        self._request(protocol.MigrateEnd(migration_id), timeout)
+
+    def _lease(self, message: protocol.Message, timeout: float) -> "MigrationLease":
+        reply, payload = self._request(message, timeout, protocol.MigrateLeaseReply)
+        if len(payload) != 8 * (reply.n + reply.n_tokens):
+            raise ChannelError(f"lease channel {self.host}:{self.port}: a malformed reply: payload of "
+                               f"{len(payload)} bytes for {reply.n} + {reply.n_tokens} ids")
+        ids = protocol.decode_ids(payload, reply.n + reply.n_tokens, "ids")
+        return MigrationLease(reply, ids[:reply.n], ids[reply.n:])
 
     def _drop(self) -> None:
         if self._conn is not None:
