@@ -28,10 +28,16 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..migration import protocol
+from ..migration.kv_params import (
+    ParamsError,
+    lease_ref,
+    migration_id_of,
+    parse_remote_params,
+    producer_params,
+    prompt_hash,
+)
 from ..migration.lease import LeaseServer
 from .metadata import RecvJob, ReleaseJob, VllmExtHandshake, VllmExtMetadata
-from ..migration.kv_params import (ParamsError, lease_ref, migration_id_of, parse_remote_params, producer_params,
-                                   prompt_hash)
 from .stats import VllmExtStats
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
@@ -388,7 +394,7 @@ class SchedulerHalf:
         desc = self._handshake.descriptor
         reply = protocol.MigrateLeaseReply(
             lease=lease.lease_id, n=len(lease.block_ids), num_tokens=lease.num_tokens, n_tokens=len(lease.token_ids),
-            num_prompt_tokens=lease.num_prompt_tokens, prompt_hash=lease.prompt_hash,
+            num_prompt_tokens=lease.num_prompt_tokens, block_size=self.block_size, prompt_hash=lease.prompt_hash,
             fingerprint=self._handshake.fingerprint, endpoint_id=desc["endpoint_id"], backend=desc["backend"],
             lease_s=float(self.lease_s))
         return reply, protocol.encode_ids(lease.block_ids + lease.token_ids)

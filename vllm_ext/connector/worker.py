@@ -28,9 +28,9 @@ import torch
 
 from .. import KVCache
 from ..migration import MigrationEndpoint, MigrationError, PeerDescriptor
+from ..migration.kv_params import PROTOCOL, fingerprint_mismatch, layout_fingerprint
 from ..migration.lease import ChannelError, LeaseClient
 from .metadata import RecvJob, ReleaseJob, VllmExtHandshake, VllmExtMetadata, VllmExtWorkerMetadata
-from ..migration.kv_params import PROTOCOL, fingerprint_mismatch, layout_fingerprint
 from .stats import VllmExtStats
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers

@@ -191,6 +191,7 @@ _FIELD_CHECKS.update(geometry=_check_geometry, uids=_check_uids, handle=_check_h
                      descriptor=_check_object("descriptor"), fingerprint_fields=_check_object("fingerprint_fields"),
                      intact=lambda v: _check_bool("intact", v), running=lambda v: _check_bool("running", v),
                      migration_id=lambda v: _check_hex("migration_id", v, 16),
+                     block_size=lambda v: _check_int("block_size", v, 1, 1 << 20),
                      n_tokens=lambda v: _check_int("n_tokens", v, 0, MAX_IDS_PER_PULL),
                      num_prompt_tokens=lambda v: _check_int("num_prompt_tokens", v, 0, 1 << 40),
                      endpoint_id=lambda v: _check_str("endpoint_id", v, 64),
@@ -441,6 +442,7 @@ class MigrateLeaseReply(Message):
     num_tokens: int
     n_tokens: int
     num_prompt_tokens: int
+    block_size: int
     prompt_hash: str
     fingerprint: str
     endpoint_id: str

@@ -1,0 +1,257 @@
+"""Live migration of a running request between two vLLM instances running VllmExtConnector:
+the state machine, above the endpoint (the pulls are the destination's connector's, over
+whatever backend the instances use: ipc, nccl or gloo alike).
+
+    PRECOPY   while the source keeps decoding, up to `max_stages` times: take a lease on the
+              request's complete blocks (MigratePrecopy) and have the destination load them
+              into its prefix cache (a one-token request whose kv_transfer_params name the
+              lease); stop when a stage would move at most `last_stage_max_blocks` new blocks.
+    STOP      arm the stop on the source (MigrateStop), then abort the request there (the
+              router closes its stream): its blocks stay under a final lease.
+    TAKE      wait for that lease (MigrateTake): block ids and the tokens it covers.
+    RESUME    submit prompt + generated tokens to the destination with kv_transfer_params of
+              the final lease: its prefix cache holds the pre-copied blocks, it pulls the rest,
+              and streams on. The migration commits at the destination's first token.
+    END       MigrateEnd on the source (idempotent): every lease of the migration ends.
+
+Every step is keyed by the migration id and safe to repeat. Failure before the stop leaves the
+request running on the source (the pre-copy only cost the destination a cache fill); after the
+stop, a missing lease (source dead, nothing to take) resumes by recomputing from the tokens the
+router holds, and a destination that fails to resume hands the request back to the driver,
+which resumes it elsewhere (the source first) by recomputing. The driver (the router) owns the
+HTTP side: the streams, what the client saw, and the choice of where to go on failure.
+"""
+
+import asyncio
+import dataclasses
+import enum
+import logging
+import secrets
+import time
+from typing import Any, Dict, List, Optional, Protocol
+
+from .kv_params import PROTOCOL as PARAMS_PROTOCOL
+from .kv_params import prompt_hash
+from .lease import ChannelError, LeaseClient, MigrationLease
+
+logger = logging.getLogger(__name__)
+
+MAX_STAGES = 3  # pre-copy stages (Llumnix: 3)
+LAST_STAGE_MAX_BLOCKS = 2  # a pre-copy that would move at most this many new blocks is skipped
+CONTROL_TIMEOUT_S = 5.0  # one message on the source's lease channel
+TAKE_WAIT_S = 5.0  # how long the source may take to abort the stopped request
+
+
+def new_migration_id() -> str:
+    return secrets.token_hex(16)
+
+
+class Outcome(str, enum.Enum):
+    MOVED = "moved"  # resumed on the destination with the moved KV
+    RECOMPUTED = "recomputed"  # resumed on the destination, which recomputed the KV
+    STAYED = "stayed"  # aborted before the stop: the request runs on the source as before
+    FINISHED = "finished"  # the request ended on the source before the stop
+    FAILED = "failed"  # the destination did not resume it: the driver resumes it elsewhere
+
+
+@dataclasses.dataclass
+class Stage:
+    blocks: int  # blocks the lease covered
+    new_blocks: int  # beyond the previous stage's
+    seconds: float  # lease + the destination's load
+
+
+@dataclasses.dataclass
+class Record:
+    """What one migration did, for the admin API, the logs and the benchmark."""
+
+    migration_id: str
+    request_id: str
+    source: str
+    destination: str
+    state: str = "precopy"
+    outcome: Optional[Outcome] = None
+    reason: str = ""
+    stages: List[Stage] = dataclasses.field(default_factory=list)
+    final_blocks: int = 0  # blocks of the final lease
+    moved_tokens: int = 0  # tokens whose KV the destination got from the final lease
+    stopped_at: float = 0.0  # monotonic: the source's stream closed
+    resumed_at: float = 0.0  # monotonic: the destination's first token
+    started_at: float = dataclasses.field(default_factory=time.monotonic)
+
+    def as_dict(self) -> Dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["outcome"] = self.outcome.value if self.outcome else None
+        out["stop_to_resume_ms"] = (round(1e3 * (self.resumed_at - self.stopped_at), 3)
+                                    if self.resumed_at and self.stopped_at else None)
+        for key in ("stopped_at", "resumed_at", "started_at"):
+            out.pop(key)
+        return out
+
+
+class Driver(Protocol):
+    """What the state machine needs from the router (one request)."""
+
+    def finished(self) -> bool:
+        """The request ended (its last token was relayed)."""
+
+    async def load(self, destination: str, token_ids: List[int], params: Dict[str, Any]) -> bool:
+        """A pre-copy stage: the destination loads `params`' lease for `token_ids` into its
+        prefix cache (a one-token request). True when it answered."""
+
+    async def stop(self) -> bool:
+        """Abort the request on the source (close its stream). False when it had ended first."""
+
+    def tokens(self) -> List[int]:
+        """Prompt + the output tokens the client got, in order."""
+
+    async def resume(self, destination: str, params: Optional[Dict[str, Any]]) -> bool:
+        """Continue the request on `destination` from tokens(), loading `params`' lease (None:
+        recompute); True once its first token arrived."""
+
+
+def lease_params(lease: MigrationLease, lease_host: str, lease_port: int, num_tokens: int,
+                 migration_id: Optional[str] = None) -> Dict[str, Any]:
+    """kv_transfer_params naming the first `num_tokens` tokens of a source's lease (a consumer
+    loads those; it checks their hash against its own prompt)."""
+    num_tokens = min(num_tokens, lease.num_tokens)
+    params = {
+        "do_remote_prefill": True, "do_remote_decode": False, "vllm_ext": PARAMS_PROTOCOL,
+        "remote_lease": lease.lease, "remote_block_ids": lease.block_ids[:-(-num_tokens // lease.block_size)],
+        "remote_num_tokens": num_tokens,
+        "remote_prompt_hash": prompt_hash(lease.token_ids[:num_tokens]), "remote_fingerprint": lease.fingerprint,
+        "remote_endpoint": {"lease_host": lease_host, "lease_port": lease_port, "endpoint_id": lease.endpoint_id,
+                            "backend": lease.backend},
+        "remote_lease_s": lease.lease_s,
+    }
+    if migration_id is not None:
+        params["migration_id"] = migration_id
+    return params
+
+
+def agreed_tokens(lease: MigrationLease, tokens: List[int]) -> int:
+    """How many of the lease's tokens agree with `tokens` (the router's), from the start."""
+    n = min(lease.num_tokens, len(tokens))
+    theirs = lease.token_ids
+    if n > len(theirs):
+        n = len(theirs)
+    i = 0
+    while i < n and theirs[i] == tokens[i]:
+        i += 1
+    return i
+
+
+class SourceControl:
+    """The router's side of a source instance's lease channel (blocking calls: run them in a
+    thread)."""
+
+    def __init__(self, secret: bytes, host: str, port: int, timeout_s: float = CONTROL_TIMEOUT_S):
+        self.host, self.port = host, port
+        self.timeout_s = timeout_s
+        self._client = LeaseClient(secret, host, port)
+
+    def precopy(self, migration_id: str) -> MigrationLease:
+        return self._client.precopy(migration_id, self.timeout_s)
+
+    def stop(self, migration_id: str) -> bool:
+        return self._client.stop(migration_id, self.timeout_s)
+
+    def take(self, migration_id: str, wait_s: float = TAKE_WAIT_S) -> MigrationLease:
+        return self._client.take(migration_id, wait_s, self.timeout_s + wait_s)
+
+    def end(self, migration_id: str) -> None:
+        self._client.end(migration_id, self.timeout_s)
+
+    def release(self, lease: str) -> None:
+        self._client.release(lease, self.timeout_s)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+async def _call(fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+async def _end(source: SourceControl, migration_id: str, record: Record) -> None:
+    try:
+        await _call(source.end, migration_id)
+    except ChannelError as e:  # its leases expire by themselves
+        logger.warning("migration %s: ending it on %s failed (its leases expire): %s", migration_id[:8],
+                       record.source, e)
+
+
+async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_stages: int = MAX_STAGES,
+                  last_stage_max_blocks: int = LAST_STAGE_MAX_BLOCKS,
+                  next_migration_id: Optional[str] = None) -> Record:
+    """Runs one migration to its end (see the module's docstring); the record says how it went.
+    `next_migration_id`: the id the request carries on the destination (it may move again)."""
+    mid = record.migration_id
+    moved = 0  # blocks the destination's prefix cache got from pre-copies
+    for _ in range(max_stages):
+        if driver.finished():
+            break
+        started = time.perf_counter()
+        try:
+            lease = await _call(source.precopy, mid)
+        except ChannelError as e:
+            logger.info("migration %s: no pre-copy (%s)", mid[:8], e)
+            break
+        new = lease.n - moved
+        if new <= last_stage_max_blocks and record.stages:
+            await _call(source.release, lease.lease)
+            break
+        # the next token too, so that a destination loading whole blocks before the last token
+        # still loads every block of the lease
+        prompt = lease.token_ids[:lease.num_tokens + 1]
+        ok = await driver.load(record.destination, prompt, lease_params(lease, source.host, source.port,
+                                                                        lease.num_tokens))
+        record.stages.append(Stage(lease.n, new, time.perf_counter() - started))
+        if not ok:
+            break
+        moved = lease.n
+    if driver.finished():
+        record.state, record.outcome = "done", Outcome.FINISHED
+        await _end(source, mid, record)
+        return record
+
+    record.state = "stop"
+    try:
+        running = await _call(source.stop, mid)
+    except ChannelError as e:
+        record.state, record.outcome, record.reason = "done", Outcome.STAYED, f"arming the stop failed: {e}"
+        await _end(source, mid, record)
+        return record
+    if not running or not await driver.stop():
+        record.state, record.outcome = "done", Outcome.FINISHED
+        await _end(source, mid, record)
+        return record
+    record.stopped_at = time.monotonic()
+
+    record.state = "take"
+    params = None
+    try:
+        final = await _call(source.take, mid)
+        tokens = driver.tokens()
+        n = agreed_tokens(final, tokens)
+        if n > 0:
+            record.final_blocks = final.n
+            record.moved_tokens = n
+            params = lease_params(final, source.host, source.port, n, next_migration_id)
+        else:
+            record.reason = "the source's tokens differ from the router's"
+    except ChannelError as e:
+        record.reason = f"no final lease ({e}): recomputed"
+    if params is None and next_migration_id is not None:
+        params = {"migration_id": next_migration_id}
+
+    record.state = "resume"
+    ok = await driver.resume(record.destination, params)
+    record.resumed_at = time.monotonic() if ok else 0.0
+    record.state = "done"
+    if ok:
+        record.outcome = Outcome.MOVED if params and "remote_lease" in params else Outcome.RECOMPUTED
+    else:
+        record.outcome, record.reason = Outcome.FAILED, record.reason or "the destination did not resume it"
+    await _end(source, mid, record)
+    return record

@@ -1,0 +1,720 @@
+"""The router: an OpenAI-compatible front for N vLLM instances running VllmExtConnector, which
+holds every client stream and can move a running request to another instance while the
+client's stream goes on (vllm_ext/migration/live.py), by hand, to drain an instance, or to
+balance load.
+
+    python -m vllm_ext.router --instance http://A:8100 http://B:8200 --lease A:8101 B:8201 --balance
+
+Each instance runs `kv_role: kv_both` with a lease channel (`lease_port`) the router and the
+other instances can reach, `kv_load_failure_policy: recompute`, and the deployment secret
+(VLLM_EXT_AUTH_SECRET, also the router's). The admin API (/instances, /requests, /migrate,
+/drain, /undrain) needs `Authorization: Bearer $VLLM_EXT_ROUTER_TOKEN`; without that variable
+it is off. See docs/live-migration.md for every knob.
+"""
+
+import argparse
+import asyncio
+import dataclasses
+import hmac
+import itertools
+import json
+import logging
+import os
+import secrets
+import time
+from typing import Any, Dict, List, Optional
+
+import aiohttp
+from aiohttp import web
+
+from ..migration import auth, live
+from . import streams
+from .streams import ClientStream
+
+logger = logging.getLogger("vllm_ext.router")
+
+ENV_TOKEN = "VLLM_EXT_ROUTER_TOKEN"
+POLICIES = ("round_robin", "least_loaded")
+
+
+@dataclasses.dataclass
+class Settings:
+    """Every knob, with its default (docs/live-migration.md)."""
+
+    policy: str = "least_loaded"  # where a new request goes
+    timeout_s: float = 600.0  # a backend may stay silent this long
+    balance: bool = False  # the load-balancing loop
+    balance_interval_s: float = 0.5  # its period
+    balance_threshold: int = 2  # migrate when the most and least loaded differ by this many requests
+    max_migrations_per_request: int = 2
+    min_remaining_tokens: int = 8  # a request this close to its max_tokens is left where it is
+    max_stages: int = live.MAX_STAGES
+    last_stage_max_blocks: int = live.LAST_STAGE_MAX_BLOCKS
+    health_interval_s: float = 2.0  # /health and /metrics of every instance
+
+
+class Instance:
+    def __init__(self, url: str, lease: Optional[str], secret: Optional[bytes]):
+        self.url = url.rstrip("/")
+        self.lease = lease
+        self.control: Optional[live.SourceControl] = None
+        if lease:
+            host, _, port = lease.rpartition(":")
+            self.control = live.SourceControl(secret, host, int(port))
+        self.healthy = True
+        self.draining = False
+        self.requests: Dict[str, Routed] = {}
+        self.migrating_in = 0
+        self.migrating_out = 0
+        self.metrics: Dict[str, float] = {}
+
+    @property
+    def load(self) -> int:
+        return len(self.requests)
+
+    def describe(self) -> Dict[str, Any]:
+        return {"url": self.url, "lease": self.lease, "healthy": self.healthy, "draining": self.draining,
+                "load": self.load, "requests": sorted(self.requests), "migrating_in": self.migrating_in,
+                "migrating_out": self.migrating_out, "metrics": self.metrics}
+
+
+class Routed:
+    """One client request, across its legs."""
+
+    def __init__(self, rid: str, body: Dict[str, Any], chat: bool, client: ClientStream, reason: Optional[str]):
+        self.rid, self.body, self.chat, self.client = rid, body, chat, client
+        self.not_migratable = reason
+        self.instance: Optional[Instance] = None
+        self.mid = live.new_migration_id()  # the current leg's migration id
+        self.leg: Optional[aiohttp.ClientResponse] = None
+        self.stop_now = asyncio.Event()  # the pump closes the leg at its next chance
+        self.stopped: Optional[asyncio.Future] = None  # True: the pump closed the leg; False: it had ended
+        self.migration: Optional[asyncio.Task] = None
+        self.migrations: List[live.Record] = []
+        self.recoveries = 0
+
+    def tokens(self) -> List[int]:
+        return list(self.client.prompt_token_ids or []) + self.client.token_ids
+
+    def describe(self) -> Dict[str, Any]:
+        return {"id": self.rid, "instance": self.instance.url if self.instance else None,
+                "generated": len(self.client.token_ids), "migratable": self.not_migratable is None,
+                "why_not": self.not_migratable, "migrating": self.migration is not None,
+                "migrations": len(self.migrations)}
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}},
+                             status=status)
+
+
+class _LegFailed(Exception):
+    """A backend could not be reached, or broke the stream."""
+
+
+class Router:
+    def __init__(self, urls: List[str], leases: Optional[List[Optional[str]]], settings: Settings):
+        if not urls:
+            raise ValueError("--instance: at least one URL is needed")
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"--instance: {url!r} is not an http(s) URL")
+        leases = list(leases or [None] * len(urls))
+        if len(leases) != len(urls):
+            raise ValueError(f"--lease: {len(leases)} addresses for {len(urls)} instances (use '-' for none)")
+        secret = auth.deployment_secret() if any(leases) else None
+        if any(leases) and secret is None:
+            raise ValueError(f"--lease needs the deployment secret: set {auth.ENV_SECRET} or {auth.ENV_SECRET_FILE}")
+        self.settings = settings
+        self.instances = [Instance(u, lease, secret) for u, lease in zip(urls, leases)]
+        self._by_url = {i.url: i for i in self.instances}
+        self.requests: Dict[str, Routed] = {}
+        self.history: List[Dict[str, Any]] = []  # finished migrations (the last 1000)
+        self._next = itertools.count()
+        self._token = os.environ.get(ENV_TOKEN) or None
+        self.session: Optional[aiohttp.ClientSession] = None
+        self._tasks: List[asyncio.Task] = []
+
+    # ---- lifetime ------------------------------------------------------------------------
+    async def start(self, app) -> None:
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
+            total=None, connect=5.0, sock_read=self.settings.timeout_s))
+        self._tasks.append(asyncio.create_task(self._watch()))
+        if self.settings.balance:
+            self._tasks.append(asyncio.create_task(self._balance()))
+
+    async def stop(self, app) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.session is not None:
+            await self.session.close()
+        for inst in self.instances:
+            if inst.control is not None:
+                inst.control.close()
+
+    # ---- choosing ------------------------------------------------------------------------
+    def _candidates(self, exclude=()) -> List[Instance]:
+        live_ = [i for i in self.instances if i.healthy and not i.draining and i not in exclude]
+        if not live_:  # every instance marked down: try them all rather than refuse
+            live_ = [i for i in self.instances if not i.draining and i not in exclude]
+        start = next(self._next) % max(len(live_), 1)
+        order = live_[start:] + live_[:start]
+        if self.settings.policy == "least_loaded":
+            order.sort(key=lambda i: i.load)
+        return order
+
+    # ---- client routes -------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        body = {i.url: i.healthy for i in self.instances}
+        return web.json_response(body, status=200 if any(body.values()) else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        for inst in self._candidates():
+            try:
+                async with self.session.get(inst.url + "/v1/models") as r:
+                    return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                logger.warning("instance %s is down (%s): trying the next", inst.url, e)
+        return _error(503, "no instance is reachable", "ServiceUnavailableError")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        chat = request.path.endswith("/chat/completions")
+        try:
+            body = await request.json()
+        except (UnicodeDecodeError, ValueError) as e:
+            return _error(400, f"the request body is not valid JSON: {e}", "BadRequestError")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object", "BadRequestError")
+        body.pop("kv_transfer_params", None)  # a client's own never reach an instance
+        reason = streams.not_migratable(body, chat)
+        if reason is not None:
+            return await self._relay(request, body)
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(16)
+        opts = body.get("stream_options") or {}
+        client = ClientStream(rid, chat, str(body.get("model", "")), bool(body.get("return_token_ids")),
+                              want_usage=not body.get("stream") or bool(opts.get("include_usage")),
+                              stops=streams.stop_strings(body),
+                              include_stop=bool(body.get("include_stop_str_in_output")))
+        routed = Routed(rid, body, chat, client, None)
+        self.requests[rid] = routed
+        try:
+            return await self._serve(request, routed)
+        finally:
+            self.requests.pop(rid, None)
+            if routed.instance is not None:
+                routed.instance.requests.pop(rid, None)
+            if routed.migration is not None and not routed.migration.done():
+                routed.migration.cancel()
+
+    async def _relay(self, request: web.Request, body: Dict[str, Any]) -> web.StreamResponse:
+        """A request that cannot move: relayed as is (its reason was logged at debug level)."""
+        for inst in self._candidates():
+            key = "relay-" + secrets.token_hex(8)
+            inst.requests[key] = None
+            out = None
+            try:
+                async with self.session.post(inst.url + request.path, json=body) as r:
+                    if not body.get("stream") or r.status != 200:
+                        return web.Response(status=r.status, body=await r.read(),
+                                            content_type=r.content_type or "application/json")
+                    out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                                  "Cache-Control": "no-cache"})
+                    await out.prepare(request)
+                    async for chunk in r.content.iter_any():
+                        await out.write(chunk)
+                    await out.write_eof()
+                    return out
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
+                if out is not None:
+                    return out
+                self._mark_down(inst, e)
+            finally:
+                inst.requests.pop(key, None)
+        return _error(503, "no instance is reachable", "ServiceUnavailableError")
+
+    async def _serve(self, request: web.Request, routed: Routed) -> web.StreamResponse:
+        # the first leg: the first instance that answers
+        first_error = None
+        for inst in self._candidates():
+            try:
+                await self._open(routed, inst, inst.url + request.path,
+                                 streams.first_leg_body(routed.body, {"migration_id": routed.mid}))
+                break
+            except _LegFailed as e:
+                first_error = e
+            except _Refused as e:  # the instance refused the request (a bad request): its answer, as is
+                return web.Response(status=e.status, body=e.body, content_type=e.content_type.split(";")[0])
+        else:
+            return _error(503, f"no instance is reachable ({first_error})", "ServiceUnavailableError")
+
+        out = None
+        if routed.body.get("stream"):
+            out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                          "Cache-Control": "no-cache"})
+            await out.prepare(request)
+        try:
+            await self._run(routed, out)
+        except _LegFailed as e:
+            logger.warning("request %s failed: %s", routed.rid, e)
+            if out is None:
+                return _error(502, f"the request failed: {e}", "BadGatewayError")
+            event = {"error": {"message": f"the request failed: {e}", "type": "BadGatewayError", "param": None,
+                               "code": 502}}
+            await self._write(out, b"data: " + json.dumps(event).encode() + b"\n\n")
+            await self._write(out, b"data: [DONE]\n\n")
+            return out
+        if out is None:
+            return web.json_response(routed.client.answer())
+        await self._write(out, routed.client.end())
+        await out.write_eof()
+        return out
+
+    @staticmethod
+    async def _write(out, data: bytes) -> None:
+        if out is not None and data:
+            try:
+                await out.write(data)
+            except (ConnectionError, RuntimeError) as e:
+                raise _ClientGone(str(e)) from e
+
+    # ---- legs ----------------------------------------------------------------------------
+    async def _open(self, routed: Routed, inst: Instance, url: str, body: Dict[str, Any]) -> None:
+        """Starts a leg on `inst`: _LegFailed when unreachable or failing, web.HTTPException
+        carrying the instance's answer when it refuses the request."""
+        try:
+            r = await self.session.post(url, json=body)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self._mark_down(inst, e)
+            raise _LegFailed(f"{inst.url}: {type(e).__name__}: {e}") from e
+        if r.status != 200:
+            raw = await r.read()
+            r.release()
+            if r.status >= 500:
+                raise _LegFailed(f"{inst.url} answered {r.status}: {raw[:300]!r}")
+            raise _Refused(r.status, raw, r.content_type)
+        if routed.instance is not None:
+            routed.instance.requests.pop(routed.rid, None)
+        routed.instance, routed.leg = inst, r
+        inst.requests[routed.rid] = routed
+        routed.stop_now.clear()
+
+    async def _run(self, routed: Routed, out) -> None:
+        """Relays legs until the request ends (migrations and recoveries between them)."""
+        while True:
+            ended = await self._pump(routed, out)
+            if routed.client.finished:
+                if routed.leg is not None:
+                    routed.leg.close()  # a stop string of the router's: the backend is still generating
+                return
+            task = routed.migration
+            if ended == "stopped" and task is not None:
+                await asyncio.shield(task)  # it resumes the request elsewhere, or fails to
+                if routed.leg is not None:
+                    continue
+            # the leg broke, or a migration failed after the stop: recompute elsewhere
+            await self._recover(routed)
+
+    async def _pump(self, routed: Routed, out) -> str:
+        """Relays the current leg: "ended" (its stream ended), "stopped" (closed for a
+        migration) or "broken"."""
+        leg, inst = routed.leg, routed.instance
+        stop_wait = asyncio.ensure_future(routed.stop_now.wait())
+        try:
+            while True:
+                line_task = asyncio.ensure_future(leg.content.readline())
+                done, _ = await asyncio.wait({line_task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if stop_wait in done and line_task not in done:
+                    line_task.cancel()
+                    leg.close()  # the instance aborts the request (its blocks stay under the armed lease)
+                    routed.leg = None
+                    routed.stopped.set_result(True)
+                    return "stopped"
+                try:
+                    line = line_task.result()
+                except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+                    self._mark_down(inst, e)
+                    routed.leg = None
+                    self._pump_ended(routed)
+                    return "broken"
+                if not line:  # EOF
+                    routed.leg = None
+                    self._pump_ended(routed)
+                    return "ended"
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    continue
+                try:
+                    piece = streams.parse_chunk(json.loads(data))
+                except ValueError as e:
+                    logger.warning("request %s: %s sent a bad chunk: %s", routed.rid, inst.url, e)
+                    leg.close()
+                    routed.leg = None
+                    self._pump_ended(routed)
+                    return "broken"
+                if piece.prompt_token_ids is not None and routed.client.prompt_token_ids is None:
+                    routed.client.prompt_token_ids = list(piece.prompt_token_ids)
+                    await self._write(out, routed.client.start())
+                await self._write(out, routed.client.add(piece))
+                if routed.client.finished:
+                    leg.close()
+                    routed.leg = None
+                    self._pump_ended(routed)
+                    return "ended"
+        finally:
+            stop_wait.cancel()
+
+    @staticmethod
+    def _pump_ended(routed: Routed) -> None:
+        if routed.stopped is not None and not routed.stopped.done():
+            routed.stopped.set_result(False)
+
+    async def _recover(self, routed: Routed) -> None:
+        """The request's leg is gone (instance dead, stream broken, migration failed after the
+        stop): it continues elsewhere, recomputed from the tokens the client got."""
+        routed.recoveries += 1
+        if routed.recoveries > len(self.instances) + 1:
+            raise _LegFailed("no instance could continue it")
+        if routed.client.prompt_token_ids is None:
+            raise _LegFailed("the instance failed before the first token")
+        prev = routed.instance
+        for inst in self._candidates(exclude=(prev,)) + ([prev] if prev and prev.healthy else []):
+            routed.mid = live.new_migration_id()
+            body = streams.resume_leg_body(routed.body, routed.chat, routed.tokens(), len(routed.client.token_ids),
+                                           {"migration_id": routed.mid})
+            try:
+                await self._open(routed, inst, inst.url + "/v1/completions", body)
+                logger.info("request %s: continues on %s, recomputed from %d tokens", routed.rid, inst.url,
+                            len(routed.tokens()))
+                return
+            except (_LegFailed, _Refused) as e:
+                logger.warning("request %s: %s cannot continue it: %s", routed.rid, inst.url, e)
+        raise _LegFailed("no instance could continue it")
+
+    def _mark_down(self, inst: Instance, e: BaseException) -> None:
+        if inst.healthy:
+            logger.warning("instance %s is down (%s: %s)", inst.url, type(e).__name__, e)
+        inst.healthy = False
+
+    # ---- migration -----------------------------------------------------------------------
+    def start_migration(self, routed: Routed, dst: Instance) -> asyncio.Task:
+        """Starts moving `routed` to `dst` (ValueError when it cannot move now)."""
+        src = routed.instance
+        if routed.not_migratable:
+            raise ValueError(f"request {routed.rid} cannot move: {routed.not_migratable}")
+        if routed.migration is not None:
+            raise ValueError(f"request {routed.rid} is moving already")
+        if src is None or routed.leg is None or routed.client.prompt_token_ids is None:
+            raise ValueError(f"request {routed.rid} has not started yet")
+        if src is dst:
+            raise ValueError(f"request {routed.rid} runs on {dst.url} already")
+        if src.control is None:
+            raise ValueError(f"instance {src.url} has no lease channel (--lease): its requests cannot move")
+        record = live.Record(routed.mid, routed.rid, src.url, dst.url)
+        driver = _Driver(self, routed)
+        src.migrating_out += 1
+        dst.migrating_in += 1
+
+        async def run():
+            try:
+                await live.migrate(record, src.control, driver, max_stages=self.settings.max_stages,
+                                   last_stage_max_blocks=self.settings.last_stage_max_blocks,
+                                   next_migration_id=driver.next_mid)
+            except asyncio.CancelledError:
+                record.outcome, record.reason = live.Outcome.FAILED, "cancelled (the client left)"
+                raise
+            except Exception as e:  # noqa: BLE001 - a bug must not take the request with it
+                logger.exception("migration %s of %s failed", record.migration_id[:8], routed.rid)
+                record.outcome, record.reason = live.Outcome.FAILED, f"{type(e).__name__}: {e}"
+                if routed.stopped is not None and not routed.stopped.done():
+                    routed.stopped.set_result(False)
+            finally:
+                src.migrating_out -= 1
+                dst.migrating_in -= 1
+                routed.migrations.append(record)
+                routed.migration = None
+                self.history.append(dict(record.as_dict()))
+                del self.history[:-1000]
+                logger.info("migration %s: %s %s -> %s: %s %s", record.migration_id[:8], routed.rid, src.url,
+                            dst.url, record.outcome.value if record.outcome else "?", record.reason)
+            return record
+
+        routed.migration = asyncio.create_task(run())
+        return routed.migration
+
+    def _pick(self, inst: Instance) -> Optional[Routed]:
+        """The request the balancer moves off `inst`: the shortest running (fewest tokens
+        generated) of those that may move."""
+        best = None
+        for routed in inst.requests.values():
+            if routed is None or routed.not_migratable or routed.migration is not None or routed.leg is None:
+                continue
+            if (routed.client.prompt_token_ids is None
+                    or len(routed.migrations) >= self.settings.max_migrations_per_request):
+                continue
+            limit = streams.max_new_tokens(routed.body, routed.chat)
+            if limit is not None and limit - len(routed.client.token_ids) < self.settings.min_remaining_tokens:
+                continue
+            if best is None or len(routed.client.token_ids) < len(best.client.token_ids):
+                best = routed
+        return best
+
+    async def _balance(self) -> None:
+        """Llumnix-style: from the most to the least loaded instance when their loads differ by
+        balance_threshold or more; one migration in and one out per instance at a time."""
+        while True:
+            await asyncio.sleep(self.settings.balance_interval_s)
+            pool = [i for i in self.instances if i.healthy and not i.draining]
+            if len(pool) < 2:
+                continue
+            src = max(pool, key=lambda i: i.load)
+            dst = min(pool, key=lambda i: i.load)
+            if src.load - dst.load < self.settings.balance_threshold or src.control is None:
+                continue
+            if src.migrating_out or src.migrating_in or dst.migrating_in or dst.migrating_out:
+                continue
+            routed = self._pick(src)
+            if routed is not None:
+                try:
+                    self.start_migration(routed, dst)
+                except ValueError as e:
+                    logger.debug("balancer: %s", e)
+
+    async def _watch(self) -> None:
+        """Health and load of every instance (its /health and /metrics)."""
+        names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+        while True:
+            for inst in self.instances:
+                try:
+                    async with self.session.get(inst.url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                        text = await r.text()
+                    metrics = {}
+                    for line in text.splitlines():
+                        for name in names:
+                            if line.startswith(name + "{") or line.startswith(name + " "):
+                                metrics[name.split(":")[1]] = metrics.get(name.split(":")[1], 0.0) + float(
+                                    line.rsplit(" ", 1)[1])
+                    inst.metrics = metrics
+                    if not inst.healthy:
+                        logger.info("instance %s is back", inst.url)
+                    inst.healthy = True
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                    self._mark_down(inst, e)
+            await asyncio.sleep(self.settings.health_interval_s)
+
+    # ---- admin routes --------------------------------------------------------------------
+    def _authorized(self, request: web.Request) -> Optional[web.Response]:
+        if self._token is None:
+            return _error(403, f"the admin API is off: set {ENV_TOKEN} on the router", "PermissionDenied")
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode()):
+            return _error(401, "the admin API needs Authorization: Bearer <token>", "Unauthorized")
+        return None
+
+    async def admin_instances(self, request: web.Request) -> web.Response:
+        return self._authorized(request) or web.json_response([i.describe() for i in self.instances])
+
+    async def admin_requests(self, request: web.Request) -> web.Response:
+        return self._authorized(request) or web.json_response(
+            {"running": [r.describe() for r in self.requests.values()], "migrations": self.history[-100:]})
+
+    async def _admin_body(self, request: web.Request, fields):
+        try:
+            body = await request.json()
+        except (UnicodeDecodeError, ValueError):
+            body = None
+        if not isinstance(body, dict) or any(not isinstance(body.get(f), str) for f in fields):
+            raise _Refused(400, json.dumps({"error": {"message": f"expected a JSON object with {', '.join(fields)}",
+                                                      "type": "BadRequestError", "code": 400}}).encode(), "")
+        return body
+
+    def _instance(self, url: str) -> Instance:
+        inst = self._by_url.get(url.rstrip("/"))
+        if inst is None:
+            raise _Refused(404, json.dumps({"error": {"message": f"no instance {url!r}", "type": "NotFoundError",
+                                                      "code": 404}}).encode(), "")
+        return inst
+
+    async def admin_migrate(self, request: web.Request) -> web.Response:
+        """POST /migrate {"request_id", "to"}: moves one request; answers when it is done."""
+        denied = self._authorized(request)
+        if denied:
+            return denied
+        body = await self._admin_body(request, ("request_id", "to"))
+        dst = self._instance(body["to"])
+        routed = self.requests.get(body["request_id"])
+        if routed is None:
+            return _error(404, f"no running request {body['request_id']!r}", "NotFoundError")
+        try:
+            task = self.start_migration(routed, dst)
+        except ValueError as e:
+            return _error(409, str(e), "ConflictError")
+        record = await asyncio.shield(task)
+        return web.json_response(record.as_dict())
+
+    async def admin_drain(self, request: web.Request) -> web.Response:
+        """POST /drain {"instance"}: no new requests go there; its running requests move to the
+        others (one at a time); those that cannot move finish in place. Answers when it is empty."""
+        denied = self._authorized(request)
+        if denied:
+            return denied
+        body = await self._admin_body(request, ("instance",))
+        inst = self._instance(body["instance"])
+        inst.draining = True
+        moved, stayed = [], set()
+        deadline = time.monotonic() + float(body.get("timeout_s", self.settings.timeout_s))
+        while inst.requests and time.monotonic() < deadline:
+            candidates = [r for r in inst.requests.values()
+                          if r is not None and not r.not_migratable and r.migration is None and r.leg is not None
+                          and r.client.prompt_token_ids is not None and r.rid not in stayed]
+            targets = [i for i in self._candidates(exclude=(inst,)) if i.healthy]
+            if not candidates or not targets:
+                await asyncio.sleep(0.05)
+                continue
+            routed = candidates[0]
+            try:
+                record = await asyncio.shield(self.start_migration(routed, targets[0]))
+                moved.append(record.as_dict())
+                if record.outcome in (live.Outcome.STAYED,):
+                    stayed.add(routed.rid)
+            except ValueError:
+                stayed.add(routed.rid)
+        return web.json_response({"instance": inst.url, "migrations": moved, "left": sorted(inst.requests)},
+                                 status=200 if not inst.requests else 504)
+
+    async def admin_undrain(self, request: web.Request) -> web.Response:
+        denied = self._authorized(request)
+        if denied:
+            return denied
+        body = await self._admin_body(request, ("instance",))
+        inst = self._instance(body["instance"])
+        inst.draining = False
+        return web.json_response(inst.describe())
+
+
+class _Refused(Exception):
+    """An instance's (or the admin API's) refusal, relayed with its status."""
+
+    def __init__(self, status: int, body: bytes, content_type: Optional[str]):
+        super().__init__(f"HTTP {status}: {body[:300]!r}")
+        self.status, self.body, self.content_type = status, body, content_type or "application/json"
+
+
+class _ClientGone(Exception):
+    """The client closed its connection."""
+
+
+class _Driver:
+    """live.Driver over one routed request."""
+
+    def __init__(self, router: Router, routed: Routed):
+        self.router, self.routed = router, routed
+        self.next_mid = live.new_migration_id()
+
+    def finished(self) -> bool:
+        return self.routed.client.finished
+
+    def tokens(self) -> List[int]:
+        return self.routed.tokens()
+
+    async def load(self, destination: str, token_ids: List[int], params: Dict[str, Any]) -> bool:
+        inst = self.router._by_url[destination]
+        body = {"model": self.routed.body.get("model"), "prompt": token_ids, "max_tokens": 1, "temperature": 0,
+                "kv_transfer_params": params}
+        try:
+            async with self.router.session.post(inst.url + "/v1/completions", json=body) as r:
+                await r.read()
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            logger.warning("migration of %s: pre-copy to %s failed: %s", self.routed.rid, destination, e)
+            return False
+
+    async def stop(self) -> bool:
+        routed = self.routed
+        if routed.leg is None or routed.client.finished:
+            return False
+        routed.stopped = asyncio.get_running_loop().create_future()
+        routed.stop_now.set()
+        return await routed.stopped
+
+    async def resume(self, destination: str, params: Optional[Dict[str, Any]]) -> bool:
+        routed = self.routed
+        inst = self.router._by_url[destination]
+        body = streams.resume_leg_body(routed.body, routed.chat, routed.tokens(), len(routed.client.token_ids), params)
+        try:
+            await self.router._open(routed, inst, inst.url + "/v1/completions", body)
+        except (_LegFailed, _Refused) as e:
+            logger.warning("migration of %s: %s did not resume it: %s", routed.rid, destination, e)
+            return False
+        routed.mid = self.next_mid
+        return True
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except _Refused as e:
+        return web.Response(status=e.status, body=e.body, content_type=e.content_type.split(";")[0])
+    except _ClientGone:
+        return web.Response(status=499)
+    except web.HTTPNotFound:
+        return web.json_response({"detail": "Not Found"}, status=404)
+    except web.HTTPMethodNotAllowed:
+        return web.json_response({"detail": "Method Not Allowed"}, status=405)
+
+
+def build_app(urls: List[str], leases: Optional[List[Optional[str]]] = None,
+              settings: Optional[Settings] = None) -> web.Application:
+    settings = settings or Settings()
+    if settings.policy not in POLICIES:
+        raise ValueError(f"policy: {settings.policy!r} is not one of {', '.join(POLICIES)}")
+    router = Router(urls, leases, settings)
+    app = web.Application(client_max_size=64 << 20, middlewares=[_errors])
+    app["router"] = router
+    app.on_startup.append(router.start)
+    app.on_cleanup.append(router.stop)
+    app.router.add_get("/health", router.health)
+    app.router.add_get("/v1/models", router.models)
+    app.router.add_post("/v1/completions", router.completions)
+    app.router.add_post("/v1/chat/completions", router.completions)
+    app.router.add_get("/instances", router.admin_instances)
+    app.router.add_get("/requests", router.admin_requests)
+    app.router.add_post("/migrate", router.admin_migrate)
+    app.router.add_post("/drain", router.admin_drain)
+    app.router.add_post("/undrain", router.admin_undrain)
+    return app
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m vllm_ext.router", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--instance", nargs="+", required=True, metavar="URL", help="vLLM servers")
+    parser.add_argument("--lease", nargs="+", metavar="HOST:PORT",
+                        help="each instance's lease channel, in --instance order ('-': none; its requests stay)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    defaults = Settings()
+    parser.add_argument("--policy", choices=POLICIES, default=defaults.policy)
+    parser.add_argument("--timeout", type=float, default=defaults.timeout_s, help="seconds a backend may stay silent")
+    parser.add_argument("--balance", action="store_true", help="migrate requests to balance load")
+    for field in ("balance_interval_s", "balance_threshold", "max_migrations_per_request", "min_remaining_tokens",
+                  "max_stages", "last_stage_max_blocks", "health_interval_s"):
+        value = getattr(defaults, field)
+        parser.add_argument("--" + field.replace("_", "-"), type=type(value), default=value)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    leases = None if args.lease is None else [None if a == "-" else a for a in args.lease]
+    settings = Settings(policy=args.policy, timeout_s=args.timeout, balance=args.balance,
+                        **{f: getattr(args, f) for f in ("balance_interval_s", "balance_threshold",
+                                                         "max_migrations_per_request", "min_remaining_tokens",
+                                                         "max_stages", "last_stage_max_blocks",
+                                                         "health_interval_s")})
+    try:
+        app = build_app(args.instance, leases, settings)
+    except ValueError as e:
+        parser.error(str(e))
+    logger.info("router on http://%s:%d: %s%s", args.host, args.port, ", ".join(args.instance),
+                " (balancing)" if args.balance else "")
+    web.run_app(app, host=args.host, port=args.port, print=None)
