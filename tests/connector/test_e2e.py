@@ -61,10 +61,13 @@ def servers(tmp_path_factory):
                        "kv_role": "kv_producer", "kv_connector_extra_config": dict(extra, lease_port=lease_port)})
         started.append(prefill)
         extra["connect_to"] = [f"127.0.0.1:{lease_port}"]  # the consumers dial only this producer
+        # "decode" does not check digests, so that corrupted KV reaches its attention (and shows it
+        # is used); "decode-fail" checks them (the default)
         decode = h.start_vllm(
             "decode", model, work, core="1", tokenizer=True,
             kv_config={"kv_connector": "VllmExtConnector", "kv_role": "kv_consumer",
-                       "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra})
+                       "kv_load_failure_policy": "recompute",
+                       "kv_connector_extra_config": dict(extra, verify_kv=False)})
         started.append(decode)
         decode_fail = h.start_vllm(
             "decode-fail", model, work, core="1", tokenizer=True,
@@ -224,11 +227,9 @@ def assert_prefill_drained(servers):
         time.sleep(0.2)
 
 
-def test_decode_attends_over_the_moved_kv(servers):
-    """Corrupt the prefill side's leased blocks: the decode side's output changes. A prompt new
-    to the decode server, so that nothing comes from its own prefix cache."""
-    prompt = list(range(500, 600))
-    want = reference(servers, prompt)
+def corrupted_lease(servers, prompt):
+    """A prefill lease of `prompt` whose blocks the prefill worker overwrote with noise after
+    digesting them (the fault connector): its kv_transfer_params."""
     done = servers["corrupt"].with_name(servers["corrupt"].name + ".done")
     servers["corrupt"].touch()
     try:
@@ -241,8 +242,35 @@ def test_decode_attends_over_the_moved_kv(servers):
     finally:
         servers["corrupt"].unlink()
         done.unlink(missing_ok=True)
-    got, _ = complete(servers["decode"].url, prompt, kv_transfer_params=body["kv_transfer_params"])
+    return body["kv_transfer_params"]
+
+
+def test_decode_attends_over_the_moved_kv(servers):
+    """Corrupt the prefill side's leased blocks: the output of the decode side that does not
+    check digests changes. A prompt new to the decode server, so that nothing comes from its
+    own prefix cache."""
+    prompt = list(range(500, 600))
+    want = reference(servers, prompt)
+    params = corrupted_lease(servers, prompt)
+    got, _ = complete(servers["decode"].url, prompt, kv_transfer_params=params)
     assert got != want, "the decode server's output did not change with corrupted KV: it did not use the pull"
+
+
+def test_corrupted_kv_is_caught_by_digests(servers):
+    """The same corruption on the decode server that checks digests: the pull is tried twice,
+    both differ from the producer's digests, and the receive fails (policy "fail") instead of
+    giving wrong tokens; the engine serves the next request."""
+    d = servers["decode_fail"].url
+    prompt = list(range(450, 550))
+    params = corrupted_lease(servers, prompt)
+    before = h.metrics(d)
+    status, body = h.post(d + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 4,
+                                                   "temperature": 0, "kv_transfer_params": params})
+    assert_failed(status, body)
+    after = h.metrics(d)
+    assert after["vllm:vllm_ext_digest_mismatches_total"] - before.get("vllm:vllm_ext_digest_mismatches_total", 0) == 2
+    prompt = list(range(340, 385))
+    assert complete(d, prompt)[0] == reference(servers, prompt)
 
 
 def test_bad_requests_get_vllms_errors(servers):

@@ -18,6 +18,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from vllm_ext.connector import check_vllm_version  # noqa: E402
 from vllm_ext.migration.lease import ChannelError, LeaseClient  # noqa: E402
+from vllm_ext.connector.worker import block_digests  # noqa: E402
 from vllm_ext.migration.kv_params import PROTOCOL, prompt_hash  # noqa: E402
 from vllm_ext.connector.scheduler import SchedulerHalf  # noqa: E402
 from vllm_ext.connector.worker import WorkerHalf  # noqa: E402
@@ -210,8 +211,10 @@ def test_acquire_extends_the_lease_for_the_pull_then_release_frees(producer):
     step(sched, worker)
     client = lease_client(sched)
     sched.clock.now += 25.0
-    block_ids, num_tokens, hash_ = client.acquire(params["remote_lease"], 20, 5)
+    block_ids, num_tokens, hash_, digests = client.acquire(params["remote_lease"], 20, 5)
     assert block_ids == params["remote_block_ids"] and num_tokens == 40 and hash_ == params["remote_prompt_hash"]
+    # the worker digested the blocks it serves, as a consumer digests what it pulled
+    assert digests == block_digests(worker.cache.layers, block_ids)
     sched.clock.now += 10.0  # past the 30 s lease, within the pull's hold
     assert sched.build_connector_meta().finished_sending == []
     client.release(params["remote_lease"], 5)

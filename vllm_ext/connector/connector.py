@@ -14,6 +14,9 @@ WorkerHalf; each half gets values, not this object. Configuration
     pull_timeout_s   deadline of one pull on the consumer (default 10)
     connect_to       ["host:port", ...] producers' lease channels to connect to at start-up
     allowed_producers  ["host:port", ...] the only lease channels a consumer dials (default: connect_to)
+    verify_kv        a producer digests the blocks it leases, a consumer checks its pulls against
+                     them (a mismatch pulls once more, then fails the receive) (default true;
+                     needs vLLM's worker metadata, 0.32+)
     load_whole_blocks  load only whole blocks before the last token, compute the rest (< 1 block)
                      here (default: on CPU, where vLLM 0.32's AMX attention fails a first step that
                      starts inside a block)
@@ -110,7 +113,8 @@ class VllmExtConnector(KVConnectorBase_V1):
                 backend=extra.get("backend"), endpoint_host=str(extra.get("endpoint_host", "127.0.0.1")),
                 endpoint_options=dict(extra.get("backend_options", {})), secret=secret,
                 pull_timeout_s=_check_number(extra, "pull_timeout_s", 10.0, 0, 600),
-                static_fields=_static_fields(vllm_config), connect_to=connect_to, allowed_producers=allowed)
+                static_fields=_static_fields(vllm_config), connect_to=connect_to, allowed_producers=allowed,
+                verify_kv=bool(extra.get("verify_kv", True)))
 
     # ==== worker side =====================================================================
     def register_kv_caches(self, kv_caches):

@@ -75,8 +75,11 @@ if KVConnectorWorkerMetadata is not None:
         can be pulled."""
 
         granted: List[str] = dataclasses.field(default_factory=list)
+        # lease id -> one digest per block (verify_kv): what a consumer checks after its pull
+        digests: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
 
         def aggregate(self, other):
-            return VllmExtWorkerMetadata(granted=list(self.granted) + list(getattr(other, "granted", [])))
+            return VllmExtWorkerMetadata(granted=list(self.granted) + list(getattr(other, "granted", [])),
+                                         digests={**self.digests, **(getattr(other, "digests", None) or {})})
 else:
     VllmExtWorkerMetadata = None

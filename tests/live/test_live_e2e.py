@@ -1,0 +1,489 @@
+"""Live migration end to end, with real servers on 127.0.0.1: three vLLM CPU instances (A, B,
+C: kv_both, gloo, kv_load_failure_policy "recompute", a small seeded random Llama with a
+word-level tokenizer, written by the test) behind the router, plus a fourth instance address
+where nothing listens (a dead destination).
+
+Every migrated request's greedy output equals a single instance's token for token (and its
+text, and usage counts the prompt once). Faults: a dead destination, a source killed during
+the migration and a stream broken under a request, a lease that expires before a slow
+destination pulls, corrupted KV caught by the block digests; drain and the balancer; at the
+end every live instance's KV usage is back to zero and no lease expired unnoticed.
+
+Deadlines (generous on purpose, never assertions on speed): start-up 420 s per server, each
+request 120 s. The module's tests share the servers, in order; the last ones kill C.
+"""
+
+import json
+import os
+import random
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+if os.environ.get("VLLM_EXT_REQUIRE_VLLM") == "1":  # make test-connector: a missing vllm is a failure
+    import transformers  # noqa: F401
+    import vllm  # noqa: F401
+else:
+    pytest.importorskip("vllm", reason="vllm is not installed here (make test-connector installs it)")
+    pytest.importorskip("transformers", reason="transformers (a vLLM dependency) is missing")
+
+HERE = Path(__file__).parent
+CONNECTOR_TESTS = HERE.parent / "connector"
+sys.path.insert(0, str(CONNECTOR_TESTS))
+import harness as h  # noqa: E402
+
+TOKEN = "live-tests-admin-token"
+LEASE_S = 5.0  # short: the expiry test waits it out; every pull here takes milliseconds
+# Long enough to be running when a migration starts (a tiny model decodes hundreds of tokens a
+# second here, and its stream arrives in bursts while the engine is busy)
+MAX_TOKENS = 400
+LONG = 600
+DRAIN_TIMEOUT_S = 15.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    work = tmp_path_factory.mktemp("live")
+    model = h.write_checkpoint(work / "model")
+    h.write_tokenizer(model)
+    ports = {name: h.free_port() for name in "ABC"}
+    faults = {"corrupt": work / "corrupt-now", "delay": work / "delay-now"}
+    started = []
+    try:
+        for name, core in (("A", "0"), ("B", "1"), ("C", "0")):
+            others = [f"127.0.0.1:{p}" for n, p in ports.items() if n != name]
+            started.append(h.start_vllm(
+                name, model, work, core=core, tokenizer=True,
+                extra_pythonpath=os.pathsep.join((str(HERE), str(CONNECTOR_TESTS))),
+                extra_env={"VLLM_EXT_TEST_CORRUPT": str(faults["corrupt"]),
+                           "VLLM_EXT_TEST_PULL_DELAY": str(faults["delay"])},
+                kv_config={"kv_connector": "LiveFaultConnector", "kv_connector_module_path": "live_faults",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"lease_port": ports[name], "connect_to": others,
+                                                         "lease_s": LEASE_S, "pull_timeout_s": 20.0}}))
+        for server in started:
+            server.wait_healthy()
+        dead = f"http://127.0.0.1:{h.free_port()}"
+        instances = {s.name: s for s in started}
+        router = start_router(work, "router", [s.url for s in started] + [dead],
+                              [f"127.0.0.1:{ports[s.name]}" for s in started] + [f"127.0.0.1:{h.free_port()}"])
+        started.append(router)
+        yield {**instances, "router": router, "dead": dead, "work": work, **faults,
+               "leases": {n: f"127.0.0.1:{p}" for n, p in ports.items()}}
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+def start_router(work, name, urls, leases, *extra):
+    port = h.free_port()
+    env = h.vllm_env("0")
+    env["VLLM_EXT_ROUTER_TOKEN"] = TOKEN
+    proc = h.Process(name, [sys.executable, "-m", "vllm_ext.router", "--instance", *urls, "--lease", *leases,
+                            "--port", str(port), "--policy", "round_robin", "--health-interval-s", "0.5", *extra],
+                     env, work / f"{name}.log", port)
+    try:
+        proc.wait_healthy(timeout=60)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
+
+
+def admin(router, path, body=None):
+    req = urllib.request.Request(router.url + path, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+    try:
+        with urllib.request.urlopen(req, timeout=h.REQUEST_TIMEOUT_S) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def reference(cluster, prompt, max_tokens=MAX_TOKENS, **extra):
+    """A single instance's greedy output (A, directly): (token ids, text)."""
+    status, body = h.post(cluster["A"].url + "/v1/completions", {
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True,
+        **extra})
+    assert status == 200, body
+    return body["choices"][0]["token_ids"], body["choices"][0]["text"]
+
+
+class Stream(threading.Thread):
+    """A streamed request through the router; `at(k, fn)` calls fn(request id) once k tokens came."""
+
+    def __init__(self, url, body, path="/v1/completions"):
+        super().__init__(daemon=True)
+        self.url, self.body, self.path = url, dict(body, stream=True), path
+        self.ids, self.text, self.rid, self.usage, self.error = [], "", None, None, None
+        self.finish = None
+        self.hooks = []
+        self.first = threading.Event()
+
+    def at(self, k, fn):
+        self.hooks.append([k, fn])
+        return self
+
+    def run(self):
+        try:
+            req = urllib.request.Request(self.url + self.path, data=json.dumps(self.body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=h.REQUEST_TIMEOUT_S) as r:
+                for line in r:
+                    line = line.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        self.error = event["error"]
+                        continue
+                    self.rid = event["id"]
+                    self.first.set()
+                    if event.get("usage"):
+                        self.usage = event["usage"]
+                    for choice in event["choices"]:
+                        self.ids += choice.get("token_ids") or []
+                        self.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                        self.finish = choice.get("finish_reason") or self.finish
+                    for hook in self.hooks:
+                        if hook[0] is not None and len(self.ids) >= hook[0]:
+                            hook[0] = None
+                            hook[1](self.rid)
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            self.error = repr(e)
+        finally:
+            self.first.set()
+
+
+def where(cluster, rid):
+    status, instances = admin(cluster["router"], "/instances")
+    assert status == 200, instances
+    for inst in instances:
+        if rid in inst["requests"]:
+            return inst["url"]
+    return None
+
+
+def migrate_async(cluster, to=None, results=None, **extra):
+    """A hook that moves the request to `to` (default: an instance other than its own)."""
+
+    def hook(rid):
+        def go():
+            target = to
+            if target is None:
+                here = where(cluster, rid)
+                target = next(cluster[n].url for n in "AB" if cluster[n].url != here)
+            results.append(admin(cluster["router"], "/migrate", {"request_id": rid, "to": target, **extra}))
+        t = threading.Thread(target=go, daemon=True)
+        t.start()
+        results.append(t)
+    return hook
+
+
+def finish(streams_, results=()):
+    for s in streams_:
+        s.join(h.REQUEST_TIMEOUT_S)
+        assert not s.is_alive(), "a stream did not end"
+    out = []
+    for r in results:
+        if isinstance(r, threading.Thread):
+            r.join(h.REQUEST_TIMEOUT_S)
+        else:
+            out.append(r)
+    return out
+
+
+def prompts(seed, lengths):
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 1000) for _ in range(40)]
+    out = [[rng.randrange(3, 1000) for _ in range(n)] for n in lengths]
+    return out + [shared + [rng.randrange(3, 1000) for _ in range(n)] for n in (3, 29)]
+
+
+def wait_idle(cluster, names="ABC"):
+    """Every instance's KV usage back to zero (leases released or expired) within the deadline."""
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S + LEASE_S
+    for name in names:
+        while True:
+            usage = h.metrics(cluster[name].url)["vllm:kv_cache_usage_perc"]
+            if usage == 0.0:
+                break
+            assert time.monotonic() < deadline, f"{name}: KV usage {usage} after the requests ended"
+            time.sleep(0.2)
+
+
+# ---- tests ------------------------------------------------------------------------------------
+def test_migrated_requests_equal_unmigrated(cluster):
+    """Requests moved at random points of their decode (pre-copy stages, then the stop) give the
+    unmigrated tokens and text; the destination loaded the moved KV (its external hits rise)."""
+    rng = random.Random(15)
+    before = {n: h.metrics(cluster[n].url)["vllm:external_prefix_cache_hits_total"] for n in "AB"}
+    for prompt in prompts(15, (5, 31, 33, 64, 100, 150)):
+        want_ids, want_text = reference(cluster, prompt, LONG)
+        results = []
+        s = Stream(cluster["router"].url, {"model": "tiny", "prompt": prompt, "max_tokens": LONG,
+                                           "temperature": 0, "return_token_ids": True,
+                                           "stream_options": {"include_usage": True}})
+        s.at(rng.randrange(1, 40), migrate_async(cluster, results=results))
+        s.start()
+        (status, record), = finish([s], results)
+        assert s.error is None and status == 200, (s.error, record)
+        assert record["outcome"] == "moved", record
+        assert s.ids == want_ids and s.text == want_text
+        assert s.usage == {"prompt_tokens": len(prompt), "completion_tokens": LONG,
+                           "total_tokens": len(prompt) + LONG}
+    after = {n: h.metrics(cluster[n].url)["vllm:external_prefix_cache_hits_total"] for n in "AB"}
+    assert sum(after.values()) - sum(before.values()) >= 32 * 8  # each moved at least one block of KV
+    wait_idle(cluster)
+
+
+def test_chat_stop_strings_and_a_second_migration(cluster):
+    """A chat stream with a stop string, moved twice (A -> B -> A): the text ends where a single
+    instance's ends, with the same finish."""
+    prompt = " ".join(f"w{t}" for t in prompts(16, (40,))[0])
+    messages = [{"role": "user", "content": prompt}]
+    status, ref = h.post(cluster["A"].url + "/v1/chat/completions", {
+        "model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert status == 200
+    text = ref["choices"][0]["message"]["content"]
+    words = text.split()
+    # a pair of words first seen late in the output (both migrations come before it)
+    at = next(i for i in range(150, len(words) - 1)
+              if text.find(" ".join(words[i:i + 2])) == len(" ".join(words[:i])) + (1 if text.startswith(" ") else 0))
+    stop = " ".join(words[at:at + 2])
+    status, ref = h.post(cluster["A"].url + "/v1/chat/completions", {
+        "model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "stop": [stop]})
+    assert ref["choices"][0]["finish_reason"] == "stop"
+    records = []
+    s = Stream(cluster["router"].url, {"model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS,
+                                       "temperature": 0, "stop": [stop]}, path="/v1/chat/completions")
+
+    def twice(rid):  # there and back, one after the other
+        def go():
+            for _ in range(2):
+                here = where(cluster, rid)
+                to = cluster["B"].url if here == cluster["A"].url else cluster["A"].url
+                records.append(admin(cluster["router"], "/migrate", {"request_id": rid, "to": to}))
+        t = threading.Thread(target=go, daemon=True)
+        t.start()
+        records.append(t)
+    s.at(5, twice)
+    s.start()
+    records = finish([s], records)
+    assert s.error is None
+    assert [r[1]["outcome"] for r in records] == ["moved", "moved"], records
+    assert s.text == ref["choices"][0]["message"]["content"] and s.finish == ref["choices"][0]["finish_reason"]
+
+
+def test_a_non_streaming_request_migrates(cluster):
+    prompt = prompts(17, (70,))[0]
+    want_ids, want_text = reference(cluster, prompt, logprobs=1)
+    box = {}
+
+    def call():
+        box["answer"] = h.post(cluster["router"].url + "/v1/completions", {
+            "model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
+            "return_token_ids": True})
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while True:
+        running = admin(cluster["router"], "/requests")[1]["running"]
+        if running and running[0]["generated"] >= 3:
+            break
+        assert time.monotonic() < deadline and t.is_alive(), "the request did not start"
+        time.sleep(0.01)
+    here = running[0]["instance"]
+    to = cluster["B"].url if here == cluster["A"].url else cluster["A"].url
+    status, record = admin(cluster["router"], "/migrate", {"request_id": running[0]["id"], "to": to})
+    t.join(h.REQUEST_TIMEOUT_S)
+    assert status == 200 and record["outcome"] == "moved", record
+    status, answer = box["answer"]
+    assert status == 200
+    choice = answer["choices"][0]
+    assert choice["token_ids"] == want_ids and choice["text"] == want_text
+    assert len(choice["logprobs"]["token_logprobs"]) == MAX_TOKENS
+    assert answer["usage"]["prompt_tokens"] == len(prompt)
+
+
+def test_requests_that_cannot_move_are_refused_by_name(cluster):
+    body = {"model": "tiny", "prompt": prompts(18, (20,))[0], "max_tokens": MAX_TOKENS, "temperature": 0.7,
+            "seed": 1}
+    s = Stream(cluster["router"].url, body)
+    s.start()
+    s.first.wait(60)
+    status, running = admin(cluster["router"], "/requests")
+    finish([s])
+    # relayed as is (not held by the router): it never appears among the movable requests
+    assert status == 200 and all(r["id"] != s.rid for r in running["running"]) and s.error is None
+    assert s.rid.startswith("cmpl-") and len(s.ids) == 0  # the instance's own stream, untouched
+
+
+def test_migration_to_a_dead_destination_keeps_the_request(cluster):
+    prompt = prompts(19, (50,))[0]
+    want_ids, _ = reference(cluster, prompt)
+    results = []
+    s = Stream(cluster["router"].url, {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                       "temperature": 0, "return_token_ids": True})
+    s.at(5, migrate_async(cluster, to=cluster["dead"], results=results))
+    s.start()
+    (status, record), = finish([s], results)
+    assert status == 200 and record["outcome"] == "failed", record
+    assert s.error is None and s.ids == want_ids  # resumed where it can be (recomputed)
+    wait_idle(cluster)
+
+
+def test_corrupted_kv_is_caught_and_recomputed(cluster):
+    """The source's final lease is overwritten after it was digested: the destination's two
+    pulls differ from the digests, it recomputes, and the output is still right."""
+    prompt = prompts(20, (90,))[0]
+    want_ids, _ = reference(cluster, prompt)
+    results = []
+
+    def corrupt_then_migrate(rid):
+        cluster["corrupt"].touch()
+        migrate_async(cluster, results=results, stages=0)(rid)
+    before = {n: h.metrics(cluster[n].url).get("vllm:vllm_ext_digest_mismatches_total", 0) for n in "AB"}
+    s = Stream(cluster["router"].url, {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                       "temperature": 0, "return_token_ids": True})
+    s.at(8, corrupt_then_migrate)
+    s.start()
+    try:
+        (status, record), = finish([s], results)
+    finally:
+        cluster["corrupt"].unlink(missing_ok=True)
+        cluster["corrupt"].with_name(cluster["corrupt"].name + ".done").unlink(missing_ok=True)
+    assert status == 200 and s.error is None and s.ids == want_ids, record
+    after = {n: h.metrics(cluster[n].url).get("vllm:vllm_ext_digest_mismatches_total", 0) for n in "AB"}
+    assert sum(after.values()) - sum(before.values()) == 2
+    wait_idle(cluster)
+
+
+def test_a_lease_that_expires_before_the_pull_is_recomputed(cluster):
+    prompt = prompts(21, (60,))[0]
+    want_ids, _ = reference(cluster, prompt)
+    expired_before = sum(h.metrics(cluster[n].url)["vllm:vllm_ext_expired_leases_total"] for n in "AB")
+    cluster["delay"].write_text(str(LEASE_S + 3))
+    results = []
+    try:
+        s = Stream(cluster["router"].url, {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                           "temperature": 0, "return_token_ids": True})
+        s.at(5, migrate_async(cluster, results=results, stages=0))
+        s.start()
+        (status, record), = finish([s], results)
+    finally:
+        cluster["delay"].unlink(missing_ok=True)
+    assert status == 200 and s.error is None and s.ids == want_ids, record
+    wait_idle(cluster)
+    expired_after = sum(h.metrics(cluster[n].url)["vllm:vllm_ext_expired_leases_total"] for n in "AB")
+    assert expired_after - expired_before == 1
+
+
+def pin_to(cluster, router, name, fn):
+    """Runs fn() while every other instance of `router` is draining (new requests go to `name`)."""
+    others = [cluster[n].url for n in "ABC" if n != name] + [cluster["dead"]]
+    for url in others:
+        assert admin(router, "/drain", {"instance": url})[0] == 200
+    try:
+        return fn()
+    finally:
+        for url in others:
+            admin(router, "/undrain", {"instance": url})
+
+
+def test_drain_moves_every_running_request(cluster):
+    router = cluster["router"]
+    ps = prompts(22, (20, 45, 77))
+    refs = [reference(cluster, p)[0] for p in ps]
+
+    def start():
+        out = []
+        for p in ps:
+            s = Stream(router.url, {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                    "return_token_ids": True})
+            s.start()
+            s.first.wait(60)
+            out.append(s)
+        return out
+    streams_ = pin_to(cluster, router, "A", start)
+    status, report = admin(router, "/drain", {"instance": cluster["A"].url})
+    admin(router, "/undrain", {"instance": cluster["A"].url})
+    finish(streams_)
+    assert status == 200 and report["left"] == [], report
+    moved = [m for m in report["migrations"] if m["outcome"] == "moved"]
+    assert len(moved) + sum(m["outcome"] == "finished" for m in report["migrations"]) == 3 and moved, report
+    assert [s.ids for s in streams_] == refs and all(s.error is None for s in streams_)
+    wait_idle(cluster)
+
+
+def test_the_balancer_moves_load_off_the_busiest_instance(cluster):
+    work = cluster["work"]
+    router = start_router(work, "balancer", [cluster["A"].url, cluster["B"].url],
+                          [cluster["leases"][n] for n in "AB"], "--balance", "--balance-threshold", "2",
+                          "--balance-interval-s", "0.1")
+    try:
+        ps = prompts(23, (30, 50, 70, 90))
+        refs = [reference(cluster, p)[0] for p in ps]
+        admin(router, "/drain", {"instance": cluster["B"].url})
+        streams_ = []
+        for p in ps:
+            s = Stream(router.url, {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                    "return_token_ids": True})
+            s.start()
+            s.first.wait(60)
+            streams_.append(s)
+        admin(router, "/undrain", {"instance": cluster["B"].url})
+        finish(streams_)
+        history = admin(router, "/requests")[1]["migrations"]
+    finally:
+        router.stop()
+    assert [s.ids for s in streams_] == refs and all(s.error is None for s in streams_)
+    moved = [m for m in history if m["outcome"] == "moved"]
+    assert moved and all(m["source"] == cluster["A"].url for m in moved), history
+    wait_idle(cluster)
+
+
+def test_a_source_killed_mid_migration_loses_no_request(cluster):
+    """Two requests on C; one is being moved when C is killed, the other only streams from it:
+    both finish elsewhere with the unmigrated tokens, none lost or doubled."""
+    router = cluster["router"]
+    ps = prompts(24, (40, 66))[:2]
+    n = 1000  # long: both still run once the others are undrained
+    refs = [reference(cluster, p, n)[0] for p in ps]
+    results = []
+
+    def start():
+        out = []
+        for p in ps:
+            s = Stream(router.url, {"model": "tiny", "prompt": p, "max_tokens": n, "temperature": 0,
+                                    "return_token_ids": True})
+            s.start()
+            s.first.wait(60)
+            out.append(s)
+        return out
+    streams_ = pin_to(cluster, router, "C", start)
+    assert all(s.is_alive() for s in streams_)
+    migrate_async(cluster, to=cluster["A"].url, results=results)(streams_[0].rid)
+    time.sleep(0.01)
+    cluster["C"].kill()
+    finish(streams_, results)
+    assert all(s.error is None for s in streams_), [s.error for s in streams_]
+    assert [s.ids for s in streams_] == refs
+    wait_idle(cluster, "AB")
+
+
+def test_servers_keep_answering_and_no_lease_expired_unnoticed(cluster):
+    prompt = prompts(25, (33,))[0]
+    s = Stream(cluster["router"].url, {"model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0,
+                                       "return_token_ids": True})
+    s.start()
+    finish([s])
+    assert s.error is None and s.ids == reference(cluster, prompt, 20)[0]
+    # one expiry in the whole module: the expiry test's
+    assert sum(h.metrics(cluster[n].url)["vllm:vllm_ext_expired_leases_total"] for n in "AB") == 1
+    wait_idle(cluster, "AB")
