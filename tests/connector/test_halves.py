@@ -17,11 +17,10 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from vllm_ext.connector import check_vllm_version  # noqa: E402
-from vllm_ext.migration.lease import ChannelError, LeaseClient  # noqa: E402
-from vllm_ext.connector.worker import block_digests  # noqa: E402
-from vllm_ext.migration.kv_params import PROTOCOL, prompt_hash  # noqa: E402
 from vllm_ext.connector.scheduler import SchedulerHalf  # noqa: E402
-from vllm_ext.connector.worker import WorkerHalf  # noqa: E402
+from vllm_ext.connector.worker import WorkerHalf, block_digests  # noqa: E402
+from vllm_ext.migration.kv_params import PROTOCOL, prompt_hash  # noqa: E402
+from vllm_ext.migration.lease import ChannelError, LeaseClient  # noqa: E402
 
 SECRET = b"unit-test-deployment-secret-0123"
 BLOCK_SIZE = 16
@@ -762,3 +761,90 @@ def test_a_failed_pull_synchronises_its_stream_before_it_is_reported(producer, m
         assert failed == {"d-0"} and events == ["pull", "synchronize"]
     finally:
         d_worker.shutdown()
+
+
+# ---- live migration: the source side ----------------------------------------------------------
+def _running(sched, prompt, mid, block_ids, req_id="m-0"):
+    """A migratable request admitted and run until it computed its prompt plus one token."""
+    req = make_request(prompt, {"migration_id": mid}, req_id=req_id, max_tokens=100)
+    req.status = RequestStatus.RUNNING
+    sched.update_state_after_alloc(req, list(block_ids), 0)
+    req.append_output_token_ids(7)
+    req.num_computed_tokens = len(prompt) + 1
+    return req
+
+
+def _step_output(req, scheduled=1):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(num_scheduled_tokens={req.request_id: scheduled}, scheduled_new_reqs=[],
+                           scheduled_cached_reqs=None)
+
+
+def test_a_migration_pre_copies_complete_blocks_then_takes_the_final_lease(producer):
+    import threading
+
+    sched, worker = producer
+    mid = "ab" * 16
+    req = _running(sched, list(range(3, 3 + 50)), mid, [5, 6, 9, 11])
+    client = lease_client(sched)
+    got = {}
+    asker = threading.Thread(target=lambda: got.update(lease=client.precopy(mid, 5)))
+    asker.start()
+    deadline = time.monotonic() + 5
+    while not sched._precopy_asks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    meta = sched.build_connector_meta(_step_output(req))  # the engine's next step makes the lease
+    worker.start_load_kv(meta)
+    from types import SimpleNamespace
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker.build_worker_meta()))
+    asker.join(5)
+    pre = got["lease"]
+    # 51 computed, one scheduled this step, one more may be in flight: 49 valid -> 3 whole blocks
+    assert pre.block_ids == [5, 6, 9] and pre.num_tokens == 48 and pre.token_ids[:50] == list(range(3, 53))
+    assert pre.block_size == BLOCK_SIZE and pre.num_prompt_tokens == 50
+    ids, _, _, digests = client.acquire(pre.lease, 5, 5)
+    assert ids == [5, 6, 9] and digests == block_digests(worker.cache.layers, ids)
+    assert client.release(pre.lease, 5) is True  # not preempted meanwhile: the pull may be used
+
+    assert client.stop(mid, 5) is True
+    req.status = RequestStatus.FINISHED_ABORTED  # the router closed the stream
+    delay, params = sched.request_finished(req, [5, 6, 9, 11])
+    assert delay is True and params is None  # its blocks stay, under the final lease
+    final = client.take(mid, 1.0, 5)
+    assert final.block_ids == [5, 6, 9, 11] and final.num_tokens == 51 and final.token_ids == list(range(3, 53)) + [7]
+    assert final.prompt_hash == prompt_hash(final.token_ids[:51])
+    assert step(sched, worker).finished_sending == []  # taken (not yet released): still held
+    client.end(mid, 5)
+    assert step(sched, worker).finished_sending == ["m-0"] and sched.num_leases() == 0
+    client.close()
+
+
+def test_a_pre_copy_of_a_request_preempted_meanwhile_is_not_vouched_for(producer):
+    import threading
+
+    sched, worker = producer
+    mid = "cd" * 16
+    req = _running(sched, list(range(3, 3 + 40)), mid, [1, 2, 3])
+    client = lease_client(sched)
+    got = {}
+    asker = threading.Thread(target=lambda: got.update(lease=client.precopy(mid, 5)))
+    asker.start()
+    deadline = time.monotonic() + 5
+    while not sched._precopy_asks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    step_meta = sched.build_connector_meta(_step_output(req))
+    worker.start_load_kv(step_meta)
+    asker.join(5)
+    lease = got["lease"]
+    req.num_preemptions += 1  # vLLM preempted it: its blocks went back to the pool
+    assert client.release(lease.lease, 5) is False
+    # an unknown migration, a stop of a finished request, a take never armed: refused by name
+    with pytest.raises(ChannelError, match="no running request"):
+        client.precopy("ef" * 16, 5)
+    with pytest.raises(ChannelError, match="not stopped here"):
+        client.take(mid, 0.1, 5)
+    req.status = RequestStatus.FINISHED_STOPPED
+    assert sched.request_finished(req, [1, 2, 3]) == (False, None)  # no lease left: freed at once
+    assert client.stop(mid, 5) is False
+    client.close()

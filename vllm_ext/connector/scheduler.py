@@ -294,7 +294,9 @@ class SchedulerHalf:
             mid = self._tracked_req[request.request_id]
             tracked = self._tracked[mid]
             tracked.finished = True
-            num_tokens = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+            # releases without num_in_flight_tokens may still be writing the last step's KV
+            # (asynchronous scheduling): its token is left to the destination to compute
+            num_tokens = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 1)
             nblocks = -(-num_tokens // self.block_size)
             if tracked.armed and self._handshake is not None and 0 < num_tokens and nblocks <= len(block_ids):
                 tokens = list(request.all_token_ids)

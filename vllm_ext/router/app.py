@@ -578,16 +578,23 @@ class Router:
         return inst
 
     async def admin_migrate(self, request: web.Request) -> web.Response:
-        """POST /migrate {"request_id", "to", optional "stages", "recompute"}: moves one
-        request; answers when it is done, with the migration's record."""
+        """POST /migrate {"request_id", optional "to", "stages", "recompute"}: moves one
+        request (by default to the least loaded other instance); answers when it is done, with
+        the migration's record."""
         denied = self._authorized(request)
         if denied:
             return denied
-        body = await self._admin_body(request, ("request_id", "to"))
-        dst = self._instance(body["to"])
+        body = await self._admin_body(request, ("request_id",))
         routed = self.requests.get(body["request_id"])
         if routed is None:
             return _error(404, f"no running request {body['request_id']!r}", "NotFoundError")
+        if body.get("to") is not None:
+            dst = self._instance(str(body["to"]))
+        else:
+            targets = [i for i in self._candidates(exclude=(routed.instance,)) if i.healthy]
+            if not targets:
+                return _error(409, "no other healthy instance to move it to", "ConflictError")
+            dst = min(targets, key=lambda i: i.load)
         stages = body.get("stages")
         if stages is not None and (type(stages) is not int or not 0 <= stages <= 16):
             return _error(400, f"stages: expected an integer in [0, 16], got {stages!r}", "BadRequestError")
