@@ -42,7 +42,7 @@ LEASE_S = 5.0  # short: the expiry test waits it out; every pull here takes mill
 # Long enough to be running when a migration starts (a tiny model decodes hundreds of tokens a
 # second here, and its stream arrives in bursts while the engine is busy)
 MAX_TOKENS = 600
-LONG = 1000
+LONG = 1500
 DRAIN_TIMEOUT_S = 15.0
 
 
@@ -242,7 +242,7 @@ def test_chat_stop_strings_and_a_second_migration(cluster):
     first seen latest (it may come before the second move: that move then finds it ended)."""
     prompt = " ".join(f"w{t}" for t in prompts(16, (40,))[0])
     messages = [{"role": "user", "content": prompt}]
-    body = {"model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+    body = {"model": "tiny", "messages": messages, "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
     status, ref = h.post(cluster["A"].url + "/v1/chat/completions", body)
     assert status == 200
@@ -407,7 +407,7 @@ def test_drain_moves_every_running_request(cluster):
     finish(streams_)
     assert status == 200 and report["left"] == [], report
     moved = [m for m in report["migrations"] if m["outcome"] == "moved"]
-    assert len(moved) + sum(m["outcome"] == "finished" for m in report["migrations"]) == 3 and moved, report
+    assert len(moved) + sum(m["outcome"] == "finished" for m in report["migrations"]) == len(ps) and moved, report
     assert [s.ids for s in streams_] == refs and all(s.error is None for s in streams_)
     wait_idle(cluster)
 
