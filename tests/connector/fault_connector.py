@@ -1,8 +1,11 @@
 """Test-only fault: a VllmExtConnector whose worker, while the file named by
 VLLM_EXT_TEST_CORRUPT exists, overwrites the blocks leased in each step with noise, then writes
-their ids to that path + ".done". Served by
-the end-to-end tests' prefill server (through kv_connector_module_path) to show that the decode
-side attends over the KV it pulled."""
+their ids to that path + ".done". Served by the end-to-end tests' prefill server (through
+kv_connector_module_path) to show that the decode side attends over the KV it pulled.
+
+The noise is drawn on the CPU (the same on every device) and written into the cache where it
+lives; on a GPU the marker is written only once the writes are done, so a consumer's pull that
+starts after it reads the noise."""
 
 import os
 
@@ -19,10 +22,13 @@ class FaultInjectingConnector(VllmExtConnector):
         if meta is None or not meta.new_leases or not path or not os.path.exists(path):
             return
         g = torch.Generator().manual_seed(1234)
+        layers = self._worker.cache.layers
         for blocks in meta.new_leases.values():
-            for layer in self._worker.cache.layers:
-                noise = torch.randn(layer[blocks].shape, generator=g).to(layer.dtype) * 3
-                layer[blocks] = noise
+            for layer in layers:
+                noise = torch.randn((len(blocks), *layer.shape[1:]), generator=g) * 3
+                layer[blocks] = noise.to(device=layer.device, dtype=layer.dtype)
+        if layers[0].is_cuda:
+            torch.cuda.synchronize(layers[0].device)
         corrupted = [str(b) for blocks in meta.new_leases.values() for b in blocks]
         with open(path + ".done.tmp", "w") as f:
             f.write(" ".join(corrupted))

@@ -1,6 +1,8 @@
 """What the end-to-end connector tests share: a seeded random Llama checkpoint, vLLM servers
-and the proxy as child processes on 127.0.0.1 (free ports), each stopped by its owner."""
+and the proxy as child processes on 127.0.0.1 (free ports), each stopped by its owner, and how
+the servers run on each kind of device (DEVICES)."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -11,34 +13,75 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any, Dict, Tuple
 
 import torch
 
-# Small enough for a 2-core CPU, large enough that greedy outputs depend on every KV entry.
-MODEL_CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-                    rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="bfloat16")
-BLOCK_SIZE = 32  # CPU_ATTN needs a multiple of 32
-# float32, not bfloat16: with bf16 on a CPU with AMX, vLLM 0.32's CPU attention takes its "amx" kernels,
-# which die of SIGILL on the first step after an asynchronous external load (seen on this host).
-DTYPE = "float32"
+VOCAB_SIZE = 1024  # the word-level tokenizer's too: prompts are token ids below it
+BLOCK_SIZE = 32  # CPU_ATTN needs a multiple of 32; FlashAttention takes it too (a multiple of 16)
 SECRET = "connector-tests-deployment-secret"
 STARTUP_TIMEOUT_S = 420.0  # a vLLM CPU server starts in ~60 s on 2 idle cores; shared hosts are slower
 REQUEST_TIMEOUT_S = 120.0
 
 
-def write_checkpoint(path: Path, seed: int = 0) -> Path:
-    """A seeded random Llama (non-norm weights N(0, 0.05)) as safetensors, with no tokenizer."""
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """How the servers run on one kind of device: the checkpoint's geometry, the dtype they
+    serve, the migration backend the connector picks there by default, their extra arguments and
+    environment, and whether they must start one after the other."""
+
+    name: str
+    model_config: Dict[str, Any]
+    dtype: str
+    backend: str
+    server_args: Tuple[str, ...] = ()
+    sequential_start: bool = False
+
+    def env(self, core: str) -> Dict[str, str]:
+        """The environment of a server; `core` is the CPU core a CPU server computes on."""
+        if self.name == "cpu":
+            return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": core}
+        # greedy decoding needs no FlashInfer sampler, and FlashInfer may not be installed
+        return {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
+DEVICES = {
+    # Small enough for a 2-core CPU, large enough that greedy outputs depend on every KV entry.
+    # float32, not bfloat16: with bf16 on a CPU with AMX, vLLM 0.32's CPU attention takes its "amx"
+    # kernels, which die of SIGILL on the first step after an asynchronous external load.
+    "cpu": Device(
+        name="cpu", dtype="float32", backend="gloo",
+        model_config=dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64)),
+    # One GPU, three servers: each gets a quarter of its memory, and they start one after the
+    # other (vLLM sizes its cache from the memory free when it starts). FlashAttention's head
+    # size 128 and 4 KV heads. float16, not bfloat16: its 8x finer rounding keeps the decode
+    # side's first step (one token over the pulled KV) and the single instance's prefill from
+    # parting at a near-tie of a random model's logits.
+    "cuda": Device(
+        name="cuda", dtype="float16", backend="ipc", sequential_start=True,
+        server_args=("--gpu-memory-utilization", "0.25"),
+        model_config=dict(vocab_size=VOCAB_SIZE, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
+                          num_attention_heads=8, num_key_value_heads=4, head_dim=128)),
+}
+CPU = DEVICES["cpu"]  # the default of the functions below
+
+
+def write_checkpoint(path: Path, seed: int = 0, *, device: Device = CPU) -> Path:
+    """A seeded random Llama of `device`'s geometry (non-norm weights N(0, 0.05)) as
+    safetensors, with no tokenizer; bfloat16 weights for float32 servers, else the served dtype."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    dtype = torch.bfloat16 if device.dtype == "float32" else getattr(torch, device.dtype)
     torch.manual_seed(seed)
-    config = LlamaConfig(**MODEL_CONFIG)
+    config = LlamaConfig(**device.model_config, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False, torch_dtype=str(dtype).replace("torch.", ""))
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0.0, 0.05)
-    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    model.to(dtype).save_pretrained(path, safe_serialization=True)
     return path
 
 
@@ -48,7 +91,7 @@ def write_tokenizer(path: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"w{i}": i for i in range(MODEL_CONFIG["vocab_size"])}
+    vocab = {f"w{i}": i for i in range(VOCAB_SIZE)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2",
@@ -117,10 +160,11 @@ class Process:
             self.proc.wait(timeout=20)
 
 
-def vllm_env(core: str, extra_pythonpath: str = "") -> dict:
+def vllm_env(core: str = "0", extra_pythonpath: str = "", *, device: Device = CPU) -> dict:
+    """The environment of a vLLM server (or the proxy) on `device`."""
     env = dict(os.environ)
-    env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": core,
-                "VLLM_EXT_AUTH_SECRET": SECRET, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+    env.update(device.env(core))
+    env.update({"VLLM_EXT_AUTH_SECRET": SECRET, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
     if extra_pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_pythonpath, env.get("PYTHONPATH", "")) if p)
@@ -128,17 +172,17 @@ def vllm_env(core: str, extra_pythonpath: str = "") -> dict:
 
 
 def start_vllm(name, model: Path, log_dir: Path, *, core: str, kv_config=None, extra_args=(),
-               extra_pythonpath: str = "", extra_env=None, tokenizer: bool = False) -> Process:
-    """A vLLM OpenAI server of `model` (token-id prompts only, unless `tokenizer`: the model
-    folder then holds one, see write_tokenizer)."""
+               extra_pythonpath: str = "", extra_env=None, tokenizer: bool = False, device: Device = CPU) -> Process:
+    """A vLLM OpenAI server of `model` on `device` (token-id prompts only, unless `tokenizer`:
+    the model folder then holds one, see write_tokenizer)."""
     port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--served-model-name", "tiny", *([] if tokenizer else ["--skip-tokenizer-init"]), "--dtype", DTYPE,
+            "--served-model-name", "tiny", *([] if tokenizer else ["--skip-tokenizer-init"]), "--dtype", device.dtype,
             "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE), "--enforce-eager",
-            "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "16", *extra_args]
+            "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "16", *device.server_args, *extra_args]
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config)]
-    env = vllm_env(core, extra_pythonpath)
+    env = vllm_env(core, extra_pythonpath, device=device)
     env.update(extra_env or {})
     return Process(name, argv, env, log_dir / f"{name}.log", port)
 
