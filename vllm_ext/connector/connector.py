@@ -15,8 +15,7 @@ WorkerHalf; each half gets values, not this object. Configuration
     connect_to       ["host:port", ...] producers' lease channels to connect to at start-up
     allowed_producers  ["host:port", ...] the only lease channels a consumer dials (default: connect_to)
     verify_kv        a producer digests the blocks it leases, a consumer checks its pulls against
-                     them (a mismatch pulls once more, then fails the receive) (default true;
-                     needs vLLM's worker metadata, 0.32+)
+                     them (a mismatch pulls once more, then fails the receive) (default true)
     load_whole_blocks  load only whole blocks before the last token, compute the rest (< 1 block)
                      here (default: on CPU, where vLLM 0.32's AMX attention fails a first step that
                      starts inside a block)
@@ -206,7 +205,7 @@ def _static_fields(vllm_config) -> dict:
     try:
         try:
             from vllm.model_executor.layers.attention.attention import Attention
-        except ImportError:  # 0.26
+        except ImportError:  # releases that keep it in vllm.attention.layer
             from vllm.attention.layer import Attention
 
         for layer in vllm_config.compilation_config.static_forward_context.values():

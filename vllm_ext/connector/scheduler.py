@@ -201,7 +201,12 @@ class SchedulerHalf:
         request.kv_transfer_params["do_remote_prefill"] = False  # once: a preempted request recomputes
         if num_external_tokens <= 0 or error is not None:
             if error is not None and num_external_tokens > 0:
-                self._recvs.append(RecvJob(req_id=request.request_id, error=error))
+                # the blocks of the external hit get_num_new_matched_tokens reported (policy "fail"):
+                # releases without failed_recving (0.26) learn of the failure only from its blocks
+                end = request.num_tokens - 1
+                first, last = (end - num_external_tokens) // self.block_size, -(-end // self.block_size)
+                self._recvs.append(RecvJob(req_id=request.request_id, error=error,
+                                           dst_block_ids=list(block_ids[first:last])))
             self._release(request.request_id, request.kv_transfer_params)
             return
         end = self._load_end(request, remote)
