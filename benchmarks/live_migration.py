@@ -175,7 +175,7 @@ def measure(args, a, b, router):
     rows, quiet, busy = [], [], []
     # a background request on each instance, all run long: the other requests' decode steps
     background = [Streamed(s.url, dict(body, prompt=[rng.randrange(3, 1000) for _ in range(64)],
-                                       max_tokens=max(args.lengths) * 4, ignore_eos=True)) for s in (a, b)]
+                                       max_tokens=max(args.lengths), ignore_eos=True)) for s in (a, b)]
     for s in background:
         s.start()
     time.sleep(3.0)
@@ -200,7 +200,7 @@ def measure(args, a, b, router):
                 record = box["record"]
                 outcomes.append(record["outcome"])
                 wrong += s.ids() != want
-                d, itl = downtime(s, record["stop_tokens"])
+                d, itl = downtime(s, record["stop_tokens"] - len(prompt))
                 if d is not None:
                     samples.append((d, itl, record))
                 for bg in background:

@@ -352,6 +352,25 @@ BAD_PARAMS = [
 ]
 
 
+def test_a_sync_load_is_counted_as_computed_and_loaded_before_the_forward():
+    """kv_transfer_params with sync_load (a migration's resume): the external tokens are not an
+    asynchronous hit, and the worker's job says so."""
+    sched = make_scheduler(False)
+    try:
+        from vllm_ext.connector.metadata import VllmExtHandshake
+
+        sched.set_handshake({0: VllmExtHandshake(descriptor={}, fingerprint="cd" * 16, fingerprint_fields={})})
+        req = make_request(range(40), dict(good_params(), sync_load=True), req_id="s")
+        assert sched.get_num_new_matched_tokens(req, 0) == (40, False)
+        sched.update_state_after_alloc(req, [4, 5, 6], 40)
+        job, = sched.build_connector_meta().recvs
+        assert job.sync and job.dst_block_ids == [4, 5, 6] and job.error is None
+        bad = make_request(range(40), dict(good_params(), sync_load="yes"), req_id="b")
+        assert sched.get_num_new_matched_tokens(bad, 0) == (39, True)  # refused by name: failed at once
+    finally:
+        sched.shutdown()
+
+
 @pytest.mark.parametrize("edit,message", BAD_PARAMS, ids=[m for _, m in BAD_PARAMS])
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_bad_kv_transfer_params_fail_that_request_only(edit, message, policy):
@@ -493,7 +512,7 @@ def test_dead_producer_fails_the_receive_within_the_deadline(producer):
         sched.shutdown()  # the producer is gone
         done, failed = receive(d_worker, [job], deadline_s=120.0)
         assert failed == {"d-0"}
-        assert d_worker.take_failed_blocks() == {1, 2, 3}
+        assert d_worker.take_failed_blocks() == ({1, 2, 3}, set())
     finally:
         d_worker.shutdown()
 

@@ -149,8 +149,10 @@ class VllmExtConnector(KVConnectorBase_V1):
         return self._worker.build_worker_meta()
 
     def get_block_ids_with_load_errors(self):
-        blocks = self._worker.take_failed_blocks()
-        return set() if _HAS_TRANSFER_RESULTS else blocks  # 0.32+ reports failed_recving instead
+        blocks, sync = self._worker.take_failed_blocks()
+        # 0.32+ learns of failed asynchronous loads from failed_recving; a failed sync load is
+        # only ever invalid blocks
+        return sync if _HAS_TRANSFER_RESULTS else blocks
 
     def get_kv_connector_stats(self):
         half = self._worker if self._worker is not None else self._scheduler

@@ -35,6 +35,9 @@ class RecvJob:
     src_block_ids: List[int] = dataclasses.field(default_factory=list)
     dst_block_ids: List[int] = dataclasses.field(default_factory=list)
     error: Optional[str] = None
+    # load before this step's forward (the request's tokens count as computed already): a
+    # failure is reported as invalid blocks, which vLLM recomputes or fails by its policy
+    sync: bool = False
 
 
 @dataclasses.dataclass

@@ -179,7 +179,7 @@ class SchedulerHalf:
         end = self._load_end(request, remote) if remote is not None else 0
         if end <= num_computed_tokens:
             return 0, False
-        return end - num_computed_tokens, True
+        return end - num_computed_tokens, not remote.sync
 
     def _load_end(self, request, remote) -> int:
         """Tokens [0, end) come from the producer. With whole_blocks, `end` stops at the last
@@ -215,7 +215,8 @@ class SchedulerHalf:
         self._recvs.append(RecvJob(
             req_id=request.request_id, lease=remote.lease, lease_host=remote.lease_host,
             lease_port=remote.lease_port, endpoint_id=remote.endpoint_id, fingerprint=remote.fingerprint,
-            first_block=first, src_block_ids=remote.block_ids[first:last], dst_block_ids=list(block_ids[first:last])))
+            first_block=first, src_block_ids=remote.block_ids[first:last], dst_block_ids=list(block_ids[first:last]),
+            sync=remote.sync))
 
     def _track(self, request, block_ids: List[int]) -> None:
         """Follows a request that a router may migrate (a producer that carries a migration id)."""

@@ -165,6 +165,7 @@ class WorkerHalf:
         self._done: Set[str] = set()
         self._failed: Set[str] = set()
         self._failed_blocks: Set[int] = set()
+        self._sync_failed_blocks: Set[int] = set()  # of failed sync loads: always reported as invalid
         self._stats = VllmExtStats()
         self._clients: Dict[Tuple[str, int], LeaseClient] = {}
         self._peers: Dict[str, PeerDescriptor] = {}
@@ -222,6 +223,8 @@ class WorkerHalf:
         for job in meta.recvs:
             if job.error is not None:
                 self._finish(job, False, job.error)
+            elif job.sync:  # this step's forward reads these blocks: load them now
+                self._receive(job, queued + self.pull_timeout_s)
             else:
                 self._pool.submit(self._receive, job, queued + self.pull_timeout_s)
         for release in meta.releases:
@@ -246,10 +249,12 @@ class WorkerHalf:
             self._done, self._failed = set(), set()
         return sending, done, failed
 
-    def take_failed_blocks(self) -> Set[int]:
+    def take_failed_blocks(self) -> Tuple[Set[int], Set[int]]:
+        """(blocks of every failed load, blocks of failed sync loads) since the last call."""
         with self._lock:
             blocks, self._failed_blocks = self._failed_blocks, set()
-        return blocks
+            sync, self._sync_failed_blocks = self._sync_failed_blocks, set()
+        return blocks, sync
 
     def get_stats(self) -> Optional[VllmExtStats]:
         with self._lock:
@@ -261,11 +266,15 @@ class WorkerHalf:
     # ---- receiving (pull threads) --------------------------------------------------------
     def _finish(self, job: RecvJob, ok: bool, why: str = "", nbytes: int = 0, seconds: float = 0.0) -> None:
         with self._lock:
-            self._done.add(job.req_id)
+            if not job.sync:  # vLLM waits for an asynchronous load's report; a sync load has none
+                self._done.add(job.req_id)
             if ok:
                 self._stats.record_transfer(nbytes, seconds)
             else:
-                self._failed.add(job.req_id)
+                if job.sync:
+                    self._sync_failed_blocks.update(job.dst_block_ids)
+                else:
+                    self._failed.add(job.req_id)
                 self._failed_blocks.update(job.dst_block_ids)
                 self._stats.record_failure()
         if not ok:

@@ -3,7 +3,9 @@ fingerprint they must agree on. Imports neither vllm nor torch.
 
 Version history (PROTOCOL, carried as `kv_transfer_params["vllm_ext"]`):
   1: first version: lease id, block ids, token count, prompt hash, fingerprint, lease address.
-  2: `migration_id` (a router's id of a request it may migrate; see migration/live.py).
+  2: `migration_id` (a router's id of a request it may migrate; see migration/live.py) and
+     `sync_load` (load before this step's forward instead of asynchronously: a migration's
+     resume, whose few blocks cost less than the steps an asynchronous load waits).
 
 A producer answers a finished `do_remote_decode` request with:
 
@@ -41,7 +43,7 @@ class ParamsError(ValueError):
 
 _FIELDS = ("do_remote_prefill", "do_remote_decode", "vllm_ext", "remote_lease", "remote_block_ids",
            "remote_num_tokens", "remote_prompt_hash", "remote_fingerprint", "remote_endpoint", "remote_lease_s",
-           "migration_id")
+           "migration_id", "sync_load")
 _ENDPOINT_FIELDS = ("lease_host", "lease_port", "endpoint_id", "backend")
 # What vLLM itself adds to kv_transfer_params on their way (its scheduler: the producer's cached
 # prompt tokens; its chat endpoint: pre-tokenized prompts); any other key is refused.
@@ -67,6 +69,7 @@ class RemoteKV:
     lease_port: int
     endpoint_id: str
     backend: str
+    sync: bool = False
 
     @classmethod
     def parse(cls, params: Any, block_size: int) -> "RemoteKV":
@@ -137,9 +140,12 @@ def parse_remote_params(params: Any, block_size: int) -> RemoteKV:
     lease_s = _field(params, "remote_lease_s", (int, float))
     if isinstance(lease_s, bool) or not 0 < lease_s <= 1e6:
         raise ParamsError(f"kv_transfer_params.remote_lease_s: expected seconds > 0, got {lease_s!r}")
+    sync = params.get("sync_load", False)
+    if not isinstance(sync, bool):
+        raise ParamsError(f"kv_transfer_params.sync_load: expected bool, got {type(sync).__name__}")
     return RemoteKV(lease=lease, block_ids=list(block_ids), num_tokens=num_tokens, prompt_hash=hash_,
                     fingerprint=fingerprint, lease_host=host, lease_port=port, endpoint_id=endpoint_id,
-                    backend=backend)
+                    backend=backend, sync=sync)
 
 
 def migration_id_of(params: Any) -> Optional[str]:

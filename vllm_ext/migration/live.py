@@ -75,7 +75,7 @@ class Record:
     stages: List[Stage] = dataclasses.field(default_factory=list)
     final_blocks: int = 0  # blocks of the final lease
     moved_tokens: int = 0  # tokens whose KV the destination got from the final lease
-    stop_tokens: int = 0  # output tokens the client had got when the source's stream closed
+    stop_tokens: int = 0  # tokens (prompt + output the client got) when the source's stream closed
     mode: str = "precopy"  # or "stop_and_copy" (no pre-copy), "recompute" (no KV moved)
     stopped_at: float = 0.0  # monotonic: the source's stream closed
     resumed_at: float = 0.0  # monotonic: the destination's first token
@@ -126,8 +126,9 @@ def lease_params(lease: MigrationLease, lease_host: str, lease_port: int, num_to
                             "backend": lease.backend},
         "remote_lease_s": lease.lease_s,
     }
-    if migration_id is not None:
+    if migration_id is not None:  # a resume: its few blocks load before the destination's next forward
         params["migration_id"] = migration_id
+        params["sync_load"] = True
     return params
 
 
