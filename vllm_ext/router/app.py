@@ -62,6 +62,7 @@ class Instance:
             host, _, port = lease.rpartition(":")
             self.control = live.SourceControl(secret, host, int(port))
         self.healthy = True
+        self.failed_polls = 0  # consecutive /metrics polls that failed
         self.draining = False
         self.requests: Dict[str, Routed] = {}
         self.migrating_in = 0
@@ -539,9 +540,13 @@ class Router:
                     inst.metrics = metrics
                     if not inst.healthy:
                         logger.info("instance %s is back", inst.url)
-                    inst.healthy = True
-                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                    inst.healthy, inst.failed_polls = True, 0
+                except aiohttp.ClientConnectorError as e:  # nothing listens: down now
                     self._mark_down(inst, e)
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                    inst.failed_polls += 1  # slow (a busy host): down only after three in a row
+                    if inst.failed_polls >= 3:
+                        self._mark_down(inst, e)
             await asyncio.sleep(self.settings.health_interval_s)
 
     # ---- admin routes --------------------------------------------------------------------
@@ -592,6 +597,8 @@ class Router:
             dst = self._instance(str(body["to"]))
         else:
             targets = [i for i in self._candidates(exclude=(routed.instance,)) if i.healthy]
+            if not targets:
+                targets = self._candidates(exclude=(routed.instance,))  # none known healthy: try the others
             if not targets:
                 return _error(409, "no other healthy instance to move it to", "ConflictError")
             dst = min(targets, key=lambda i: i.load)
