@@ -24,6 +24,8 @@ from typing import Dict, List, Optional
 import aiohttp
 from aiohttp import web
 
+from ._http import error, openai_app
+
 logger = logging.getLogger("vllm_ext.proxy")
 
 POLICIES = ("round_robin", "least_loaded")
@@ -58,10 +60,6 @@ class Pool:
         return order
 
 
-def _error(status: int, message: str, kind: str) -> web.Response:
-    """An error body shaped like vLLM's."""
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                             status=status)
 
 
 class Proxy:
@@ -100,16 +98,16 @@ class Proxy:
                     return web.Response(status=r.status, body=await r.read(), content_type="application/json")
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 logger.warning("decode server %s is down (%s): trying the next", backend.url, e)
-        return _error(503, "no decode server is reachable", "ServiceUnavailableError")
+        return error(503, "no decode server is reachable", "ServiceUnavailableError")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         path = request.path
         try:
             body = await request.json()
         except (UnicodeDecodeError, ValueError) as e:
-            return _error(400, f"the request body is not valid JSON: {e}", "BadRequestError")
+            return error(400, f"the request body is not valid JSON: {e}", "BadRequestError")
         if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object", "BadRequestError")
+            return error(400, "the request body must be a JSON object", "BadRequestError")
 
         headers = {k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers}
         prefill_body = dict(body, stream=False, max_tokens=1, n=1, kv_transfer_params={"do_remote_decode": True})
@@ -145,13 +143,13 @@ class Proxy:
                     except (UnicodeDecodeError, ValueError) as e:
                         logger.warning("prefill server %s answered 200 with a body that is not JSON: %s",
                                        backend.url, e)
-                        return _error(502, f"the prefill server's answer is not JSON: {e}", "BadGatewayError")
+                        return error(502, f"the prefill server's answer is not JSON: {e}", "BadGatewayError")
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
                 logger.warning("prefill server %s is down (%s: %s): trying the next", backend.url,
                                type(e).__name__, e)
             finally:
                 backend.in_flight -= 1
-        return _error(503, "no prefill server is reachable", "ServiceUnavailableError")
+        return error(503, "no prefill server is reachable", "ServiceUnavailableError")
 
     async def _decode(self, request: web.Request, path: str, body: Dict, headers: Dict[str, str]) -> web.StreamResponse:
         stream = bool(body.get("stream"))
@@ -186,18 +184,7 @@ class Proxy:
                                type(e).__name__, e)
             finally:
                 backend.in_flight -= 1
-        return _error(503, "no decode server is reachable", "ServiceUnavailableError")
-
-
-@web.middleware
-async def _json_http_errors(request: web.Request, handler):
-    """Unknown routes and methods answer JSON, as vLLM's (FastAPI) server does."""
-    try:
-        return await handler(request)
-    except web.HTTPNotFound:
-        return web.json_response({"detail": "Not Found"}, status=404)
-    except web.HTTPMethodNotAllowed:
-        return web.json_response({"detail": "Method Not Allowed"}, status=405)
+        return error(503, "no decode server is reachable", "ServiceUnavailableError")
 
 
 def build_app(prefill: List[str], decode: List[str], policy: str = "round_robin",
@@ -205,14 +192,7 @@ def build_app(prefill: List[str], decode: List[str], policy: str = "round_robin"
     if policy not in POLICIES:
         raise ValueError(f"policy: {policy!r} is not one of {', '.join(POLICIES)}")
     proxy = Proxy(Pool("prefill", prefill, policy), Pool("decode", decode, policy), timeout_s)
-    app = web.Application(client_max_size=64 << 20, middlewares=[_json_http_errors])
-    app.on_startup.append(proxy.start)
-    app.on_cleanup.append(proxy.stop)
-    app.router.add_get("/health", proxy.health)
-    app.router.add_get("/v1/models", proxy.models)
-    app.router.add_post("/v1/completions", proxy.completions)
-    app.router.add_post("/v1/chat/completions", proxy.completions)
-    return app
+    return openai_app(proxy)
 
 
 def main(argv=None) -> None:

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional
 import aiohttp
 from aiohttp import web
 
+from .._http import error, openai_app
 from ..migration import auth, live
 from . import streams
 from .streams import ClientStream
@@ -106,9 +107,6 @@ class Routed:
                 "migrations": len(self.migrations)}
 
 
-def _error(status: int, message: str, kind: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                             status=status)
 
 
 class _LegFailed(Exception):
@@ -178,16 +176,16 @@ class Router:
                     return web.Response(status=r.status, body=await r.read(), content_type="application/json")
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 logger.warning("instance %s is down (%s): trying the next", inst.url, e)
-        return _error(503, "no instance is reachable", "ServiceUnavailableError")
+        return error(503, "no instance is reachable", "ServiceUnavailableError")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         chat = request.path.endswith("/chat/completions")
         try:
             body = await request.json()
         except (UnicodeDecodeError, ValueError) as e:
-            return _error(400, f"the request body is not valid JSON: {e}", "BadRequestError")
+            return error(400, f"the request body is not valid JSON: {e}", "BadRequestError")
         if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object", "BadRequestError")
+            return error(400, "the request body must be a JSON object", "BadRequestError")
         body.pop("kv_transfer_params", None)  # a client's own never reach an instance
         reason = streams.not_migratable(body, chat)
         if reason is not None:
@@ -237,7 +235,7 @@ class Router:
                 self._mark_down(inst, e)
             finally:
                 inst.requests.pop(key, None)
-        return _error(503, "no instance is reachable", "ServiceUnavailableError")
+        return error(503, "no instance is reachable", "ServiceUnavailableError")
 
     async def _serve(self, request: web.Request, routed: Routed) -> web.StreamResponse:
         # the first leg: the first instance that answers
@@ -252,7 +250,7 @@ class Router:
             except _Refused as e:  # the instance refused the request (a bad request): its answer, as is
                 return web.Response(status=e.status, body=e.body, content_type=e.content_type.split(";")[0])
         else:
-            return _error(503, f"no instance is reachable ({first_error})", "ServiceUnavailableError")
+            return error(503, f"no instance is reachable ({first_error})", "ServiceUnavailableError")
 
         out = None
         if routed.body.get("stream"):
@@ -264,7 +262,7 @@ class Router:
         except _LegFailed as e:
             logger.warning("request %s failed: %s", routed.rid, e)
             if out is None:
-                return _error(502, f"the request failed: {e}", "BadGatewayError")
+                return error(502, f"the request failed: {e}", "BadGatewayError")
             event = {"error": {"message": f"the request failed: {e}", "type": "BadGatewayError", "param": None,
                                "code": 502}}
             await self._write(out, b"data: " + json.dumps(event).encode() + b"\n\n")
@@ -552,10 +550,10 @@ class Router:
     # ---- admin routes --------------------------------------------------------------------
     def _authorized(self, request: web.Request) -> Optional[web.Response]:
         if self._token is None:
-            return _error(403, f"the admin API is off: set {ENV_TOKEN} on the router", "PermissionDenied")
+            return error(403, f"the admin API is off: set {ENV_TOKEN} on the router", "PermissionDenied")
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode()):
-            return _error(401, "the admin API needs Authorization: Bearer <token>", "Unauthorized")
+            return error(401, "the admin API needs Authorization: Bearer <token>", "Unauthorized")
         return None
 
     async def admin_instances(self, request: web.Request) -> web.Response:
@@ -592,7 +590,7 @@ class Router:
         body = await self._admin_body(request, ("request_id",))
         routed = self.requests.get(body["request_id"])
         if routed is None:
-            return _error(404, f"no running request {body['request_id']!r}", "NotFoundError")
+            return error(404, f"no running request {body['request_id']!r}", "NotFoundError")
         if body.get("to") is not None:
             dst = self._instance(str(body["to"]))
         else:
@@ -600,15 +598,15 @@ class Router:
             if not targets:
                 targets = self._candidates(exclude=(routed.instance,))  # none known healthy: try the others
             if not targets:
-                return _error(409, "no other healthy instance to move it to", "ConflictError")
+                return error(409, "no other healthy instance to move it to", "ConflictError")
             dst = min(targets, key=lambda i: i.load)
         stages = body.get("stages")
         if stages is not None and (type(stages) is not int or not 0 <= stages <= 16):
-            return _error(400, f"stages: expected an integer in [0, 16], got {stages!r}", "BadRequestError")
+            return error(400, f"stages: expected an integer in [0, 16], got {stages!r}", "BadRequestError")
         try:
             task = self.start_migration(routed, dst, stages, recompute=bool(body.get("recompute")))
         except ValueError as e:
-            return _error(409, str(e), "ConflictError")
+            return error(409, str(e), "ConflictError")
         record = await asyncio.shield(task)
         return web.json_response(record.as_dict())
 
@@ -718,10 +716,6 @@ async def _errors(request: web.Request, handler):
         return web.Response(status=e.status, body=e.body, content_type=e.content_type.split(";")[0])
     except _ClientGone:
         return web.Response(status=499)
-    except web.HTTPNotFound:
-        return web.json_response({"detail": "Not Found"}, status=404)
-    except web.HTTPMethodNotAllowed:
-        return web.json_response({"detail": "Method Not Allowed"}, status=405)
 
 
 def build_app(urls: List[str], leases: Optional[List[Optional[str]]] = None,
@@ -730,14 +724,7 @@ def build_app(urls: List[str], leases: Optional[List[Optional[str]]] = None,
     if settings.policy not in POLICIES:
         raise ValueError(f"policy: {settings.policy!r} is not one of {', '.join(POLICIES)}")
     router = Router(urls, leases, settings)
-    app = web.Application(client_max_size=64 << 20, middlewares=[_errors])
-    app["router"] = router
-    app.on_startup.append(router.start)
-    app.on_cleanup.append(router.stop)
-    app.router.add_get("/health", router.health)
-    app.router.add_get("/v1/models", router.models)
-    app.router.add_post("/v1/completions", router.completions)
-    app.router.add_post("/v1/chat/completions", router.completions)
+    app = openai_app(router, middlewares=[_errors])
     app.router.add_get("/instances", router.admin_instances)
     app.router.add_get("/requests", router.admin_requests)
     app.router.add_post("/migrate", router.admin_migrate)

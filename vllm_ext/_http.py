@@ -1,0 +1,34 @@
+"""What the P/D proxy and the router share as OpenAI-compatible fronts (aiohttp): vLLM-shaped
+error bodies, and an app with the OpenAI routes and JSON answers for unknown routes."""
+
+from aiohttp import web
+
+
+def error(status: int, message: str, kind: str) -> web.Response:
+    """An error body shaped like vLLM's."""
+    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}},
+                             status=status)
+
+
+@web.middleware
+async def json_http_errors(request: web.Request, handler):
+    """Unknown routes and methods answer JSON, as vLLM's (FastAPI) server does."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return web.json_response({"detail": "Not Found"}, status=404)
+    except web.HTTPMethodNotAllowed:
+        return web.json_response({"detail": "Method Not Allowed"}, status=405)
+
+
+def openai_app(front, middlewares=()) -> web.Application:
+    """An app serving `front`'s health, models and completions (both APIs), started and
+    stopped with it."""
+    app = web.Application(client_max_size=64 << 20, middlewares=[*middlewares, json_http_errors])
+    app.on_startup.append(front.start)
+    app.on_cleanup.append(front.stop)
+    app.router.add_get("/health", front.health)
+    app.router.add_get("/v1/models", front.models)
+    app.router.add_post("/v1/completions", front.completions)
+    app.router.add_post("/v1/chat/completions", front.completions)
+    return app
