@@ -138,8 +138,10 @@ class Router:
 
     # ---- lifetime ------------------------------------------------------------------------
     async def start(self, app) -> None:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
-            total=None, connect=5.0, sock_read=self.settings.timeout_s))
+        # no pool limit (aiohttp's default is 100 connections: every stream holds one to its end),
+        # and a deadline on connecting only, not on waiting for a pooled connection
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(
+            total=None, sock_connect=5.0, sock_read=self.settings.timeout_s))
         self._tasks.append(asyncio.create_task(self._watch()))
         if self.settings.balance:
             self._tasks.append(asyncio.create_task(self._balance()))
