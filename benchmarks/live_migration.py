@@ -201,7 +201,7 @@ def measure(args, a, b, router):
                 outcomes.append(record["outcome"])
                 wrong += s.ids() != want
                 d, itl = downtime(s, record["stop_tokens"] - len(prompt))
-                if d is not None:
+                if d is not None and record["outcome"] in ("moved", "recomputed"):  # not one that ended first
                     samples.append((d, itl, record))
                 for bg in background:
                     busy.extend(bg.gaps_between(box["t0"], box["t1"]))
