@@ -25,6 +25,7 @@ import statistics
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -227,9 +228,13 @@ def migration_hook(router, box, mode):
     def hook(rid):
         def go():
             box["t0"] = time.perf_counter()
-            box["record"] = admin(router, "/migrate", {
-                "request_id": rid, "stages": 0 if mode == "stop_and_copy" else None,
-                "recompute": mode == "recompute"})
+            try:
+                box["record"] = admin(router, "/migrate", {
+                    "request_id": rid, "stages": 0 if mode == "stop_and_copy" else None,
+                    "recompute": mode == "recompute"})
+            except urllib.error.HTTPError as e:  # 404: it ended before the move reached the router
+                box["record"] = {"outcome": f"HTTP {e.code}", "stop_tokens": 0, "stages": [],
+                                 "stop_to_resume_ms": None}
             box["t1"] = time.perf_counter()
         box["thread"] = threading.Thread(target=go, daemon=True)
         box["thread"].start()
