@@ -172,7 +172,7 @@ def measure(args, a, b, router):
     import vllm
 
     rng = random.Random(0)
-    body = {"model": "m", "temperature": 0, "return_token_ids": True}
+    body = {"model": "m", "temperature": 0, "return_token_ids": True, "ignore_eos": True}
     rows, quiet, busy = [], [], []
     # a background request on each instance, all run long: the other requests' decode steps
     background = [Streamed(s.url, dict(body, prompt=[rng.randrange(3, 1000) for _ in range(64)],
