@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The serving benchmark on one GPU with the vLLM installed there (vLLM 0.26 with torch 2.11 on
+# the H200 machine): builds vllm-ext in place unless a CUDA build is already there, checks that
+# vLLM's load generator and the connector import, then runs the gpu preset (7B geometry, dummy
+# weights, 600 requests at 10 req/s, two instances sharing the GPU) into OUT.
+#   usage: benchmarks/serving/gpu.sh OUT [python -m benchmarks.serving options...]
+# Needs no network: the model folder (config.json and a BPE tokenizer) and the requests are
+# generated. Results: OUT/serving.{md,json,png} (the PNG where matplotlib is installed; else
+# `python -m benchmarks.serving.report OUT/serving.json` draws it on another machine), and
+# OUT/serving-work/ with every process's log.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${1:?usage: benchmarks/serving/gpu.sh OUT [options...]}
+shift
+PY=${PYTHON:-python3}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+start=$(date +%s)
+if ! $PY -c 'from vllm_ext import _lib; assert _lib.built_with_cuda()' 2>/dev/null; then
+  echo "building vllm-ext in place (log: build/serving-gpu-build.log)"
+  mkdir -p build
+  VLLM_EXT_TARGET_DEVICE=cuda $PY -m pip install -v --no-build-isolation --no-deps -e . \
+    >build/serving-gpu-build.log 2>&1 || { tail -n 40 build/serving-gpu-build.log; exit 1; }
+fi
+$PY -c 'import vllm, vllm.benchmarks.serve, vllm_ext.connector, vllm_ext.proxy; print("vLLM", vllm.__version__)'
+echo "[$(( $(date +%s) - start ))s] ready; running the benchmark"
+$PY -m benchmarks.serving --preset gpu --out "$OUT" "$@"
