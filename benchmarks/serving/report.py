@@ -70,7 +70,7 @@ def markdown(data: dict) -> str:
 def plot(data: dict, path) -> bool:
     """CDFs of per-request TTFT and TPOT, a line per topology that ran."""
     plt = common_report.pyplot()
-    if plt is None:
+    if plt is None or not any(t["status"] == "ok" for t in data["topologies"]):
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for t in data["topologies"]:

@@ -14,7 +14,9 @@ Topologies, in the order they run (instances of one phase serve all its topologi
 """
 
 import importlib.util
+import os
 import re
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -139,6 +141,14 @@ def start_front(cfg: ServerConfig, argv: List[str], name: str, port: int) -> "ha
 
 
 def stop(processes) -> None:
-    """Stops processes, last started first."""
-    for p in reversed(list(processes)):
+    """Stops processes: SIGTERM to every group at once (vLLM takes seconds to exit), then each
+    one's stop (SIGKILL after its grace period), last started first."""
+    processes = list(processes)
+    for p in processes:
+        if p.proc.poll() is None:
+            try:
+                os.killpg(p.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    for p in reversed(processes):
         p.stop()
