@@ -177,6 +177,8 @@ class Run:
             if front:
                 front.stop()
         entry = figures.summarise(result)
+        # the model folder as the report names it, not this machine's path
+        entry["model_id"] = entry["tokenizer_id"] = f"{self.work.name}/{self.model_dir.name}"
         entry["problems"] = figures.problems(result, self.prompt_lens, self.output_lens)
         self.results[topology].update(entry, status="ok", reason=None)
         self.log(f"{topology}: {entry['completed']} completed, {entry['failed']} failed, median TTFT "
