@@ -121,7 +121,7 @@ OCI_LABELS = \
   --label "vllm-ext.arch-list=$(TORCH_CUDA_ARCH_LIST)"
 , := ,
 
-.PHONY: help develop test _test bench _bench lint clean test-connector vllm-venv bench-serving
+.PHONY: help develop test _test bench _bench lint clean test-connector vllm-venv bench-serving test-serving
 .PHONY: wheel image test-gpu image-test-cpu base-images
 .PHONY: _docker-ready _wheel-docker _wheel-export _wheel-host _image _image-target
 .PHONY: _test-gpu-docker _test-gpu-host
@@ -202,6 +202,9 @@ _bench:
 	$(PY) -m benchmarks.kernels --out $(BENCH_OUT)
 	$(PY) -m benchmarks.migration --out $(BENCH_OUT)
 	@echo "results in $(BENCH_OUT)/ (untracked); to publish a run: cp $(BENCH_OUT)/<name>.* benchmarks/results/"
+
+test-serving: vllm-venv ## Run tests/serving in $(VLLM_VENV) (the serving checks; the proxy at the benchmark's concurrency)
+	VLLM_EXT_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest $(PYTEST_ARGS) tests/serving
 
 # The plots need matplotlib; the CI preset writes none, so CI does not install it.
 bench-serving: vllm-venv ## Run the serving benchmark in $(VLLM_VENV): real vLLM servers per topology, vLLM's load generator, into BENCH_OUT
