@@ -250,8 +250,8 @@ def notes(gpu: bool, load_before, load_after):
         out.append("Both instances share one GPU (--gpu-memory-utilization each), started one after the other.")
     else:
         out.append("Each instance is pinned to one core (VLLM_CPU_OMP_THREADS_BIND), so one instance has half the "
-                   "machine and two have all of it; the load generator and the router or proxy share those cores at "
-                   "nice -10, ahead of the servers.")
+                   "machine and two have all of it. The router or proxy shares those cores with them; the load "
+                   "generator too, at nice -10, so that its clock is not delayed by the servers.")
     return out
 
 

@@ -39,8 +39,9 @@ TITLES = {"single": "one instance", "router": "two instances, router",
           "balance": "two instances, router + migration", "pd": "prefill + decode (connector)"}
 PHASES = {"single": "plain", "router": "plain", "balance": "balance", "pd": "pd"}
 TOPOLOGIES = tuple(TITLES)
-# Where servers spin on every core (a CPU host), the load generator and the router or proxy run
-# ahead of them, as on cores of their own: a starved client would stamp tokens late.
+# Where servers spin on every core (a CPU host), the load generator runs ahead of them, as on a
+# core of its own: a starved client would stamp tokens late. The router and proxy are part of
+# what is measured and compete like the servers.
 AHEAD_OF_SERVERS = ["nice", "-n", "-10"]
 
 
@@ -53,7 +54,7 @@ class ServerConfig:
     env: Dict[str, str] = field(default_factory=dict)
     sequential: bool = False  # one GPU: vLLM sizes its cache from the memory free at start-up
     log_dir: Path = Path(".")
-    client_prefix: List[str] = field(default_factory=list)  # before the load generator's and the front's command
+    client_prefix: List[str] = field(default_factory=list)  # before the load generator's command
 
 
 def unavailable(topology: str) -> Optional[str]:
@@ -130,8 +131,7 @@ def front_argv(topology: str, specs: List[dict], urls: List[str], port: int) -> 
 
 
 def start_front(cfg: ServerConfig, argv: List[str], name: str, port: int) -> "harness.Process":
-    front = harness.Process(name, [*cfg.client_prefix, *argv], harness.vllm_env("0"), cfg.log_dir / f"{name}.log",
-                            port)
+    front = harness.Process(name, argv, harness.vllm_env("0"), cfg.log_dir / f"{name}.log", port)
     try:
         front.wait_healthy(timeout=120)
     except BaseException:
