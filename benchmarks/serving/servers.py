@@ -98,7 +98,9 @@ def phase_instances(phase: str, topologies: List[str]) -> List[dict]:
     if phase == "plain":
         return [{"name": "instance-a", "core": "0"}] + \
             ([{"name": "instance-b", "core": "1"}] if "router" in topologies else [])
-    if phase == "balance":  # migration between the two: each produces and consumes KV
+    # Migration between the two (each produces and consumes KV, each knows the other's lease
+    # channel): untested until the router's --balance lands; its docs decide these settings.
+    if phase == "balance":
         ports = [harness.free_port(), harness.free_port()]
         return [{"name": f"instance-{n}", "core": str(i), "lease": f"127.0.0.1:{ports[i]}",
                  "kv_config": {"kv_connector": "VllmExtConnector", "kv_role": "kv_both",
