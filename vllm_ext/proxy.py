@@ -69,7 +69,11 @@ class Proxy:
         self.session: Optional[aiohttp.ClientSession] = None
 
     async def start(self, app) -> None:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=5.0,
+        # No pool limit (aiohttp's default: 100 connections), and a deadline on connecting only: a
+        # streamed answer holds its connection to the end, and a request waiting for a pooled one
+        # must not take a busy server for a dead one.
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0,
                                                                            sock_read=self.timeout_s))
 
     async def stop(self, app) -> None:
