@@ -19,7 +19,7 @@ from .servers import harness
 # "tiny": the connector tests' model, sized for a 2-core CPU. "7b": LLaMA-7B's geometry
 # (32 layers, 32 KV heads of 128, 0.5 MiB of bf16 KV per token), Llumnix's CI geometry.
 SHAPES: Dict[str, dict] = {
-    "tiny": {k: harness.MODEL_CONFIG[k] for k in (
+    "tiny": {k: harness.CPU.model_config[k] for k in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "head_dim")},
     "7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
