@@ -89,6 +89,6 @@ def write(out_dir, name, data, markdown, plot=None, indent=1):
                  f"{prov['date']}.\n")
     (out / f"{name}.md").write_text(markdown)
     plotted = bool(plot and plot(out / f"{name}.png"))
-    print(f"wrote {out / name}.md, .json" + (", .png" if plotted else " (no plot: matplotlib missing)"),
+    print(f"wrote {out / name}.md, .json" + (", .png" if plotted else " (no plot: no matplotlib, or no data)"),
           file=sys.stderr, flush=True)
     return prov
