@@ -44,7 +44,8 @@ def run(harness, argv: List[str], env: dict, log_path: Path, result_path: Path, 
         while gen.proc.poll() is None:
             for p in watch:
                 if p.proc.poll() is not None:
-                    raise RuntimeError(f"{p.name} exited with {p.proc.returncode} during the load:\n{p.log_tail(20)}")
+                    raise RuntimeError(f"{p.name} exited with {p.proc.returncode} during the load; its log ends:\n"
+                                       f"{p.log_tail(20)}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"vllm bench serve still running after {timeout_s:.0f} s:\n{gen.log_tail(20)}")
             time.sleep(0.5)
