@@ -75,6 +75,13 @@ def save_figure(plt, fig, path):
     plt.close(fig)
 
 
+def provenance_line(prov):
+    """The Markdown's last line: what produced the run."""
+    build = prov["build_info"]
+    return (f"\nRun: `{prov['command']}` at git {prov['git_revision'][:12]}, vllm-ext {build.get('version')} "
+            f"({build.get('target_device')}), {prov['machine']['host']}, {prov['date']}.\n")
+
+
 def write(out_dir, name, data, markdown, plot=None, indent=1):
     """Writes name.json (data plus "provenance"), name.md (markdown plus a provenance line) and,
     when `plot(path)` draws one, name.png; logs the paths and returns the provenance."""
@@ -83,12 +90,8 @@ def write(out_dir, name, data, markdown, plot=None, indent=1):
     prov = provenance()
     (out / f"{name}.json").write_text(json.dumps(dict(data, provenance=prov), indent=indent,
                                                  default=str) + "\n")
-    build = prov["build_info"]
-    markdown += (f"\nRun: `{prov['command']}` at git {prov['git_revision'][:12]}, vllm-ext "
-                 f"{build.get('version')} ({build.get('target_device')}), {prov['machine']['host']}, "
-                 f"{prov['date']}.\n")
-    (out / f"{name}.md").write_text(markdown)
+    (out / f"{name}.md").write_text(markdown + provenance_line(prov))
     plotted = bool(plot and plot(out / f"{name}.png"))
-    print(f"wrote {out / name}.md, .json" + (", .png" if plotted else " (no plot: matplotlib missing)"),
+    print(f"wrote {out / name}.md, .json" + (", .png" if plotted else " (no plot: no matplotlib, or no data)"),
           file=sys.stderr, flush=True)
     return prov

@@ -168,7 +168,7 @@ class Run:
                                     result_filename=raw.name, label=topology)
             result = load.run(servers.harness, bench, servers.harness.vllm_env("0"),
                               self.work / f"{topology}-bench.log", raw, max(self.deadline - time.monotonic(), 60.0),
-                              self.cfg.client_prefix)
+                              self.cfg.client_prefix, watch=[*instances, *([front] if front else [])])
         except (RuntimeError, TimeoutError, OSError) as e:
             self.fail([topology], e)
             self.log(f"{topology} failed: {e}")

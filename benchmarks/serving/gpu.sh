@@ -8,7 +8,7 @@
 #   benchmarks/serving/gpu.sh OUT [options...]     # options of python -m benchmarks.serving
 # Needs no network: the model folder (config.json and a BPE tokenizer) and the requests are
 # generated. Without matplotlib there is no PNG: `python -m benchmarks.serving.report
-# serving.json` draws it on another machine.
+# serving.json` redraws the Markdown and the PNG from the JSON on another machine.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:?usage: benchmarks/serving/gpu.sh --build | OUT [options...]}

@@ -34,13 +34,18 @@ def bench_argv(*, base_url: str, model_dir: Path, served_model_name: str, datase
 
 
 def run(harness, argv: List[str], env: dict, log_path: Path, result_path: Path, timeout_s: float,
-        prefix: List[str] = ()) -> dict:
+        prefix: List[str] = (), watch=()) -> dict:
     """Runs the load generator (its command after `prefix`, e.g. `nice`) to completion, at most
-    `timeout_s`, and returns its result JSON."""
+    `timeout_s`, and returns its result JSON; stops it and raises as soon as one of the `watch`
+    processes (the servers, the router) exits."""
     gen = harness.Process("vllm-bench-serve", [*prefix, sys.executable, "-m", __name__, *argv], env, log_path, 0)
     try:
         deadline = time.monotonic() + timeout_s
         while gen.proc.poll() is None:
+            for p in watch:
+                if p.proc.poll() is not None:
+                    raise RuntimeError(f"{p.name} exited with {p.proc.returncode} during the load; its log ends:\n"
+                                       f"{p.log_tail(20)}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"vllm bench serve still running after {timeout_s:.0f} s:\n{gen.log_tail(20)}")
             time.sleep(0.5)

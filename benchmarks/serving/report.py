@@ -62,7 +62,7 @@ def markdown(data: dict) -> str:
         lines.append(f"| {t['title']} | {t['completed']} | {t['failed']} | {t['duration']:.1f} | "
                      f"{t['request_throughput']:.2f} | {t['output_throughput']:.0f} | "
                      f"{t['total_token_throughput']:.0f} | {t.get('max_concurrent_requests', '-')} |\n")
-    lines.append("\n" + "".join(f"- {t['title']}: {t['layout']}\n" for t in data["topologies"]))
+    lines.append("\n" + "".join(f"- {t['title']}: {t['layout']}\n" for t in ran))
     lines += [f"- {n}\n" for n in data["notes"]]
     return "".join(lines)
 
@@ -106,7 +106,9 @@ def problems_of(data: dict) -> List[str]:
     return out
 
 
-if __name__ == "__main__":  # python -m benchmarks.serving.report RUN.json: draws RUN.png beside it
+if __name__ == "__main__":  # python -m benchmarks.serving.report RUN.json: RUN.md and RUN.png again, from the JSON
     source = Path(sys.argv[1])
-    if not plot(json.loads(source.read_text()), source.with_suffix(".png")):
-        sys.exit("matplotlib is not installed")
+    data = json.loads(source.read_text())
+    source.with_suffix(".md").write_text(markdown(data) + common_report.provenance_line(data["provenance"]))
+    if not plot(data, source.with_suffix(".png")):
+        sys.exit("no PNG: matplotlib is not installed")
