@@ -21,6 +21,21 @@ async def json_http_errors(request: web.Request, handler):
         return web.json_response({"detail": "Method Not Allowed"}, status=405)
 
 
+async def first_models(session, urls, what: str, log) -> web.Response:
+    """/v1/models of the first of `urls` that answers (`what` names them in the log and the 503)."""
+    import asyncio
+
+    import aiohttp
+
+    for url in urls:
+        try:
+            async with session.get(url + "/v1/models") as r:
+                return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            log.warning("%s %s is down (%s): trying the next", what, url, e)
+    return error(503, f"no {what} is reachable", "ServiceUnavailableError")
+
+
 def openai_app(front, middlewares=()) -> web.Application:
     """An app serving `front`'s health, models and completions (both APIs), started and
     stopped with it."""

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 import aiohttp
 from aiohttp import web
 
-from ._http import error, openai_app
+from ._http import error, first_models, openai_app
 
 logger = logging.getLogger("vllm_ext.proxy")
 
@@ -96,13 +96,7 @@ class Proxy:
         return web.json_response(body, status=200 if healthy else 503)
 
     async def models(self, request: web.Request) -> web.Response:
-        for backend in self.decode.candidates():
-            try:
-                async with self.session.get(backend.url + "/v1/models") as r:
-                    return web.Response(status=r.status, body=await r.read(), content_type="application/json")
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                logger.warning("decode server %s is down (%s): trying the next", backend.url, e)
-        return error(503, "no decode server is reachable", "ServiceUnavailableError")
+        return await first_models(self.session, [b.url for b in self.decode.candidates()], "decode server", logger)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         path = request.path

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional
 import aiohttp
 from aiohttp import web
 
-from .._http import error, openai_app
+from .._http import error, first_models, openai_app
 from ..migration import auth, live
 from . import streams
 from .streams import ClientStream
@@ -172,13 +172,7 @@ class Router:
         return web.json_response(body, status=200 if any(body.values()) else 503)
 
     async def models(self, request: web.Request) -> web.Response:
-        for inst in self._candidates():
-            try:
-                async with self.session.get(inst.url + "/v1/models") as r:
-                    return web.Response(status=r.status, body=await r.read(), content_type="application/json")
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                logger.warning("instance %s is down (%s): trying the next", inst.url, e)
-        return error(503, "no instance is reachable", "ServiceUnavailableError")
+        return await first_models(self.session, [i.url for i in self._candidates()], "instance", logger)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         chat = request.path.endswith("/chat/completions")
