@@ -60,19 +60,19 @@ STATIC = {"vllm": "0.32", "attn_backend": ["CPU_ATTN"], "kv_cache_layout": "LBHN
           "block_size": BLOCK_SIZE, "num_kv_heads": 2, "head_size": 8}
 
 
-def make_worker(kv_caches, producer, static=STATIC, pull_timeout_s=10.0, allowed=()):
+def make_worker(kv_caches, producer, static=STATIC, pull_timeout_s=10.0, allowed=(), connect_to=()):
     """`allowed`: the producers (schedulers, or "host:port") a consumer may dial."""
     allowed = [a if isinstance(a, str) else "{}:{}".format(*a.lease_address) for a in allowed]
     w = WorkerHalf(is_producer=producer, is_consumer=not producer, backend="gloo", endpoint_host="127.0.0.1",
                    endpoint_options={}, secret=SECRET, pull_timeout_s=pull_timeout_s, static_fields=dict(static),
-                   connect_to=[], allowed_producers=allowed)
+                   connect_to=list(connect_to), allowed_producers=allowed)
     w.register_kv_caches(kv_caches)
     return w
 
 
-def make_scheduler(producer, policy="fail", lease_s=30.0, clock=None):
+def make_scheduler(producer, policy="fail", lease_s=30.0, clock=None, lease_port=0):
     return SchedulerHalf(is_producer=producer, is_consumer=not producer, block_size=BLOCK_SIZE, lease_s=lease_s,
-                         lease_host="127.0.0.1", lease_port=0, secret=SECRET, failure_policy=policy,
+                         lease_host="127.0.0.1", lease_port=lease_port, secret=SECRET, failure_policy=policy,
                          clock=clock or time.monotonic)
 
 
@@ -184,6 +184,39 @@ class _Raw:
 
     def header(self):
         return dict(self.fields, op=self.op)
+
+
+def test_a_consumer_connects_to_a_producer_that_starts_after_it(monkeypatch):
+    """connect_to names a producer not up yet (servers start together): the consumer keeps
+    dialling and connects once it is ready, and its failed attempts hold no pull back."""
+    import socket
+
+    from vllm_ext.connector import worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "CONNECT_AHEAD_RETRY_S", (0.05, 0.2))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    consumer = make_worker(vllm_layers(seed=2), producer=False, allowed=[address], connect_to=[address])
+    sched = worker = None
+    try:
+        time.sleep(0.5)  # several refused dials
+        assert consumer._peers == {} and consumer._backoff == {}
+        worker = make_worker(vllm_layers(seed=1), producer=True)
+        sched = make_scheduler(True, lease_port=port)
+        time.sleep(0.3)  # its lease channel answers, with no KV cache registered yet: refused
+        sched.set_handshake({0: worker.handshake()})
+        deadline = time.monotonic() + 10
+        while not consumer._peers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(consumer._peers) == [worker.endpoint.descriptor().endpoint_id]
+        assert consumer._backoff == {}
+    finally:
+        consumer.shutdown()
+        for half in (sched, worker):
+            if half is not None:
+                half.shutdown()
 
 
 def lease_client(sched):

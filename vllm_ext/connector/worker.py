@@ -5,7 +5,9 @@ through a MigrationEndpoint, and, on a consumer, runs each RecvJob on a thread o
 (with its own CUDA stream): describe the producer and connect to it when first seen, acquire
 the lease, pull, release the lease. Results are reported at the next get_transfer_results.
 A consumer dials only producers on its allow-list; every job has a deadline counted from when it
-was queued, and a producer that just failed to answer is not dialled again for BACKOFF_S.
+was queued, and a producer that just failed a job is not dialled again for BACKOFF_S. At
+start-up it connects to its connect_to producers ahead of the first pull, retrying while they
+start (for CONNECT_AHEAD_S); those attempts hold no pull back.
 
 On a producer (gloo, nccl: serve="granted") the endpoint serves only the blocks of live leases:
 granted when the worker learns of a lease (the step after it was made; reported back to the
@@ -43,6 +45,10 @@ MAX_PRODUCERS = 64
 # A producer that could not be reached (or whose endpoint failed a pull) is not dialled again
 # for this long: jobs for it fail at once meanwhile.
 BACKOFF_S = 5.0
+# At start-up a consumer dials its connect_to producers until it is connected or this long has
+# passed (servers of a deployment start together: a producer may take minutes to be ready).
+CONNECT_AHEAD_S = 900.0
+CONNECT_AHEAD_RETRY_S = (0.5, 5.0)  # the first wait between attempts, doubled up to the second
 # Backends whose peers can be held to the granted blocks (ipc maps the whole cache).
 GRANTED_BACKENDS = ("gloo", "nccl", "rayrpc")
 
@@ -197,7 +203,8 @@ class WorkerHalf:
         logger.info("vllm-ext connector: %r serving %d layers [%s] over %s, fingerprint %s", self.cache,
                     len(names), self.fingerprint_fields["physical_order"], backend, self.fingerprint)
         for address in self._connect_to:
-            self._pool.submit(self._connect_ahead, address)
+            threading.Thread(target=self._connect_ahead, args=(address,), name="vllm-ext-connect-ahead",
+                             daemon=True).start()
 
     def handshake(self) -> VllmExtHandshake:
         assert self.endpoint is not None
@@ -306,9 +313,11 @@ class WorkerHalf:
                 self._peer_locks.setdefault((host, port), threading.Lock())
             return client
 
-    def _peer(self, host: str, port: int, endpoint_id: Optional[str], deadline: float) -> PeerDescriptor:
+    def _peer(self, host: str, port: int, endpoint_id: Optional[str], deadline: float,
+              back_off: bool = True) -> PeerDescriptor:
         """The producer's descriptor, checked against this cache and connected when first
-        seen (the handshake: a layout mismatch is refused here, naming the fields)."""
+        seen (the handshake: a layout mismatch is refused here, naming the fields). A failure
+        to reach it puts it in back-off unless `back_off` is false."""
         client = self._client(host, port)
         with self._peer_locks[(host, port)]:
             peer = self._peers.get(endpoint_id) if endpoint_id else None
@@ -317,7 +326,8 @@ class WorkerHalf:
             try:
                 reply = client.describe(_left(deadline, CHANNEL_TIMEOUT_S))
             except ChannelError:
-                self._back_off(host, port)
+                if back_off:
+                    self._back_off(host, port)
                 raise
             diff = fingerprint_mismatch(self.fingerprint_fields, reply.fingerprint_fields)
             if diff:
@@ -330,7 +340,8 @@ class WorkerHalf:
             try:
                 self.endpoint.connect(peer, timeout=_left(deadline))
             except MigrationError:
-                self._back_off(host, port)
+                if back_off:
+                    self._back_off(host, port)
                 raise
             logger.info("vllm-ext connector: connected to producer %s:%d (%s) in %.1f ms", host, port,
                         peer.short(), 1e3 * (time.perf_counter() - started))
@@ -341,12 +352,26 @@ class WorkerHalf:
             return peer
 
     def _connect_ahead(self, address: str) -> None:
+        """Its own thread: connects to a connect_to producer before a pull needs it, trying again
+        while the producer starts; a failure here puts it in no back-off (a pull dials it anew)."""
         host, _, port = address.rpartition(":")
-        try:
-            self._peer(host, int(port), None, time.monotonic() + max(self.pull_timeout_s, 10.0))
-        except (ChannelError, MigrationError, TransferFailed, ValueError, OSError) as e:
-            logger.warning("vllm-ext connector: connecting ahead to %s failed (the first pull retries): %s",
-                           address, e)
+        give_up = time.monotonic() + CONNECT_AHEAD_S
+        wait, most = CONNECT_AHEAD_RETRY_S
+        attempts = 0
+        while self.endpoint is not None:
+            attempts += 1
+            try:
+                self._peer(host, int(port), None, time.monotonic() + max(self.pull_timeout_s, 10.0), back_off=False)
+                return
+            except (ChannelError, MigrationError, TransferFailed, ValueError, OSError) as e:
+                if attempts == 1:
+                    logger.info("vllm-ext connector: producer %s not ready yet (%s); trying again", address, e)
+                if time.monotonic() + wait > give_up:
+                    logger.warning("vllm-ext connector: connecting ahead to %s failed %d times in %g s (a pull "
+                                   "dials it anew): %s", address, attempts, CONNECT_AHEAD_S, e)
+                    return
+            time.sleep(wait)
+            wait = min(2 * wait, most)
 
     def _receive(self, job: RecvJob, deadline: float) -> None:
         """`deadline`: monotonic time by which the job is done, counted from when it was queued."""
