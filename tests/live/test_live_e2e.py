@@ -58,7 +58,7 @@ def cluster(tmp_path_factory):
         others = [f"127.0.0.1:{p}" for n, p in ports.items() if n != name]
         server = h.start_vllm(
             name, model, work, core=core, tokenizer=True,
-            extra_pythonpath=os.pathsep.join((str(HERE), str(CONNECTOR_TESTS))),
+            extra_pythonpath=str(HERE),
             extra_env={"VLLM_EXT_TEST_CORRUPT": str(faults["corrupt"]),
                        "VLLM_EXT_TEST_PULL_DELAY": str(faults["delay"])},
             kv_config={"kv_connector": "LiveFaultConnector", "kv_connector_module_path": "live_faults",
@@ -334,8 +334,8 @@ def test_migration_to_a_dead_destination_keeps_the_request(cluster):
 
 
 def test_corrupted_kv_is_caught_and_recomputed(cluster):
-    """The source's final lease is overwritten after it was digested: the destination's two
-    pulls differ from the digests, it recomputes, and the output is still right."""
+    """The destination's pulls of the final lease return noise: both differ from the source's
+    digests, it recomputes, and the output is still right."""
     prompt = prompts(20, (90,))[0]
     want_ids, _ = reference(cluster, prompt)
     results = []
@@ -352,7 +352,6 @@ def test_corrupted_kv_is_caught_and_recomputed(cluster):
         (status, record), = finish([s], results)
     finally:
         cluster["corrupt"].unlink(missing_ok=True)
-        cluster["corrupt"].with_name(cluster["corrupt"].name + ".done").unlink(missing_ok=True)
     assert status == 200 and s.error is None and s.ids == want_ids, record
     after = {n: h.metrics(cluster[n].url).get("vllm:vllm_ext_digest_mismatches_total", 0) for n in "AB"}
     assert sum(after.values()) - sum(before.values()) == 2

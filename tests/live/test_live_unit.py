@@ -7,7 +7,7 @@ import random
 import pytest
 
 from vllm_ext.migration import live, protocol
-from vllm_ext.migration.lease import ChannelError, MigrationLease
+from vllm_ext.migration.lease import ChannelError, ChannelRefused, MigrationLease
 
 BS = 4
 
@@ -22,7 +22,8 @@ def lease(tokens, num_tokens, first_block=100):
 
 
 class FakeSource:
-    """The request grows by `per_stage` tokens between calls; faults by name."""
+    """The request grows by `per_stage` tokens between calls; faults by name: "precopy" (every
+    lease refused), "down" (the lease channel does not answer)."""
 
     host, port = "127.0.0.1", 9
 
@@ -30,39 +31,28 @@ class FakeSource:
         self.tokens, self.per_stage, self.fail = list(tokens), per_stage, set(fail)
         self.calls, self.released, self.ended = [], [], 0
 
-    def _grow(self):
-        self.tokens += [7] * self.per_stage
-
     def precopy(self, mid):
         self.calls.append("precopy")
+        if "down" in self.fail:
+            raise ChannelError("lease channel 127.0.0.1:9: timed out")
         if "precopy" in self.fail:
-            raise ChannelError("refused")
-        self._grow()
+            raise ChannelRefused("lease channel 127.0.0.1:9 refused: no complete block yet")
+        self.tokens += [7] * self.per_stage
+        # complete blocks of the tokens before the one being computed
         return lease(self.tokens, (len(self.tokens) - 2) // BS * BS)
 
     def release(self, lease_id):
         self.released.append(lease_id)
-
-    def stop(self, mid):
-        self.calls.append("stop")
-        if "stop" in self.fail:
-            raise ChannelError("down")
-        return "finished" not in self.fail
-
-    def take(self, mid):
-        self.calls.append("take")
-        if "take" in self.fail:
-            raise ChannelError("dead")
-        return lease(self.tokens, len(self.tokens) - 1)
 
     def end(self, mid):
         self.ended += 1
 
 
 class FakeDriver:
-    def __init__(self, source, seen=None, resume_ok=True, load_ok=True):
+    def __init__(self, source, seen=None, resume_ok=True, load_ok=True, running=True):
         self.source, self.seen, self.resume_ok, self.load_ok = source, seen, resume_ok, load_ok
-        self.loads, self.resumed, self.done = [], [], False
+        self.running = running
+        self.loads, self.resumed, self.stops, self.done = [], [], 0, False
 
     def finished(self):
         return self.done
@@ -72,7 +62,8 @@ class FakeDriver:
         return self.load_ok
 
     async def stop(self):
-        return True
+        self.stops += 1
+        return self.running
 
     def tokens(self):
         return list(self.source.tokens if self.seen is None else self.seen)
@@ -87,62 +78,76 @@ def run(source, driver, **kw):
     return asyncio.run(live.migrate(record, source, driver, next_migration_id="cd" * 16, **kw))
 
 
-def test_precopy_stages_then_a_stop_that_moves_the_rest():
+def test_precopy_stages_then_a_final_lease_taken_while_it_runs():
     src = FakeSource(list(range(3, 40)), per_stage=12)
     drv = FakeDriver(src)
     rec = run(src, drv, max_stages=3, last_stage_max_blocks=2)
-    assert rec.outcome == live.Outcome.MOVED and src.calls == ["precopy"] * 3 + ["stop", "take"]
+    assert rec.outcome == live.Outcome.MOVED and src.calls == ["precopy"] * 4 and drv.stops == 1
     assert [s.new_blocks for s in rec.stages] == [11, 3, 3]
     for tokens, params in drv.loads:  # each stage: whole blocks, plus the next token
         assert params["remote_num_tokens"] % BS == 0 and len(tokens) == params["remote_num_tokens"] + 1
         assert len(params["remote_block_ids"]) == params["remote_num_tokens"] // BS
-    final = drv.resumed[0]
-    assert final["remote_num_tokens"] == len(src.tokens) - 1 and final["migration_id"] == "cd" * 16
-    assert rec.moved_tokens == len(src.tokens) - 1 and src.ended == 1
+    final = drv.resumed[0]  # the 4th lease's complete blocks; the destination computes the rest
+    want = (len(src.tokens) - 2) // BS * BS
+    assert final["remote_num_tokens"] == want and len(final["remote_block_ids"]) == want // BS
+    assert final["migration_id"] == "cd" * 16 and final["sync_load"] is True
+    assert rec.moved_tokens == want and rec.recomputed_tokens == len(src.tokens) - want == 5
+    assert rec.stop_tokens == len(src.tokens) and src.ended == 1 and src.released == []
 
 
-def test_a_stage_with_few_new_blocks_is_skipped_and_released():
+def test_a_stage_with_few_new_blocks_becomes_the_final_lease():
     src = FakeSource(list(range(3, 40)), per_stage=1)
     drv = FakeDriver(src)
     rec = run(src, drv, max_stages=3, last_stage_max_blocks=2)
-    assert len(rec.stages) == 1 and len(src.released) == 1 and rec.outcome == live.Outcome.MOVED
+    assert len(rec.stages) == 1 and src.calls == ["precopy"] * 2 and src.released == []
+    assert rec.outcome == live.Outcome.MOVED and drv.resumed[0]["remote_num_tokens"] == (len(src.tokens) - 2) // BS * BS
 
 
 def test_no_precopy_is_stop_and_copy():
-    src = FakeSource(list(range(3, 30)), fail={"precopy"})
+    src = FakeSource(list(range(3, 30)))
     drv = FakeDriver(src)
-    rec = run(src, drv)
-    assert rec.stages == [] and drv.loads == [] and rec.outcome == live.Outcome.MOVED
+    rec = run(src, drv, max_stages=0)
+    assert rec.mode == "stop_and_copy" and rec.stages == [] and drv.loads == [] and src.calls == ["precopy"]
+    assert rec.outcome == live.Outcome.MOVED and rec.final_blocks == rec.moved_tokens // BS
 
 
-def test_the_router_saw_fewer_tokens_than_the_source_computed():
-    src = FakeSource(list(range(3, 30)), fail={"precopy"})
+def test_recompute_moves_no_kv():
+    src = FakeSource(list(range(3, 30)))
+    drv = FakeDriver(src)
+    rec = run(src, drv, recompute=True)
+    assert rec.mode == "recompute" and src.calls == [] and drv.resumed == [{"migration_id": "cd" * 16}]
+    assert rec.outcome == live.Outcome.RECOMPUTED and rec.recomputed_tokens == len(src.tokens)
+
+
+def test_the_router_saw_fewer_tokens_than_the_lease_covers():
+    src = FakeSource(list(range(3, 30)))
     seen = src.tokens[:20]
     drv = FakeDriver(src, seen=seen)
-    rec = run(src, drv)
-    assert drv.resumed[0]["remote_num_tokens"] == 20 and rec.moved_tokens == 20
+    rec = run(src, drv, max_stages=0)
+    # the destination computes at least the last token it was given
+    assert drv.resumed[0]["remote_num_tokens"] == 19 and rec.moved_tokens == 19 and rec.recomputed_tokens == 1
 
 
-def test_a_dead_source_after_the_stop_is_recomputed():
-    src = FakeSource(list(range(3, 30)), fail={"precopy", "take"})
+def test_a_refused_final_lease_is_recomputed():
+    src = FakeSource(list(range(3, 30)), fail={"precopy"})
     drv = FakeDriver(src)
     rec = run(src, drv)
     assert rec.outcome == live.Outcome.RECOMPUTED and drv.resumed == [{"migration_id": "cd" * 16}]
-    assert "no final lease" in rec.reason
+    assert "no final lease" in rec.reason and "no complete block" in rec.reason and drv.stops == 1
 
 
-def test_a_source_that_cannot_arm_keeps_the_request():
-    src = FakeSource(list(range(3, 30)), fail={"stop"})
+def test_a_source_whose_lease_channel_does_not_answer_keeps_the_request():
+    src = FakeSource(list(range(3, 30)), fail={"down"})
     drv = FakeDriver(src)
     rec = run(src, drv)
-    assert rec.outcome == live.Outcome.STAYED and drv.resumed == [] and src.ended == 1
+    assert rec.outcome == live.Outcome.STAYED and drv.stops == 0 and drv.resumed == [] and src.ended == 1
 
 
 def test_a_request_that_ended_first_finishes_where_it_was():
-    src = FakeSource(list(range(3, 30)), fail={"finished"})
-    drv = FakeDriver(src)
+    src = FakeSource(list(range(3, 30)))
+    drv = FakeDriver(src, running=False)
     rec = run(src, drv)
-    assert rec.outcome == live.Outcome.FINISHED and drv.resumed == []
+    assert rec.outcome == live.Outcome.FINISHED and drv.resumed == [] and src.ended == 1
 
 
 def test_a_destination_that_does_not_resume_fails_the_migration():

@@ -59,6 +59,9 @@ class VllmExtMetadata(KVConnectorMetadata):
     # leases ended since (their grants are revoked), and requests whose blocks go back to vLLM
     # (their last lease ended): the worker reports them in finished_sending
     new_leases: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
+    # lease id -> how many of its first blocks the scheduler knows the digests of already (a
+    # running request's earlier lease): the worker digests only the blocks after them
+    digest_from: Dict[str, int] = dataclasses.field(default_factory=dict)
     ended_leases: List[str] = dataclasses.field(default_factory=list)
     finished_sending: List[str] = dataclasses.field(default_factory=list)
 

@@ -11,10 +11,10 @@ its local prefix-cache hit as an asynchronous external hit, and hands the worker
 
 Live migration (source side; vllm_ext/migration/live.py drives it): a request whose
 kv_transfer_params carry a `migration_id` is tracked with its block table (from the scheduler
-output of every step). A router may ask for a pre-copy lease on its complete blocks while it
-runs (made on the engine thread, from that step's exact counts), arm the stop, abort the request
-(its blocks then stay under a final lease, as a P/D lease), take that lease, and end the
-migration. A finished request's blocks go back to vLLM only when its last lease has ended.
+output of every step). A router may ask for pre-copy leases on its complete blocks while it
+runs (made on the engine thread, from that step's exact counts), abort the request after the
+last one (its blocks stay under that lease), and end the migration. A finished request's blocks
+go back to vLLM only when its last lease has ended.
 
 Who calls what (vLLM, on the engine thread unless said otherwise): get_num_new_matched_tokens,
 update_state_after_alloc, build_connector_meta, update_connector_output, request_finished,
@@ -55,11 +55,11 @@ PRECOPY_WAIT_S = 2.0
 
 
 class Lease:
-    """A request's blocks held for consumers (producer side): a finished request's (P/D, or a
-    stopped migration's), or a running request's complete blocks (a migration's pre-copy)."""
+    """A request's blocks held for consumers (producer side): a finished request's (P/D), or a
+    running request's complete blocks (a migration's pre-copy)."""
 
     __slots__ = ("lease_id", "req_id", "block_ids", "num_tokens", "prompt_hash", "expires_at", "taken", "granted",
-                 "token_ids", "num_prompt_tokens", "preemptions", "tracked", "digests")
+                 "token_ids", "num_prompt_tokens", "preemptions", "tracked", "digests", "known_digests")
 
     def __init__(self, lease_id, req_id, block_ids, num_tokens, prompt_hash_, expires_at, granted,
                  token_ids=None, num_prompt_tokens=0, tracked=None):
@@ -75,6 +75,7 @@ class Lease:
         self.num_prompt_tokens = num_prompt_tokens
         self.tracked = tracked  # migration leases: the _Tracked request
         self.digests: List[int] = []  # the blocks' digests, from the worker that serves them
+        self.known_digests: List[int] = []  # those of its first blocks, known before it was granted
         # a pre-copy lease of a running request: its preemption count when the lease was made
         self.preemptions = getattr(tracked.request, "num_preemptions", 0) if tracked is not None else None
 
@@ -82,16 +83,18 @@ class Lease:
 class _Tracked:
     """A request that carries a migration id (source side): its block table and its leases."""
 
-    __slots__ = ("migration_id", "request", "block_ids", "armed", "finished", "leases", "final")
+    __slots__ = ("migration_id", "request", "block_ids", "finished", "leases", "digested")
 
     def __init__(self, migration_id: str, request, block_ids: List[int]):
         self.migration_id = migration_id
         self.request = request
         self.block_ids = list(block_ids)
-        self.armed = False  # the router stopped it: its end makes a final lease
         self.finished = False
         self.leases: set = set()  # live lease ids
-        self.final: Optional[Lease] = None
+        # (preemption count, block ids, their digests) of its last granted lease: a complete
+        # block's bytes do not change while the request holds it, so a later lease digests
+        # only the blocks after these
+        self.digested: Tuple[Optional[int], List[int], List[int]] = (None, [], [])
 
 
 class SchedulerHalf:
@@ -118,6 +121,7 @@ class SchedulerHalf:
         self._by_req: Dict[str, str] = {}
         self._finished_sending: List[str] = []
         self._new_leases: Dict[str, List[int]] = {}  # lease id -> blocks the worker grants
+        self._digest_from: Dict[str, int] = {}  # lease id -> blocks whose digests are known (VllmExtMetadata)
         self._ended_leases: List[str] = []  # lease ids whose grants the worker revokes
         self._tracked: Dict[str, _Tracked] = {}  # migration id -> request
         self._tracked_req: Dict[str, str] = {}  # request id -> migration id
@@ -294,21 +298,11 @@ class SchedulerHalf:
             endpoint_id=desc["endpoint_id"], backend=desc["backend"], lease_s=self.lease_s)
 
     def _tracked_finished(self, request, block_ids: List[int]) -> bool:
-        """A migratable request ended (the router's abort, or its own end): True keeps its
-        blocks, under the final lease of an armed stop and until its pre-copy leases end."""
+        """A migratable request ended (the router's abort after its last lease, or its own end):
+        True keeps its blocks until its leases end."""
         with self._lock:
-            mid = self._tracked_req[request.request_id]
-            tracked = self._tracked[mid]
+            tracked = self._tracked[self._tracked_req[request.request_id]]
             tracked.finished = True
-            # releases without num_in_flight_tokens may still be writing the last step's KV
-            # (asynchronous scheduling): its token is left to the destination to compute
-            num_tokens = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 1)
-            nblocks = -(-num_tokens // self.block_size)
-            if tracked.armed and self._handshake is not None and 0 < num_tokens and nblocks <= len(block_ids):
-                tokens = list(request.all_token_ids)
-                lease = self._add_lease(request, list(block_ids[:nblocks]), num_tokens, tokens, tracked)
-                tracked.final = lease
-            self._granted.notify_all()  # a take waiting for the final lease
             if tracked.leases:
                 return True
             self._untrack(tracked)
@@ -323,6 +317,14 @@ class SchedulerHalf:
         self._leases[lease.lease_id] = lease
         self._new_leases[lease.lease_id] = block_ids
         tracked.leases.add(lease.lease_id)
+        at, blocks, digests = tracked.digested
+        if at is not None and at == lease.preemptions:
+            k = 0
+            while k < min(len(blocks), len(block_ids)) and blocks[k] == block_ids[k]:
+                k += 1
+            if k:
+                lease.known_digests = digests[:k]
+                self._digest_from[lease.lease_id] = k
         return lease
 
     def _untrack(self, tracked: "_Tracked") -> None:
@@ -338,8 +340,6 @@ class SchedulerHalf:
         tracked = lease.tracked
         if tracked is not None:
             tracked.leases.discard(lease.lease_id)
-            if tracked.final is lease:
-                tracked.final = None
             if tracked.finished and not tracked.leases:
                 self._finished_sending.append(lease.req_id)
                 self._untrack(tracked)
@@ -365,8 +365,7 @@ class SchedulerHalf:
                 raise ValueError("this instance's worker has not registered its KV cache yet")
             return protocol.LeaseDescribeReply(self._handshake.descriptor, self._handshake.fingerprint,
                                                self._handshake.fingerprint_fields), b""
-        if isinstance(request, (protocol.MigratePrecopy, protocol.MigrateStop, protocol.MigrateTake,
-                                protocol.MigrateEnd)):
+        if isinstance(request, (protocol.MigratePrecopy, protocol.MigrateEnd)):
             return self._serve_migration(request)
         lease_id = request.lease
         self._reap_expired()
@@ -428,30 +427,15 @@ class SchedulerHalf:
                 raise ValueError(f"migration {mid[:8]}: {ask['error']}")
             with self._lock:
                 return self._lease_reply(ask["lease"])
+        # MigrateEnd: leases not taken end now; a taken one ends at its consumer's release (or at
+        # the end of the hold its acquire asked for): never under a pull
         with self._lock:
             tracked = self._tracked.get(mid)
-            if isinstance(request, protocol.MigrateStop):
-                if tracked is not None and not tracked.finished:
-                    tracked.armed = True
-                return protocol.MigrateStopReply(running=tracked is not None and not tracked.finished), b""
-            if isinstance(request, protocol.MigrateEnd):
-                # leases not taken end now; a taken one ends at its consumer's release (or at the
-                # end of the hold its acquire asked for): never under a pull
-                if tracked is not None:
-                    tracked.armed = False
-                    for lease_id in list(tracked.leases):
-                        if not self._leases[lease_id].taken:
-                            self._end_lease(self._leases[lease_id], "released")
-                return None, b""
-            # MigrateTake: wait for the stopped request's end
-            if tracked is None or not tracked.armed:
-                raise ValueError(f"migration {mid[:8]}: not stopped here (unknown, ended, or never armed)")
-            self._granted.wait_for(lambda: tracked.finished, timeout=request.timeout)
-            if not tracked.finished:
-                raise ValueError(f"migration {mid[:8]}: the request did not stop within {request.timeout:g} s")
-            if tracked.final is None:
-                raise ValueError(f"migration {mid[:8]}: the request ended with no KV to take")
-            return self._lease_reply(tracked.final)
+            if tracked is not None:
+                for lease_id in list(tracked.leases):
+                    if not self._leases[lease_id].taken:
+                        self._end_lease(self._leases[lease_id], "released")
+            return None, b""
 
     def _precopy(self, scheduler_output) -> None:
         """Engine thread: the pre-copy leases asked since the last step, from this step's counts:
@@ -512,8 +496,9 @@ class SchedulerHalf:
                 self._precopy(scheduler_output)
         with self._lock:
             meta = VllmExtMetadata(recvs=self._recvs, releases=self._releases, new_leases=self._new_leases,
-                                   ended_leases=self._ended_leases, finished_sending=self._finished_sending)
-            self._new_leases, self._ended_leases, self._finished_sending = {}, [], []
+                                   digest_from=self._digest_from, ended_leases=self._ended_leases,
+                                   finished_sending=self._finished_sending)
+            self._new_leases, self._digest_from, self._ended_leases, self._finished_sending = {}, {}, [], []
         self._recvs, self._releases = [], []
         return meta
 
@@ -530,8 +515,10 @@ class SchedulerHalf:
                 if lease is not None:
                     lease.granted = True
                     found = digests.get(lease_id)
-                    if found is not None and len(found) == len(lease.block_ids):
-                        lease.digests = list(found)
+                    if found is not None and len(lease.known_digests) + len(found) == len(lease.block_ids):
+                        lease.digests = lease.known_digests + list(found)
+                        if lease.tracked is not None:
+                            lease.tracked.digested = (lease.preemptions, lease.block_ids, lease.digests)
             self._granted.notify_all()
 
     def has_pending_frees(self) -> bool:

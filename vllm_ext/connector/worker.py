@@ -221,7 +221,8 @@ class WorkerHalf:
             self.leased_blocks[lease_id] = list(blocks)
             self._granted_now.append(lease_id)
             if self.verify_kv and VllmExtWorkerMetadata is not None:
-                self._digests_now[lease_id] = block_digests(self.cache.layers, list(blocks))
+                skip = meta.digest_from.get(lease_id, 0)
+                self._digests_now[lease_id] = block_digests(self.cache.layers, list(blocks[skip:]))
         for lease_id in meta.ended_leases:  # released or expired (its blocks may go back to vLLM this step)
             blocks = self.leased_blocks.pop(lease_id, None)
             if blocks is not None and self._grants:

@@ -30,6 +30,10 @@ class ChannelError(RuntimeError):
     """The peer could not be reached, failed authentication, broke the protocol, or refused."""
 
 
+class ChannelRefused(ChannelError):
+    """The peer answered, and refused (its message says why)."""
+
+
 def deployment_secret() -> bytes:
     """The deployment's shared secret (VLLM_EXT_AUTH_SECRET, or the file VLLM_EXT_AUTH_SECRET_FILE
     names; read as the migration endpoints read it). The connector refuses to start without one:
@@ -116,7 +120,7 @@ class LeaseClient:
                     if fresh or attempt == 1 or deadline.remaining() <= 0:
                         raise ChannelError(f"{where}: {e}") from e
         if header.get("ok") is not True:
-            raise ChannelError(f"{where} refused: {str(header.get('error', header))[:1000]}")
+            raise ChannelRefused(f"{where} refused: {str(header.get('error', header))[:1000]}")
         try:
             return protocol.parse_reply(header, expect), payload
         except ProtocolError as e:
@@ -145,13 +149,6 @@ class LeaseClient:
     # ---- live migration (a router -> the source instance) ----------------------------------
     def precopy(self, migration_id: str, timeout: float) -> "MigrationLease":
         return self._lease(protocol.MigratePrecopy(migration_id), timeout)
-
-    def stop(self, migration_id: str, timeout: float) -> bool:
-        """Arms the stop; True when the instance runs the request."""
-        return self._request(protocol.MigrateStop(migration_id), timeout, protocol.MigrateStopReply)[0].running
-
-    def take(self, migration_id: str, wait_s: float, timeout: float) -> "MigrationLease":
-        return self._lease(protocol.MigrateTake(migration_id, float(wait_s)), timeout)
 
     def end(self, migration_id: str, timeout: float) -> None:
         self._request(protocol.MigrateEnd(migration_id), timeout)

@@ -6,20 +6,25 @@ whatever backend the instances use: ipc, nccl or gloo alike).
               request's complete blocks (MigratePrecopy) and have the destination load them
               into its prefix cache (a one-token request whose kv_transfer_params name the
               lease); stop when a stage would move at most `last_stage_max_blocks` new blocks.
-    STOP      arm the stop on the source (MigrateStop), then abort the request there (the
-              router closes its stream): its blocks stay under a final lease.
-    TAKE      wait for that lease (MigrateTake): block ids and the tokens it covers.
-    RESUME    submit prompt + generated tokens to the destination with kv_transfer_params of
-              the final lease: its prefix cache holds the pre-copied blocks, it pulls the rest,
-              and streams on. The migration commits at the destination's first token.
+    SWITCH    one more pre-copy lease, the final one, made at the source's next step while the
+              request still decodes; then the router stops relaying the source's tokens and
+              closes its stream (the source aborts the request: its blocks stay under the lease).
+    RESUME    submit prompt + the tokens the client got to the destination with
+              kv_transfer_params of the final lease: its prefix cache holds the pre-copied
+              blocks, it pulls the rest before its next forward, computes the tokens after the
+              lease's last complete block, and streams on. The migration commits at the
+              destination's first token.
     END       MigrateEnd on the source (idempotent): every lease of the migration ends.
 
-Every step is keyed by the migration id and safe to repeat. Failure before the stop leaves the
-request running on the source (the pre-copy only cost the destination a cache fill); after the
-stop, a missing lease (source dead, nothing to take) resumes by recomputing from the tokens the
-router holds, and a destination that fails to resume hands the request back to the driver,
-which resumes it elsewhere (the source first) by recomputing. The driver (the router) owns the
-HTTP side: the streams, what the client saw, and the choice of where to go on failure.
+The client waits only for the resume: the source decodes until the final lease exists. Every
+step is keyed by the migration id and safe to repeat. Failure before the switch leaves the
+request running on the source (the pre-copy only cost the destination a cache fill): a source
+whose lease channel does not answer keeps it. A source that refuses the final lease (the request
+has no complete block yet, or is preempted) lets it go all the same, and the destination
+recomputes it from the tokens the router holds; a destination that fails to resume hands the
+request back to the driver, which resumes it elsewhere (the source first) by recomputing. The
+driver (the router) owns the HTTP side: the streams, what the client saw, and the choice of
+where to go on failure.
 """
 
 import asyncio
@@ -32,14 +37,13 @@ from typing import Any, Dict, List, Optional, Protocol
 
 from .kv_params import PROTOCOL as PARAMS_PROTOCOL
 from .kv_params import prompt_hash
-from .lease import ChannelError, LeaseClient, MigrationLease
+from .lease import ChannelError, ChannelRefused, LeaseClient, MigrationLease
 
 logger = logging.getLogger(__name__)
 
 MAX_STAGES = 3  # pre-copy stages (Llumnix: 3)
 LAST_STAGE_MAX_BLOCKS = 2  # a pre-copy that would move at most this many new blocks is skipped
 CONTROL_TIMEOUT_S = 5.0  # one message on the source's lease channel
-TAKE_WAIT_S = 5.0  # how long the source may take to abort the stopped request
 
 
 def new_migration_id() -> str:
@@ -76,6 +80,7 @@ class Record:
     final_blocks: int = 0  # blocks of the final lease
     moved_tokens: int = 0  # tokens whose KV the destination got from the final lease
     stop_tokens: int = 0  # tokens (prompt + output the client got) when the source's stream closed
+    recomputed_tokens: int = 0  # of those, the tokens the destination computed (after the lease)
     mode: str = "precopy"  # or "stop_and_copy" (no pre-copy), "recompute" (no KV moved)
     stopped_at: float = 0.0  # monotonic: the source's stream closed
     resumed_at: float = 0.0  # monotonic: the destination's first token
@@ -102,7 +107,8 @@ class Driver(Protocol):
         prefix cache (a one-token request). True when it answered."""
 
     async def stop(self) -> bool:
-        """Abort the request on the source (close its stream). False when it had ended first."""
+        """Stop relaying the source's tokens and abort the request there (close its stream).
+        False when it had ended first."""
 
     def tokens(self) -> List[int]:
         """Prompt + the output tokens the client got, in order."""
@@ -156,12 +162,6 @@ class SourceControl:
     def precopy(self, migration_id: str) -> MigrationLease:
         return self._client.precopy(migration_id, self.timeout_s)
 
-    def stop(self, migration_id: str) -> bool:
-        return self._client.stop(migration_id, self.timeout_s)
-
-    def take(self, migration_id: str, wait_s: float = TAKE_WAIT_S) -> MigrationLease:
-        return self._client.take(migration_id, wait_s, self.timeout_s + wait_s)
-
     def end(self, migration_id: str) -> None:
         self._client.end(migration_id, self.timeout_s)
 
@@ -197,6 +197,7 @@ async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_
     elif max_stages == 0:
         record.mode = "stop_and_copy"
     moved = 0  # blocks the destination's prefix cache got from pre-copies
+    final: Optional[MigrationLease] = None
     for _ in range(max_stages):
         if driver.finished():
             break
@@ -208,7 +209,7 @@ async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_
             break
         new = lease.n - moved
         if new <= last_stage_max_blocks and record.stages:
-            await _call(source.release, lease.lease)
+            final = lease  # few enough to move at the switch: the final lease
             break
         # the next token too, so that a destination loading whole blocks before the last token
         # still loads every block of the lease
@@ -224,36 +225,33 @@ async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_
         await _end(source, mid, record)
         return record
 
-    record.state = "stop"
-    try:
-        running = await _call(source.stop, mid)
-    except ChannelError as e:
-        record.state, record.outcome, record.reason = "done", Outcome.STAYED, f"arming the stop failed: {e}"
-        await _end(source, mid, record)
-        return record
-    if not running or not await driver.stop():
+    record.state = "switch"
+    params = None
+    if final is None and not recompute:
+        try:
+            final = await _call(source.precopy, mid)
+        except ChannelRefused as e:  # the source answered: the request has no complete block (or
+            record.reason = f"no final lease ({e}): recomputed"  # is not running): recompute it
+        except ChannelError as e:
+            record.state, record.outcome, record.reason = "done", Outcome.STAYED, f"no final lease: {e}"
+            await _end(source, mid, record)
+            return record
+    if not await driver.stop():
         record.state, record.outcome = "done", Outcome.FINISHED
         await _end(source, mid, record)
         return record
     record.stopped_at = time.monotonic()
-    record.stop_tokens = len(driver.tokens())
-
-    record.state = "take"
-    params = None
-    try:
-        if recompute:
-            raise ChannelError("recompute asked")
-        final = await _call(source.take, mid)
-        tokens = driver.tokens()
-        n = agreed_tokens(final, tokens)
+    tokens = driver.tokens()
+    record.stop_tokens = len(tokens)
+    if final is not None:
+        n = min(agreed_tokens(final, tokens), len(tokens) - 1)  # the destination computes one at least
         if n > 0:
-            record.final_blocks = final.n
+            record.final_blocks = -(-n // final.block_size)
             record.moved_tokens = n
             params = lease_params(final, source.host, source.port, n, next_migration_id)
         else:
-            record.reason = "the source's tokens differ from the router's"
-    except ChannelError as e:
-        record.reason = f"no final lease ({e}): recomputed"
+            record.reason = "the source's tokens differ from the router's: recomputed"
+    record.recomputed_tokens = len(tokens) - record.moved_tokens
     if params is None and next_migration_id is not None:
         params = {"migration_id": next_migration_id}
 

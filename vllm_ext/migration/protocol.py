@@ -33,7 +33,9 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 # 7: live migration's messages (migrate.*) on the lease server; a release answers whether the
 #    blocks stayed the request's throughout (LeaseReleaseReply); an acquire carries the blocks'
 #    digests.
-PROTOCOL = 7
+# 8: a migration's last lease is a pre-copy's, taken while the request runs (migrate.stop and
+#    migrate.take are gone).
+PROTOCOL = 8
 
 FRAME = struct.Struct("!II")
 MAX_HEADER_BYTES = 64 << 10  # a header is a small JSON object; refused past this, unread
@@ -396,35 +398,12 @@ class LeaseReleaseReply(Message):
 # A request the router may move carries kv_transfer_params["migration_id"]; these messages name it.
 @dataclasses.dataclass(frozen=True)
 class MigratePrecopy(Message):
-    """A lease on the complete blocks of a running request (MigrateLeaseReply): the request
-    keeps running; a release tells whether they stayed its blocks."""
+    """A lease on the complete blocks of a running request, made at the engine's next step
+    (MigrateLeaseReply): the request keeps running; a release tells whether they stayed its
+    blocks. A migration's stages and its last lease are all pre-copies."""
 
     op: ClassVar[str] = "migrate.precopy"
     migration_id: str
-
-
-@dataclasses.dataclass(frozen=True)
-class MigrateStop(Message):
-    """Arms the stop: when the request next finishes (the router then aborts it), its blocks
-    stay under a lease for MigrateTake (MigrateStopReply)."""
-
-    op: ClassVar[str] = "migrate.stop"
-    migration_id: str
-
-
-@dataclasses.dataclass(frozen=True)
-class MigrateStopReply(Message):
-    op: ClassVar[str] = "migrate.stop.reply"
-    running: bool  # the instance runs this request (else it finished or never came)
-
-
-@dataclasses.dataclass(frozen=True)
-class MigrateTake(Message):
-    """Waits up to `timeout` for the stopped request's lease (MigrateLeaseReply)."""
-
-    op: ClassVar[str] = "migrate.take"
-    migration_id: str
-    timeout: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,8 +437,7 @@ REQUESTS: Dict[str, Type[Message]] = {m.op: m for m in (Hello, Ping, IpcExport, 
                                                            NcclConnect)}
 # A lease server's requests: a registry of their own, so that neither server accepts the other's.
 LEASE_REQUESTS: Dict[str, Type[Message]] = {m.op: m for m in (LeaseDescribe, LeaseAcquire, LeaseRelease,
-                                                                 MigratePrecopy, MigrateStop, MigrateTake,
-                                                                 MigrateEnd)}
+                                                                 MigratePrecopy, MigrateEnd)}
 
 
 def parse_request(header: Dict[str, Any], registry: Optional[Dict[str, Type[Message]]] = None) -> Message:

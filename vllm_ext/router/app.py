@@ -350,7 +350,7 @@ class Router:
                 done, _ = await asyncio.wait({line_task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
                 if stop_wait in done and line_task not in done:
                     line_task.cancel()
-                    leg.close()  # the instance aborts the request (its blocks stay under the armed lease)
+                    leg.close()  # the instance aborts the request (its blocks stay under the final lease)
                     routed.leg = None
                     routed.stopped.set_result(True)
                     return "stopped"
