@@ -14,16 +14,16 @@ import random
 from pathlib import Path
 from typing import Dict, List
 
+from ..common import models
 from .servers import harness
 
 # "tiny": the connector tests' model, sized for a 2-core CPU. "7b": LLaMA-7B's geometry
 # (32 layers, 32 KV heads of 128, 0.5 MiB of bf16 KV per token), Llumnix's CI geometry.
+GEOMETRY = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim")
 SHAPES: Dict[str, dict] = {
-    "tiny": {k: harness.CPU.model_config[k] for k in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim")},
-    "7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-               num_attention_heads=32, num_key_value_heads=32, head_dim=128),
+    "tiny": {k: harness.CPU.model_config[k] for k in GEOMETRY},
+    "7b": {k: models.LLAMA_7B[k] for k in GEOMETRY},
 }
 SPECIAL_TOKENS = ["<s>", "</s>"]  # ids 0 and 1: bos and eos
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
