@@ -13,8 +13,8 @@ moving a running request from instance A to B through the router, measured in th
 Per length (tokens in the sequence when the source stops: prompt + 16 output tokens) and way,
 --repeats unique prompts: downtime = the gap between the last token from A and the first from
 B, minus that request's median gap between tokens (its ITL); median and min..max. Meanwhile a
-background request streams on each instance: its decode steps (its ITL) during the migrations
-against a quiet period of the same run. Every migrated output is checked against the
+background request streams on each instance: its decode step (seconds per token) during the
+migrations against a quiet period of the same run. Every migrated output is checked against the
 unmigrated output (`wrong` counts mismatches). Writes live-migration[-cpu].{md,json,png}.
 """
 
@@ -81,9 +81,14 @@ class Streamed(threading.Thread):
     def ids(self):
         return [t for _, ids in self.chunks for t in ids]
 
-    def gaps_between(self, t0, t1):
-        times = [t for t, _ in self.chunks if t0 <= t <= t1]
-        return [b - a for a, b in zip(times, times[1:])]
+    def span_between(self, t0, t1):
+        """(seconds, tokens) of the stream within [t0, t1]: from its first chunk there to its
+        last, and the tokens after the first. Their ratio is its decode step, also where the
+        tokens arrive in bursts (a busy API server), which a median gap would hide."""
+        chunks = [(t, len(ids)) for t, ids in self.chunks if t0 <= t <= t1]
+        if len(chunks) < 2:
+            return 0.0, 0
+        return chunks[-1][0] - chunks[0][0], sum(n for _, n in chunks[1:])
 
 
 def downtime(stream, stop_tokens):
@@ -174,7 +179,7 @@ def measure(args, a, b, router):
 
     rng = random.Random(0)
     body = {"model": "m", "temperature": 0, "return_token_ids": True, "ignore_eos": True}
-    rows, quiet, busy = [], [], []
+    rows, quiet, busy = [], [0.0, 0], [0.0, 0]  # (seconds, tokens) of the background streams
     # a background request on each instance, all run long: the other requests' decode steps
     background = [Streamed(s.url, dict(body, prompt=[rng.randrange(3, 1000) for _ in range(64)],
                                        max_tokens=max(args.lengths), ignore_eos=True)) for s in (a, b)]
@@ -184,7 +189,7 @@ def measure(args, a, b, router):
     q0 = time.perf_counter()
     time.sleep(3.0)
     for s in background:
-        quiet.extend(s.gaps_between(q0, time.perf_counter()))
+        _add(quiet, s.span_between(q0, time.perf_counter()))
     for length in args.lengths:
         for mode in MODES:
             samples, wrong, outcomes = [], 0, []
@@ -206,7 +211,7 @@ def measure(args, a, b, router):
                 if d is not None and record["outcome"] in ("moved", "recomputed"):  # not one that ended first
                     samples.append((d, itl, record))
                 for bg in background:
-                    busy.extend(bg.gaps_between(box["t0"], box["t1"]))
+                    _add(busy, bg.span_between(box["t0"], box["t1"]))
             ds = [x[0] for x in samples] or [float("nan")]
             row = {"tokens": length, "mode": mode, "downtime_s": statistics.median(ds), "downtime_s_min": min(ds),
                    "downtime_s_max": max(ds), "itl_s": statistics.median([x[1] for x in samples] or [0.0]),
@@ -218,9 +223,14 @@ def measure(args, a, b, router):
                   f"{1e3 * row['itl_s']:.2f} ms, outcomes {outcomes}, wrong {wrong}", flush=True)
     for s in background:
         s.stop_flag = True
-    step = {"quiet_itl_s": statistics.median(quiet) if quiet else None,
-            "during_migrations_itl_s": statistics.median(busy) if busy else None}
+    step = {"quiet_itl_s": quiet[0] / quiet[1] if quiet[1] else None,
+            "during_migrations_itl_s": busy[0] / busy[1] if busy[1] else None}
     return {"vllm": vllm.__version__, "rows": rows, "other_requests": step}
+
+
+def _add(total, span):
+    total[0] += span[0]
+    total[1] += span[1]
 
 
 def migration_hook(router, box, mode):
@@ -261,7 +271,7 @@ def write_results(args, backend, cpu, result):
             itl = r["itl_s"] if mode == "precopy" else itl
         lines.append(f"| {length} | " + " | ".join(cells) + f" | {1e3 * itl:.2f} | {wrong} |")
     if step["quiet_itl_s"] and step["during_migrations_itl_s"]:
-        lines += ["", f"Other requests' decode step (median gap between their tokens): "
+        lines += ["", f"Other requests' decode step (their seconds per token): "
                       f"{1e3 * step['quiet_itl_s']:.3f} ms quiet, {1e3 * step['during_migrations_itl_s']:.3f} ms "
                       f"while migrations ran ({step['during_migrations_itl_s'] / step['quiet_itl_s']:.3f}x)."]
     markdown = "\n".join(lines) + "\n"
