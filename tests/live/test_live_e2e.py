@@ -378,6 +378,19 @@ def test_a_lease_that_expires_before_the_pull_is_recomputed(cluster):
     assert expired_after - expired_before >= 1
 
 
+def start_streams(router, prompts_, max_tokens=MAX_TOKENS):
+    """Greedy streams of `prompts_` through `router`, one after the other, each once the one
+    before has its first token."""
+    out = []
+    for p in prompts_:
+        s = Stream(router.url, {"model": "tiny", "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                                "return_token_ids": True})
+        s.start()
+        s.first.wait(60)
+        out.append(s)
+    return out
+
+
 def pin_to(cluster, router, name, fn, urls):
     """Runs fn() while every other instance of `router` (`urls`) is draining: new requests go
     to `name`."""
@@ -396,16 +409,8 @@ def test_drain_moves_every_running_request(cluster):
     ps = prompts(22, (20, 45, 77))
     refs = [reference(cluster, p)[0] for p in ps]
 
-    def start():
-        out = []
-        for p in ps:
-            s = Stream(router.url, {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
-                                    "return_token_ids": True})
-            s.start()
-            s.first.wait(60)
-            out.append(s)
-        return out
-    streams_ = pin_to(cluster, router, "A", start, [cluster["A"].url, cluster["B"].url, cluster["dead"]])
+    streams_ = pin_to(cluster, router, "A", lambda: start_streams(router, ps),
+                      [cluster["A"].url, cluster["B"].url, cluster["dead"]])
     status, report = admin(router, "/drain", {"instance": cluster["A"].url})
     admin(router, "/undrain", {"instance": cluster["A"].url})
     finish(streams_)
@@ -426,13 +431,7 @@ def test_the_balancer_moves_load_off_the_busiest_instance(cluster):
         ps = prompts(23, (30, 50, 70, 90))
         refs = [reference(cluster, p)[0] for p in ps]
         admin(router, "/drain", {"instance": cluster["B"].url})
-        streams_ = []
-        for p in ps:
-            s = Stream(router.url, {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
-                                    "return_token_ids": True})
-            s.start()
-            s.first.wait(60)
-            streams_.append(s)
+        streams_ = start_streams(router, ps)
         admin(router, "/undrain", {"instance": cluster["B"].url})
         finish(streams_)
         history = admin(router, "/requests")[1]["migrations"]
@@ -458,17 +457,7 @@ def test_three_instances_drain_and_a_source_killed_mid_migration(cluster):
         ps = prompts(24, (20, 45, 77, 101))[:4]
         n = 1000  # long: every request still runs when it is moved or its instance is killed
         refs = [reference(cluster, p, n)[0] for p in ps]
-
-        def start(prompts_):
-            out = []
-            for p in prompts_:
-                s = Stream(router.url, {"model": "tiny", "prompt": p, "max_tokens": n, "temperature": 0,
-                                        "return_token_ids": True})
-                s.start()
-                s.first.wait(60)
-                out.append(s)
-            return out
-        drained = pin_to(cluster, router, "A", lambda: start(ps), urls)
+        drained = pin_to(cluster, router, "A", lambda: start_streams(router, ps, n), urls)
         status, report = admin(router, "/drain", {"instance": cluster["A"].url})
         admin(router, "/undrain", {"instance": cluster["A"].url})
         assert status == 200 and report["left"] == [], report
@@ -477,7 +466,7 @@ def test_three_instances_drain_and_a_source_killed_mid_migration(cluster):
         finish(drained)
         assert [s.ids for s in drained] == refs and all(s.error is None for s in drained)
 
-        streams_ = pin_to(cluster, router, "C", lambda: start(ps[:2]), urls)
+        streams_ = pin_to(cluster, router, "C", lambda: start_streams(router, ps[:2], n), urls)
         assert all(s.is_alive() for s in streams_)
         results = []
         migrate_async(cluster, to=cluster["A"].url, results=results)(streams_[0].rid)
