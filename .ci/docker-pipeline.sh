@@ -65,7 +65,7 @@ cleanup() {
   fi
   if [ "$status" != 0 ] && [ -s "$workdir/dockerd.log" ]; then
     echo "--- last lines of dockerd's log"
-    tail -n 30 "$workdir/dockerd.log"
+    tail -n 12 "$workdir/dockerd.log"
   fi
   rm -rf "$workdir"
   exit "$status"

@@ -52,6 +52,15 @@ cleanup() {
       echo "--- last log lines of $("$DOCKER" inspect --format '{{.Name}}' "$id")"
       "$DOCKER" logs --tail 40 "$id" 2>&1 || true
     done
+    # last, where a CI log's tail shows it: each container's errors and warnings
+    for id in $ids; do
+      echo "--- errors and warnings of $("$DOCKER" inspect --format '{{.Name}}' "$id")"
+      "$DOCKER" logs "$id" 2>&1 | grep -E "ERROR|FAIL|Traceback|vllm-ext.*(failed|refused)" | tail -n 6 || true
+    done
+  fi
+  if [ "$status" != 0 ] && [ -s "$workdir/failed.txt" ]; then
+    echo "--- what failed"
+    tail -n 5 "$workdir/failed.txt"
   fi
   # shellcheck disable=SC2086
   [ -z "$ids" ] || "$DOCKER" rm -f $ids >/dev/null || true
@@ -60,6 +69,10 @@ cleanup() {
   exit "$status"
 }
 trap cleanup EXIT
+
+serve_check() {  # serve_check ARGS...: serve_check.py, its FAIL lines kept for the end of the log too
+  "$PYTHON" "$here/serve_check.py" "$@" 2> >(tee -a "$workdir/failed.txt" >&2)
+}
 
 timed() {  # timed NAME CMD...: runs CMD, records its wall time under NAME
   local name=$1 t0
@@ -104,7 +117,7 @@ stamp "serve: one server, health, completions, streamed chat completion"
 serve() {
   local address
   address=$(run_server "$run_id-single" --)
-  "$PYTHON" "$here/serve_check.py" "http://$address" tiny --docker "$DOCKER" --container "$run_id-single" \
+  serve_check "http://$address" tiny --docker "$DOCKER" --container "$run_id-single" \
     --health-timeout "$SERVE_TIMEOUT" --out "$workdir/reference.json"
   wait_docker_healthy "$run_id-single"
   save_logs "$run_id-single"
@@ -147,11 +160,11 @@ if [ "$PD" = 1 ]; then
       --entrypoint python "$image" -m vllm_ext.proxy --host 0.0.0.0 --port 8000 \
       --prefill http://prefill:8000 --decode http://decode:8000 >/dev/null
     proxy=$("$DOCKER" port "$run_id-proxy" 8000/tcp | head -n 1)
-    "$PYTHON" "$here/serve_check.py" "http://$prefill" tiny --steps health --docker "$DOCKER" \
+    serve_check "http://$prefill" tiny --steps health --docker "$DOCKER" \
       --container "$run_id-prefill" --container "$run_id-decode" --health-timeout "$SERVE_TIMEOUT"
-    "$PYTHON" "$here/serve_check.py" "http://$decode" tiny --steps health --docker "$DOCKER" \
+    serve_check "http://$decode" tiny --steps health --docker "$DOCKER" \
       --container "$run_id-decode" --health-timeout "$SERVE_TIMEOUT"
-    "$PYTHON" "$here/serve_check.py" "http://$proxy" tiny --steps health,completions,chat-stream,metrics \
+    serve_check "http://$proxy" tiny --steps health,completions,chat-stream,metrics \
       --docker "$DOCKER" --container "$run_id-proxy" --health-timeout 60 --expect "$workdir/reference.json" \
       --metric "http://$decode=vllm:vllm_ext_transfers_total"
   }
