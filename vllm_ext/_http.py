@@ -1,7 +1,24 @@
 """What the P/D proxy and the router share as OpenAI-compatible fronts (aiohttp): vLLM-shaped
-error bodies, and an app with the OpenAI routes and JSON answers for unknown routes."""
+error bodies, an app with the OpenAI routes and JSON answers for unknown routes, and the
+client session to the vLLM servers."""
 
+import aiohttp
 from aiohttp import web
+
+# A pooled connection to a backend is dropped after this long idle: before the vLLM server's
+# own limit (uvicorn closes after 5 s), so that a request never goes out on a connection the
+# server is closing ("Server disconnected").
+BACKEND_KEEPALIVE_S = 3.0
+
+
+def backend_session(read_timeout_s: float):
+    """The client session of a front (router, proxy) to its vLLM servers: no pool limit
+    (aiohttp's default of 100 connections: every stream holds one to its end), a deadline on
+    connecting only (a request waiting for a pooled connection must not take a busy server for a
+    dead one), and `read_timeout_s` of silence."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=BACKEND_KEEPALIVE_S),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=read_timeout_s))
 
 
 def error(status: int, message: str, kind: str) -> web.Response:

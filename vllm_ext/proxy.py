@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 import aiohttp
 from aiohttp import web
 
-from ._http import error, first_models, openai_app
+from ._http import backend_session, error, first_models, openai_app
 
 logger = logging.getLogger("vllm_ext.proxy")
 
@@ -69,12 +69,7 @@ class Proxy:
         self.session: Optional[aiohttp.ClientSession] = None
 
     async def start(self, app) -> None:
-        # No pool limit (aiohttp's default: 100 connections), and a deadline on connecting only: a
-        # streamed answer holds its connection to the end, and a request waiting for a pooled one
-        # must not take a busy server for a dead one.
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0,
-                                                                           sock_read=self.timeout_s))
+        self.session = backend_session(self.timeout_s)
 
     async def stop(self, app) -> None:
         if self.session is not None:

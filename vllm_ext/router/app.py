@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import dataclasses
 import hmac
+import inspect
 import itertools
 import json
 import logging
@@ -27,12 +28,18 @@ from typing import Any, Dict, List, Optional
 import aiohttp
 from aiohttp import web
 
-from .._http import error, first_models, openai_app
+from .._http import backend_session, error, first_models, openai_app
 from ..migration import auth, live
 from . import streams
 from .streams import ClientStream
 
 logger = logging.getLogger("vllm_ext.router")
+
+# One event of a backend's stream may be large (the first carries the prompt's token ids): read
+# up to this much per event where aiohttp takes a bound (its default is 128 KiB).
+MAX_EVENT_BYTES = 64 << 20
+_EVENT_READ = ({"max_size": MAX_EVENT_BYTES}
+               if "max_size" in inspect.signature(aiohttp.StreamReader.readuntil).parameters else {})
 
 ENV_TOKEN = "VLLM_EXT_ROUTER_TOKEN"
 POLICIES = ("round_robin", "least_loaded")
@@ -109,6 +116,10 @@ class Routed:
 
 
 
+class _StopLeg(Exception):
+    """Wakes a pump waiting on its leg: the router stops relaying it (a migration's switch)."""
+
+
 class _LegFailed(Exception):
     """A backend could not be reached, or broke the stream."""
 
@@ -138,10 +149,7 @@ class Router:
 
     # ---- lifetime ------------------------------------------------------------------------
     async def start(self, app) -> None:
-        # no pool limit (aiohttp's default is 100 connections: every stream holds one to its end),
-        # and a deadline on connecting only, not on waiting for a pooled connection
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(
-            total=None, sock_connect=5.0, sock_read=self.settings.timeout_s))
+        self.session = backend_session(self.settings.timeout_s)
         self._tasks.append(asyncio.create_task(self._watch()))
         if self.settings.balance:
             self._tasks.append(asyncio.create_task(self._balance()))
@@ -339,57 +347,54 @@ class Router:
         """Relays the current leg: "ended" (its stream ended), "stopped" (closed for a
         migration) or "broken"."""
         leg, inst = routed.leg, routed.instance
-        stop_wait = asyncio.ensure_future(routed.stop_now.wait())
-        try:
-            while True:
-                if routed.pushback:
-                    line_task = asyncio.get_running_loop().create_future()
-                    line_task.set_result(routed.pushback.pop(0))
-                else:
-                    line_task = asyncio.ensure_future(leg.content.readline())
-                done, _ = await asyncio.wait({line_task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-                if stop_wait in done and line_task not in done:
-                    line_task.cancel()
-                    leg.close()  # the instance aborts the request (its blocks stay under the final lease)
-                    routed.leg = None
-                    routed.stopped.set_result(True)
-                    return "stopped"
-                try:
-                    line = line_task.result()
-                except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+        lines = routed.pushback
+        routed.pushback = []
+        while True:
+            if routed.stop_now.is_set():
+                leg.close()  # the instance aborts the request (its blocks stay under the final lease)
+                routed.leg = None
+                routed.stopped.set_result(True)
+                return "stopped"
+            if not lines:
+                try:  # one event ("data: ...\n\n") at a time; a stop wakes it up (_Driver.stop)
+                    event = await leg.content.readuntil(b"\n\n", **_EVENT_READ)
+                except _StopLeg:
+                    continue
+                except (aiohttp.ClientError, aiohttp.http_exceptions.HttpProcessingError, asyncio.TimeoutError,
+                        ConnectionError) as e:
                     self._mark_down(inst, e)
                     routed.leg = None
                     self._pump_ended(routed)
                     return "broken"
-                if not line:  # EOF
+                if not event:  # EOF
                     routed.leg = None
                     self._pump_ended(routed)
                     return "ended"
-                line = line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    continue
-                try:
-                    piece = streams.parse_chunk(json.loads(data))
-                except ValueError as e:
-                    logger.warning("request %s: %s sent a bad chunk: %s", routed.rid, inst.url, e)
-                    leg.close()
-                    routed.leg = None
-                    self._pump_ended(routed)
-                    return "broken"
-                if piece.prompt_token_ids is not None and routed.client.prompt_token_ids is None:
-                    routed.client.prompt_token_ids = list(piece.prompt_token_ids)
-                    await self._write(out, routed.client.start())
-                await self._write(out, routed.client.add(piece))
-                if routed.client.finished:
-                    leg.close()
-                    routed.leg = None
-                    self._pump_ended(routed)
-                    return "ended"
-        finally:
-            stop_wait.cancel()
+                lines = event.split(b"\n")
+            line = lines.pop(0)
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                continue
+            try:
+                piece = streams.parse_chunk(json.loads(data))
+            except ValueError as e:
+                logger.warning("request %s: %s sent a bad chunk: %s", routed.rid, inst.url, e)
+                leg.close()
+                routed.leg = None
+                self._pump_ended(routed)
+                return "broken"
+            if piece.prompt_token_ids is not None and routed.client.prompt_token_ids is None:
+                routed.client.prompt_token_ids = list(piece.prompt_token_ids)
+                await self._write(out, routed.client.start())
+            await self._write(out, routed.client.add(piece))
+            if routed.client.finished:
+                leg.close()
+                routed.leg = None
+                self._pump_ended(routed)
+                return "ended"
 
     @staticmethod
     def _pump_ended(routed: Routed) -> None:
@@ -689,6 +694,7 @@ class _Driver:
             return False
         routed.stopped = asyncio.get_running_loop().create_future()
         routed.stop_now.set()
+        routed.leg.content.set_exception(_StopLeg())  # a pump waiting for the next event wakes up
         return await routed.stopped
 
     async def resume(self, destination: str, params: Optional[Dict[str, Any]]) -> bool:
