@@ -267,7 +267,7 @@ class SchedulerHalf:
             params["do_remote_prefill"] = False
             self._release(request.request_id, params)
         if self.is_producer and request.request_id in self._tracked_req:
-            return self._tracked_finished(request, block_ids), None
+            return self._tracked_finished(request), None
         if not self.is_producer or not isinstance(params, dict) or not params.get("do_remote_decode"):
             return False, None
         from vllm.v1.request import RequestStatus
@@ -297,7 +297,7 @@ class SchedulerHalf:
             fingerprint=self._handshake.fingerprint, lease_host=host, lease_port=port,
             endpoint_id=desc["endpoint_id"], backend=desc["backend"], lease_s=self.lease_s)
 
-    def _tracked_finished(self, request, block_ids: List[int]) -> bool:
+    def _tracked_finished(self, request) -> bool:
         """A migratable request ended (the router's abort after its last lease, or its own end):
         True keeps its blocks until its leases end."""
         with self._lock:

@@ -42,7 +42,7 @@ from .lease import ChannelError, ChannelRefused, LeaseClient, MigrationLease
 logger = logging.getLogger(__name__)
 
 MAX_STAGES = 3  # pre-copy stages (Llumnix: 3)
-LAST_STAGE_MAX_BLOCKS = 2  # a pre-copy that would move at most this many new blocks is skipped
+LAST_STAGE_MAX_BLOCKS = 2  # a pre-copy stage that would move at most this many new blocks is the final lease
 CONTROL_TIMEOUT_S = 5.0  # one message on the source's lease channel
 
 
@@ -80,14 +80,19 @@ class Record:
     final_blocks: int = 0  # blocks of the final lease
     moved_tokens: int = 0  # tokens whose KV the destination got from the final lease
     stop_tokens: int = 0  # tokens (prompt + output the client got) when the source's stream closed
-    recomputed_tokens: int = 0  # of those, the tokens the destination computed (after the lease)
     mode: str = "precopy"  # or "stop_and_copy" (no pre-copy), "recompute" (no KV moved)
     stopped_at: float = 0.0  # monotonic: the source's stream closed
     resumed_at: float = 0.0  # monotonic: the destination's first token
     started_at: float = dataclasses.field(default_factory=time.monotonic)
 
+    @property
+    def recomputed_tokens(self) -> int:
+        """Of stop_tokens, those the destination computed (after the lease's, or all of them)."""
+        return self.stop_tokens - self.moved_tokens
+
     def as_dict(self) -> Dict[str, Any]:
         out = dataclasses.asdict(self)
+        out["recomputed_tokens"] = self.recomputed_tokens
         out["outcome"] = self.outcome.value if self.outcome else None
         out["stop_to_resume_ms"] = (round(1e3 * (self.resumed_at - self.stopped_at), 3)
                                     if self.resumed_at and self.stopped_at else None)
@@ -164,9 +169,6 @@ class SourceControl:
 
     def end(self, migration_id: str) -> None:
         self._client.end(migration_id, self.timeout_s)
-
-    def release(self, lease: str) -> None:
-        self._client.release(lease, self.timeout_s)
 
     def close(self) -> None:
         self._client.close()
@@ -251,7 +253,6 @@ async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_
             params = lease_params(final, source.host, source.port, n, next_migration_id)
         else:
             record.reason = "the source's tokens differ from the router's: recomputed"
-    record.recomputed_tokens = len(tokens) - record.moved_tokens
     if params is None and next_migration_id is not None:
         params = {"migration_id": next_migration_id}
 
