@@ -221,6 +221,21 @@ def test_a_consumer_connects_to_a_producer_that_starts_after_it(monkeypatch):
                 half.shutdown()
 
 
+def test_a_producer_connected_by_a_pull_is_not_connected_again_by_the_start_up_dial(producer):
+    sched, worker = producer
+    consumer = make_worker(vllm_layers(seed=2), producer=False, allowed=[sched])
+    try:
+        host, port = sched.lease_address
+        endpoint_id = worker.endpoint.descriptor().endpoint_id
+        deadline = time.monotonic() + 10
+        peer = consumer._peer(host, port, endpoint_id, deadline)  # a pull's dial: by endpoint id
+        connects = []
+        consumer.endpoint.connect = lambda *a, **k: connects.append(a)
+        assert consumer._peer(host, port, None, deadline) is peer and connects == []  # the start-up dial's
+    finally:
+        consumer.shutdown()
+
+
 def lease_client(sched):
     host, port = sched.lease_address
     return LeaseClient(SECRET, host, port)

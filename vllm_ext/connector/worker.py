@@ -175,6 +175,7 @@ class WorkerHalf:
         self._stats = VllmExtStats()
         self._clients: Dict[Tuple[str, int], LeaseClient] = {}
         self._peers: Dict[str, PeerDescriptor] = {}
+        self._endpoint_at: Dict[Tuple[str, int], str] = {}  # producer -> the endpoint id last connected there
         self._peer_locks: Dict[Tuple[str, int], threading.Lock] = {}
         self._backoff: Dict[Tuple[str, int], float] = {}  # producer -> monotonic time it may be dialled again
         self._stream = None
@@ -317,11 +318,14 @@ class WorkerHalf:
     def _peer(self, host: str, port: int, endpoint_id: Optional[str], deadline: float,
               back_off: bool = True) -> PeerDescriptor:
         """The producer's descriptor, checked against this cache and connected when first
-        seen (the handshake: a layout mismatch is refused here, naming the fields). A failure
-        to reach it puts it in back-off unless `back_off` is false."""
+        seen (the handshake: a layout mismatch is refused here, naming the fields). No
+        `endpoint_id`: whichever endpoint is connected there already (a pull may have connected
+        it before the start-up dial got through). A failure to reach it puts it in back-off
+        unless `back_off` is false."""
         client = self._client(host, port)
         with self._peer_locks[(host, port)]:
-            peer = self._peers.get(endpoint_id) if endpoint_id else None
+            known = endpoint_id or self._endpoint_at.get((host, port))
+            peer = self._peers.get(known) if known else None
             if peer is not None:
                 return peer
             try:
@@ -350,6 +354,7 @@ class WorkerHalf:
                 if len(self._peers) >= MAX_PRODUCERS:  # endpoints of restarted producers
                     self._peers.pop(next(iter(self._peers)))
                 self._peers[peer.endpoint_id] = peer
+                self._endpoint_at[(host, port)] = peer.endpoint_id
             return peer
 
     def _connect_ahead(self, address: str) -> None:
