@@ -72,6 +72,23 @@ def run_with_backends(prefill_handler, decode_handler, client_calls):
 PARAMS = {"do_remote_prefill": True, "remote_lease": "ab" * 16}
 
 
+async def prefill_answer(request):
+    """A prefill server's answer: one token and the kv_transfer_params the decode leg gets."""
+    from aiohttp import web
+
+    return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": PARAMS})
+
+
+async def open_stream(request):
+    """A decode server's streamed answer, prepared, its first chunk ("a") written."""
+    from aiohttp import web
+
+    out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    await out.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+    return out
+
+
 def test_client_params_are_dropped_headers_forwarded_and_prefill_asks_one_choice():
     from aiohttp import web
 
@@ -143,15 +160,8 @@ def test_a_prefill_answer_that_is_not_json_gives_502():
 def test_a_decode_failure_mid_stream_ends_the_stream_with_an_error_event():
     import json
 
-    from aiohttp import web
-
-    async def prefill(request):
-        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": PARAMS})
-
     async def decode(request):
-        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
-        await out.prepare(request)
-        await out.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+        out = await open_stream(request)
         request.transport.close()  # the decode server dies mid-stream
         return out
 
@@ -159,7 +169,7 @@ def test_a_decode_failure_mid_stream_ends_the_stream_with_an_error_event():
         async with session.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "stream": True}) as r:
             return r.status, (await r.read()).decode()
 
-    status, text = run_with_backends(prefill, decode, calls)
+    status, text = run_with_backends(prefill_answer, decode, calls)
     events = [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: ")]
     assert status == 200 and events[0]["choices"][0]["text"] == "a"
     assert events[-1]["error"]["code"] == 502  # then EOF (read() returned)

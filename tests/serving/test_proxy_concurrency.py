@@ -16,7 +16,7 @@ else:
     pytest.importorskip("aiohttp", reason="the proxy needs aiohttp (a vLLM dependency)")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "connector"))
-from test_proxy import PARAMS, run_with_backends  # noqa: E402
+from test_proxy import open_stream, prefill_answer, run_with_backends  # noqa: E402
 
 IN_FLIGHT = 130
 HOLD_S = 6.0  # each answer streams longer than the proxy's connect deadline
@@ -26,15 +26,9 @@ def test_more_streams_than_a_default_pool_are_all_answered():
     import asyncio
 
     import aiohttp
-    from aiohttp import web
-
-    async def prefill(request):
-        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": PARAMS})
 
     async def decode(request):
-        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
-        await out.prepare(request)
-        await out.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+        out = await open_stream(request)
         await asyncio.sleep(HOLD_S)
         await out.write(b"data: [DONE]\n\n")
         return out
@@ -50,6 +44,6 @@ def test_more_streams_than_a_default_pool_are_all_answered():
 
             return await asyncio.gather(*(one() for _ in range(IN_FLIGHT)))
 
-    answers = run_with_backends(prefill, decode, calls)
+    answers = run_with_backends(prefill_answer, decode, calls)
     assert [status for status, _ in answers] == [200] * IN_FLIGHT
     assert all(text.endswith("data: [DONE]\n\n") for _, text in answers)
