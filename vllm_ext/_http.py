@@ -2,6 +2,8 @@
 error bodies, an app with the OpenAI routes and JSON answers for unknown routes, and the
 client session to the vLLM servers."""
 
+import asyncio
+
 import aiohttp
 from aiohttp import web
 
@@ -40,10 +42,6 @@ async def json_http_errors(request: web.Request, handler):
 
 async def first_models(session, urls, what: str, log) -> web.Response:
     """/v1/models of the first of `urls` that answers (`what` names them in the log and the 503)."""
-    import asyncio
-
-    import aiohttp
-
     for url in urls:
         try:
             async with session.get(url + "/v1/models") as r:

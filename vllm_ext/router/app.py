@@ -97,7 +97,7 @@ class Routed:
         self.mid = live.new_migration_id()  # the current leg's migration id
         self.leg: Optional[aiohttp.ClientResponse] = None
         self.pushback: List[bytes] = []  # lines of the leg read before the pump took it
-        self.stop_now = asyncio.Event()  # the pump closes the leg at its next chance
+        self.stop_now = False  # the pump closes the leg at its next chance
         self.stopped: Optional[asyncio.Future] = None  # True: the pump closed the leg; False: it had ended
         self.migration: Optional[asyncio.Task] = None
         self.migrations: List[live.Record] = []
@@ -324,7 +324,7 @@ class Router:
             routed.instance.requests.pop(routed.rid, None)
         routed.instance, routed.leg, routed.pushback = inst, r, pushback
         inst.requests[routed.rid] = routed
-        routed.stop_now.clear()
+        routed.stop_now = False
 
     async def _run(self, routed: Routed, out) -> None:
         """Relays legs until the request ends (migrations and recoveries between them)."""
@@ -350,7 +350,7 @@ class Router:
         lines = routed.pushback
         routed.pushback = []
         while True:
-            if routed.stop_now.is_set():
+            if routed.stop_now:
                 leg.close()  # the instance aborts the request (its blocks stay under the final lease)
                 routed.leg = None
                 routed.stopped.set_result(True)
@@ -363,16 +363,11 @@ class Router:
                 except (aiohttp.ClientError, aiohttp.http_exceptions.HttpProcessingError, asyncio.TimeoutError,
                         ConnectionError) as e:
                     self._mark_down(inst, e)
-                    routed.leg = None
-                    self._pump_ended(routed)
-                    return "broken"
+                    return self._pump_ended(routed, "broken")
                 if not event:  # EOF
-                    routed.leg = None
-                    self._pump_ended(routed)
-                    return "ended"
+                    return self._pump_ended(routed, "ended")
                 lines = event.split(b"\n")
-            line = lines.pop(0)
-            line = line.strip()
+            line = lines.pop(0).strip()
             if not line.startswith(b"data:"):
                 continue
             data = line[5:].strip()
@@ -383,23 +378,23 @@ class Router:
             except ValueError as e:
                 logger.warning("request %s: %s sent a bad chunk: %s", routed.rid, inst.url, e)
                 leg.close()
-                routed.leg = None
-                self._pump_ended(routed)
-                return "broken"
+                return self._pump_ended(routed, "broken")
             if piece.prompt_token_ids is not None and routed.client.prompt_token_ids is None:
                 routed.client.prompt_token_ids = list(piece.prompt_token_ids)
                 await self._write(out, routed.client.start())
             await self._write(out, routed.client.add(piece))
             if routed.client.finished:
                 leg.close()
-                routed.leg = None
-                self._pump_ended(routed)
-                return "ended"
+                return self._pump_ended(routed, "ended")
 
     @staticmethod
-    def _pump_ended(routed: Routed) -> None:
+    def _pump_ended(routed: Routed, how: str) -> str:
+        """The leg is done with (`how`: "ended" or "broken"); a stop waiting for the pump learns
+        that the request was not stopped."""
+        routed.leg = None
         if routed.stopped is not None and not routed.stopped.done():
             routed.stopped.set_result(False)
+        return how
 
     async def _recover(self, routed: Routed, prefer_source: bool = False) -> None:
         """The request's leg is gone (instance dead, stream broken, migration failed after the
@@ -693,7 +688,7 @@ class _Driver:
         if routed.leg is None or routed.client.finished:
             return False
         routed.stopped = asyncio.get_running_loop().create_future()
-        routed.stop_now.set()
+        routed.stop_now = True
         routed.leg.content.set_exception(_StopLeg())  # a pump waiting for the next event wakes up
         return await routed.stopped
 
