@@ -367,9 +367,6 @@ class Router:
                 if not event:  # EOF
                     return self._pump_ended(routed, "ended")
                 lines = event.split(b"\n")
-                # a read of buffered data returns without yielding: let the other streams and the
-                # admin API run between events
-                await asyncio.sleep(0)
             line = lines.pop(0).strip()
             if not line.startswith(b"data:"):
                 continue
