@@ -13,9 +13,10 @@ moving a running request from instance A to B through the router, measured in th
 Per length (tokens in the sequence when the source stops: prompt + 16 output tokens) and way,
 --repeats unique prompts: downtime = the gap between the last token from A and the first from
 B, minus that request's median gap between tokens (its ITL); median and min..max. Meanwhile a
-background request streams on each instance: its decode step (seconds per token) during the
-migrations against a quiet period of the same run. Every migrated output is checked against the
-unmigrated output (`wrong` counts mismatches). Writes live-migration[-cpu].{md,json,png}.
+background request streams on each instance: its decode step (seconds per token) while the
+migrations ran, against the same load without a move (while the unmigrated reference of each
+request decoded through the router) and against a quiet period. Every migrated output is checked
+against the unmigrated output (`wrong` counts mismatches). Writes live-migration[-cpu].{md,json,png}.
 """
 
 import argparse
@@ -31,7 +32,7 @@ import urllib.request
 from pathlib import Path
 
 from benchmarks.common import models, report
-from benchmarks.pd import Server, free_port, post, write_tiny_model
+from benchmarks.pd import Server, free_port, write_tiny_model
 
 MODES = ("precopy", "stop_and_copy", "recompute")
 TOKEN = os.urandom(16).hex()  # the router's admin token for this run
@@ -81,6 +82,15 @@ class Streamed(threading.Thread):
     def ids(self):
         return [t for _, ids in self.chunks for t in ids]
 
+    def time_at(self, tokens):
+        """When the chunk that brought token `tokens` arrived (the last chunk's time if fewer)."""
+        n = 0
+        for t, ids in self.chunks:
+            n += len(ids)
+            if n >= tokens:
+                return t
+        return self.chunks[-1][0] if self.chunks else 0.0
+
     def span_between(self, t0, t1):
         """(seconds, tokens) of the stream within [t0, t1]: from its first chunk there to its
         last, and the tokens after the first. Their ratio is its decode step, also where the
@@ -89,6 +99,34 @@ class Streamed(threading.Thread):
         if len(chunks) < 2:
             return 0.0, 0
         return chunks[-1][0] - chunks[0][0], sum(n for _, n in chunks[1:])
+
+
+class Background(threading.Thread):
+    """The other requests of one instance: requests streamed one after another until stop()."""
+
+    def __init__(self, url, body):
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.streams = []
+        self.stopped = False
+
+    def run(self):
+        while not self.stopped:
+            s = Streamed(self.url, self.body)
+            self.streams.append(s)
+            s.run()
+            if s.error:
+                print(f"background request on {self.url} failed: {s.error}", flush=True)
+                return
+
+    def stop(self):
+        self.stopped = True
+        for s in self.streams:
+            s.stop_flag = True
+
+    def span_between(self, t0, t1):
+        spans = [s.span_between(t0, t1) for s in self.streams]
+        return sum(x for x, _ in spans), sum(n for _, n in spans)
 
 
 def downtime(stream, stop_tokens):
@@ -125,7 +163,7 @@ def main():
     args = ap.parse_args()
     cpu = args.device == "cpu"
     backend = args.backend or ("gloo" if cpu else "ipc")
-    max_len = max(args.lengths) + args.max_tokens + 64
+    max_len = args.max_len = max(args.lengths) + args.max_tokens + 64
     work = args.out / "live-migration-work"
     work.mkdir(parents=True, exist_ok=True)
     if args.model_7b:
@@ -179,10 +217,10 @@ def measure(args, a, b, router):
 
     rng = random.Random(0)
     body = {"model": "m", "temperature": 0, "return_token_ids": True, "ignore_eos": True}
-    rows, quiet, busy = [], [0.0, 0], [0.0, 0]  # (seconds, tokens) of the background streams
-    # a background request on each instance, all run long: the other requests' decode steps
-    background = [Streamed(s.url, dict(body, prompt=[rng.randrange(3, 1000) for _ in range(64)],
-                                       max_tokens=max(args.lengths), ignore_eos=True)) for s in (a, b)]
+    rows, quiet, same_load, busy = [], [0.0, 0], [0.0, 0], [0.0, 0]  # (seconds, tokens) of the background streams
+    # a background request on each instance at all times: the other requests' decode steps
+    background = [Background(s.url, dict(body, prompt=[rng.randrange(3, 1000) for _ in range(64)],
+                                         max_tokens=min(1024, args.max_len - 64))) for s in (a, b)]
     for s in background:
         s.start()
     time.sleep(3.0)
@@ -193,10 +231,19 @@ def measure(args, a, b, router):
     for length in args.lengths:
         for mode in MODES:
             samples, wrong, outcomes = [], 0, []
-            for _ in range(args.repeats):
+            for i in range(args.repeats):
+                if i % 2:  # a one-token request shifts the router's round robin: moves alternate direction
+                    shift = Streamed(router.url, dict(body, prompt=[1, 2, 3], max_tokens=1))
+                    shift.run()
                 prompt = [rng.randrange(3, 1000) for _ in range(length - OUTPUT_BEFORE_STOP)]
-                want = post(a.url + "/v1/completions", dict(body, prompt=prompt, max_tokens=args.max_tokens))
-                want = want["choices"][0]["token_ids"]
+                # the unmigrated output, streamed through the router: the other requests' decode
+                # step beside one more decoding request, from the same point on, without a move
+                ref = Streamed(router.url, dict(body, prompt=prompt, max_tokens=args.max_tokens))
+                ref.start()
+                ref.join(600)
+                want = ref.ids()
+                for bg in background:
+                    _add(same_load, bg.span_between(ref.time_at(OUTPUT_BEFORE_STOP), ref.chunks[-1][0]))
                 box = {}
                 hook = migration_hook(router, box, mode)
                 s = Streamed(router.url, dict(body, prompt=prompt, max_tokens=args.max_tokens),
@@ -222,8 +269,9 @@ def measure(args, a, b, router):
                   f"({1e3 * row['downtime_s_min']:.2f}..{1e3 * row['downtime_s_max']:.2f}), ITL "
                   f"{1e3 * row['itl_s']:.2f} ms, outcomes {outcomes}, wrong {wrong}", flush=True)
     for s in background:
-        s.stop_flag = True
+        s.stop()
     step = {"quiet_itl_s": quiet[0] / quiet[1] if quiet[1] else None,
+            "same_load_itl_s": same_load[0] / same_load[1] if same_load[1] else None,
             "during_migrations_itl_s": busy[0] / busy[1] if busy[1] else None}
     return {"vllm": vllm.__version__, "rows": rows, "other_requests": step}
 
@@ -270,10 +318,12 @@ def write_results(args, backend, cpu, result):
             wrong += r["wrong"]
             itl = r["itl_s"] if mode == "precopy" else itl
         lines.append(f"| {length} | " + " | ".join(cells) + f" | {1e3 * itl:.2f} | {wrong} |")
-    if step["quiet_itl_s"] and step["during_migrations_itl_s"]:
-        lines += ["", f"Other requests' decode step (their seconds per token): "
-                      f"{1e3 * step['quiet_itl_s']:.3f} ms quiet, {1e3 * step['during_migrations_itl_s']:.3f} ms "
-                      f"while migrations ran ({step['during_migrations_itl_s'] / step['quiet_itl_s']:.3f}x)."]
+    if step["quiet_itl_s"] and step["same_load_itl_s"] and step["during_migrations_itl_s"]:
+        during, same = step["during_migrations_itl_s"], step["same_load_itl_s"]
+        lines += ["", f"Other requests' decode step (a background request on each instance, its seconds per "
+                      f"token): {1e3 * step['quiet_itl_s']:.3f} ms alone; {1e3 * same:.3f} ms beside an unmigrated "
+                      f"request of each row (the same load without a move); {1e3 * during:.3f} ms while "
+                      f"migrations ran: {during / same:.3f}x the same load."]
     markdown = "\n".join(lines) + "\n"
     print(markdown)
 
