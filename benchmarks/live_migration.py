@@ -129,9 +129,20 @@ class Background(threading.Thread):
         return sum(x for x, _ in spans), sum(n for _, n in spans)
 
 
+def shift_round_robin(router, body):
+    """One one-token request through the router: its round robin moves on by one instance."""
+    Streamed(router.url, dict(body, prompt=[1, 2, 3], max_tokens=1)).run()
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
 def downtime(stream, stop_tokens):
-    """(downtime s, the request's median ITL s): the gap at the hand-off (between the chunk that
-    brought token `stop_tokens` and the next) minus the median gap of the request."""
+    """(downtime s, the request's median ITL s, the client's gaps in ms between the chunks
+    around the hand-off): the gap at the hand-off (between the chunk that brought token
+    `stop_tokens` and the next) minus the median gap of the request."""
     times, n = [], 0
     at = None
     for t, ids in stream.chunks:
@@ -142,8 +153,9 @@ def downtime(stream, stop_tokens):
     gaps = [b - a for a, b in zip(times, times[1:])]
     itl = statistics.median(gaps) if gaps else 0.0
     if at is None or at + 1 >= len(times):
-        return None, itl
-    return times[at + 1] - times[at] - itl, itl
+        return None, itl, []
+    around = [round(1e3 * g, 3) for g in gaps[max(at - 3, 0):at + 4]]  # 3 before the hand-off's, 3 after
+    return times[at + 1] - times[at] - itl, itl, around
 
 
 def main():
@@ -232,9 +244,8 @@ def measure(args, a, b, router):
         for mode in MODES:
             samples, wrong, outcomes = [], 0, []
             for i in range(args.repeats):
-                if i % 2:  # a one-token request shifts the router's round robin: moves alternate direction
-                    shift = Streamed(router.url, dict(body, prompt=[1, 2, 3], max_tokens=1))
-                    shift.run()
+                if i % 2:  # moves alternate direction
+                    shift_round_robin(router, body)
                 prompt = [rng.randrange(3, 1000) for _ in range(length - OUTPUT_BEFORE_STOP)]
                 # the unmigrated output, streamed through the router: the other requests' decode
                 # step beside one more decoding request, from the same point on, without a move
@@ -244,6 +255,9 @@ def measure(args, a, b, router):
                 want = ref.ids()
                 for bg in background:
                     _add(same_load, bg.span_between(ref.time_at(OUTPUT_BEFORE_STOP), ref.chunks[-1][0]))
+                # the migrated request starts where the reference ran and moves to the other
+                # instance, whose prefix cache has never seen this prompt
+                shift_round_robin(router, body)
                 box = {}
                 hook = migration_hook(router, box, mode)
                 s = Streamed(router.url, dict(body, prompt=prompt, max_tokens=args.max_tokens),
@@ -254,16 +268,22 @@ def measure(args, a, b, router):
                 record = box["record"]
                 outcomes.append(record["outcome"])
                 wrong += s.ids() != want
-                d, itl = downtime(s, record["stop_tokens"] - len(prompt))
+                d, itl, around = downtime(s, record["stop_tokens"] - len(prompt))
                 if d is not None and record["outcome"] in ("moved", "recomputed"):  # not one that ended first
-                    samples.append((d, itl, record))
+                    samples.append((d, itl, record, around))
                 for bg in background:
                     _add(busy, bg.span_between(box["t0"], box["t1"]))
             ds = [x[0] for x in samples] or [float("nan")]
             row = {"tokens": length, "mode": mode, "downtime_s": statistics.median(ds), "downtime_s_min": min(ds),
                    "downtime_s_max": max(ds), "itl_s": statistics.median([x[1] for x in samples] or [0.0]),
-                   "stages": [len(x[2]["stages"]) for x in samples], "outcomes": outcomes, "wrong": wrong,
-                   "stop_to_resume_ms": [x[2]["stop_to_resume_ms"] for x in samples]}
+                   "outcomes": outcomes, "wrong": wrong,
+                   "source_quiet_ms": _median(x[2].get("source_quiet_ms") for x in samples),
+                   "stop_to_resume_ms": _median(x[2].get("stop_to_resume_ms") for x in samples),
+                   "samples": [{"downtime_ms": round(1e3 * d, 3), "itl_ms": round(1e3 * itl, 3),
+                                "client_gaps_ms": around,
+                                **{k: rec.get(k) for k in ("source_quiet_ms", "stop_to_resume_ms", "final_lease_ms",
+                                                           "stages", "moved_tokens", "recomputed_tokens")}}
+                               for d, itl, rec, around in samples]}
             rows.append(row)
             print(f"{length:6d} tokens {mode:14s} downtime {1e3 * row['downtime_s']:8.2f} ms "
                   f"({1e3 * row['downtime_s_min']:.2f}..{1e3 * row['downtime_s_max']:.2f}), ITL "
@@ -300,6 +320,10 @@ def migration_hook(router, box, mode):
     return hook
 
 
+def _fmt(ms):
+    return "-" if ms is None else f"{ms:.1f}"
+
+
 def write_results(args, backend, cpu, result):
     rows = result["rows"]
     step = result["other_requests"]
@@ -318,6 +342,17 @@ def write_results(args, backend, cpu, result):
             wrong += r["wrong"]
             itl = r["itl_s"] if mode == "precopy" else itl
         lines.append(f"| {length} | " + " | ".join(cells) + f" | {1e3 * itl:.2f} | {wrong} |")
+    lines += ["", "Where it goes, as the router saw it (medians, ms): *quiet* = from the last token the client "
+                  "got from A to the stop (the final lease came meanwhile); *resume* = from the stop to B's "
+                  "first token.", "",
+              "| tokens | " + " | ".join(f"{m} quiet | {m} resume" for m in MODES) + " |",
+              "| --- | " + " | ".join("--- | ---" for _ in MODES) + " |"]
+    for length in args.lengths:
+        cells = []
+        for mode in MODES:
+            r = next(x for x in rows if x["tokens"] == length and x["mode"] == mode)
+            cells += [_fmt(r.get("source_quiet_ms")), _fmt(r.get("stop_to_resume_ms"))]
+        lines.append(f"| {length} | " + " | ".join(cells) + " |")
     if step["quiet_itl_s"] and step["same_load_itl_s"] and step["during_migrations_itl_s"]:
         during, same = step["during_migrations_itl_s"], step["same_load_itl_s"]
         lines += ["", f"Other requests' decode step (a background request on each instance, its seconds per "

@@ -3,6 +3,7 @@ the stages it runs, what it sends the destination, and each way it ends."""
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -50,6 +51,7 @@ class FakeDriver:
         self.source, self.seen, self.resume_ok, self.load_ok = source, seen, resume_ok, load_ok
         self.running = running
         self.loads, self.resumed, self.stops, self.done = [], [], 0, False
+        self.last_token = None
 
     def finished(self):
         return self.done
@@ -60,10 +62,14 @@ class FakeDriver:
 
     async def stop(self):
         self.stops += 1
+        self.last_token = time.monotonic() - 0.25  # the client's last token came 250 ms before
         return self.running
 
     def tokens(self):
         return list(self.source.tokens if self.seen is None else self.seen)
+
+    def last_token_at(self):
+        return self.last_token
 
     async def resume(self, destination, params):
         self.resumed.append(params)
@@ -90,6 +96,13 @@ def test_precopy_stages_then_a_final_lease_taken_while_it_runs():
     assert final["migration_id"] == "cd" * 16 and final["sync_load"] is True
     assert rec.moved_tokens == want and rec.recomputed_tokens == len(src.tokens) - want == 5
     assert rec.stop_tokens == len(src.tokens) and src.ended == 1
+    # the timings the admin API reports: every stage's two waits, the final lease's, the quiet
+    # time before the stop (the fake client's last token came 250 ms before it)
+    assert all(s.lease_ms >= 0 and s.load_ms >= 0 for s in rec.stages) and rec.final_lease_ms >= 0
+    assert 250 <= rec.source_quiet_ms < 250 + 60e3
+    out = rec.as_dict()
+    assert out["stop_to_resume_ms"] >= 0 and out["source_quiet_ms"] == rec.source_quiet_ms
+    assert set(out["stages"][0]) == {"blocks", "new_blocks", "lease_ms", "load_ms"}
 
 
 def test_a_stage_with_few_new_blocks_becomes_the_final_lease():

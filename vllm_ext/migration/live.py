@@ -62,7 +62,8 @@ class Outcome(str, enum.Enum):
 class Stage:
     blocks: int  # blocks the lease covered
     new_blocks: int  # beyond the previous stage's
-    seconds: float  # lease + the destination's load
+    lease_ms: float  # the source's answer (its next step)
+    load_ms: float  # the destination's load
 
 
 @dataclasses.dataclass
@@ -81,6 +82,8 @@ class Record:
     moved_tokens: int = 0  # tokens whose KV the destination got from the final lease
     stop_tokens: int = 0  # tokens (prompt + output the client got) when the source's stream closed
     mode: str = "precopy"  # or "stop_and_copy" (no pre-copy), "recompute" (no KV moved)
+    final_lease_ms: Optional[float] = None  # the final lease's wait (while the request still decodes)
+    source_quiet_ms: Optional[float] = None  # from the source's last token the client got to the stop
     stopped_at: float = 0.0  # monotonic: the source's stream closed
     resumed_at: float = 0.0  # monotonic: the destination's first token
     started_at: float = dataclasses.field(default_factory=time.monotonic)
@@ -94,7 +97,7 @@ class Record:
         out = dataclasses.asdict(self)
         out["recomputed_tokens"] = self.recomputed_tokens
         out["outcome"] = self.outcome.value if self.outcome else None
-        out["stop_to_resume_ms"] = (round(1e3 * (self.resumed_at - self.stopped_at), 3)
+        out["stop_to_resume_ms"] = (_ms(self.resumed_at - self.stopped_at)
                                     if self.resumed_at and self.stopped_at else None)
         for key in ("stopped_at", "resumed_at", "started_at"):
             out.pop(key)
@@ -117,6 +120,9 @@ class Driver(Protocol):
 
     def tokens(self) -> List[int]:
         """Prompt + the output tokens the client got, in order."""
+
+    def last_token_at(self) -> Optional[float]:
+        """time.monotonic() when the client got its last token (None: none yet)."""
 
     async def resume(self, destination: str, params: Optional[Dict[str, Any]]) -> bool:
         """Continue the request on `destination` from tokens(), loading `params`' lease (None:
@@ -174,6 +180,10 @@ class SourceControl:
         self._client.close()
 
 
+def _ms(seconds: float) -> float:
+    return round(1e3 * seconds, 3)
+
+
 async def _call(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
@@ -209,16 +219,18 @@ async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_
         except ChannelError as e:
             logger.info("migration %s: no pre-copy (%s)", mid[:8], e)
             break
+        leased = time.perf_counter()
         new = lease.n - moved
         if new <= last_stage_max_blocks and record.stages:
             final = lease  # few enough to move at the switch: the final lease
+            record.final_lease_ms = _ms(leased - started)
             break
         # the next token too, so that a destination loading whole blocks before the last token
         # still loads every block of the lease
         prompt = lease.token_ids[:lease.num_tokens + 1]
         ok = await driver.load(record.destination, prompt, lease_params(lease, source.host, source.port,
                                                                         lease.num_tokens))
-        record.stages.append(Stage(lease.n, new, time.perf_counter() - started))
+        record.stages.append(Stage(lease.n, new, _ms(leased - started), _ms(time.perf_counter() - leased)))
         if not ok:
             break
         moved = lease.n
@@ -230,8 +242,10 @@ async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_
     record.state = "switch"
     params = None
     if final is None and not recompute:
+        started = time.perf_counter()
         try:
             final = await _call(source.precopy, mid)
+            record.final_lease_ms = _ms(time.perf_counter() - started)
         except ChannelRefused as e:  # the source answered: the request has no complete block (or
             record.reason = f"no final lease ({e}): recomputed"  # is not running): recompute it
         except ChannelError as e:
@@ -243,6 +257,8 @@ async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_
         await _end(source, mid, record)
         return record
     record.stopped_at = time.monotonic()
+    last = driver.last_token_at()
+    record.source_quiet_ms = _ms(record.stopped_at - last) if last is not None else None
     tokens = driver.tokens()
     record.stop_tokens = len(tokens)
     if final is not None:

@@ -671,6 +671,9 @@ class _Driver:
     def tokens(self) -> List[int]:
         return self.routed.tokens()
 
+    def last_token_at(self) -> Optional[float]:
+        return self.routed.client.last_token_at
+
     async def load(self, destination: str, token_ids: List[int], params: Dict[str, Any]) -> bool:
         inst = self.router._by_url[destination]
         body = {"model": self.routed.body.get("model"), "prompt": token_ids, "max_tokens": 1, "temperature": 0,

@@ -166,6 +166,7 @@ class ClientStream:
         self.text = ""  # the client's text: sent, and held back
         self._sent = 0
         self.token_ids: List[int] = []
+        self.last_token_at: Optional[float] = None  # time.monotonic() of the last token taken
         self.prompt_token_ids: Optional[List[int]] = None
         self.logprobs = None
         self.finish_reason = None
@@ -211,6 +212,8 @@ class ClientStream:
         before = len(self.text)
         self.text += piece.text
         self.token_ids.extend(piece.token_ids)
+        if piece.token_ids:
+            self.last_token_at = time.monotonic()
         if not self.chat:
             self.logprobs = _merge_logprobs(self.logprobs, piece.logprobs, before)
         if self.stops and piece.text:
