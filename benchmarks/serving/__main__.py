@@ -84,7 +84,9 @@ def server_config(args, preset, model_dir: Path, log_dir: Path) -> servers.Serve
 
 def layout(topology: str, specs, gpu: bool) -> str:
     where = "GPU 0" if gpu else "core"
-    inst = ", ".join(f"{s['name']} ({where}{'' if gpu else ' ' + s['core']})" for s in specs)
+    places = [f"{s['name']} ({where}{'' if gpu else ' ' + s['core']})" for s in specs]
+    inst = ", ".join(places) if topology != "single" else places[0] + "".join(
+        f"; {p} idles meanwhile" for p in places[1:])
     front = {"single": "clients talk to it directly", "router": "`python -m vllm_ext.router`",
              "balance": "`python -m vllm_ext.router --balance`",
              "pd": "`python -m vllm_ext.proxy`, KV over VllmExtConnector"}[topology]
