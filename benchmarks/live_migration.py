@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import threading
@@ -173,6 +174,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=96, help="output tokens of each migrated request")
     ap.add_argument("--server-arg", action="append", default=[], help="extra vLLM server argument (repeatable)")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # the servers stop too
     cpu = args.device == "cpu"
     backend = args.backend or ("gloo" if cpu else "ipc")
     max_len = args.max_len = max(args.lengths) + args.max_tokens + 64

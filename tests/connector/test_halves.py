@@ -854,15 +854,24 @@ def _step_output(req, scheduled=1):
 def _precopy(sched, worker, client, mid, req, grant=True):
     """A router's pre-copy ask, answered at the engine's next step (which this runs); `grant`:
     the worker's output of that step reaches the scheduler too (the lease's blocks are served).
-    Returns the lease and that step's metadata."""
+    Returns the lease and that step's metadata; raises the ask's refusal."""
     got = {}
-    asker = threading.Thread(target=lambda: got.update(lease=client.precopy(mid, 5)))
+
+    def ask():
+        try:
+            got["lease"] = client.precopy(mid, 5)
+        except ChannelError as e:
+            got["error"] = e
+
+    asker = threading.Thread(target=ask)
     asker.start()
     deadline = time.monotonic() + 5
     while not sched._precopy_asks and time.monotonic() < deadline:
         time.sleep(0.01)
     meta = step(sched, worker, _step_output(req), output=grant)
     asker.join(5)
+    if "error" in got:
+        raise got["error"]
     return got["lease"], meta
 
 
@@ -894,8 +903,9 @@ def test_a_migration_pre_copies_complete_blocks_and_keeps_them_past_the_abort(pr
     assert step(sched, worker).finished_sending == [] and sched.num_leases() == 1
     assert client.release(final.lease, 5) is True
     assert step(sched, worker).finished_sending == ["m-0"] and sched.num_leases() == 0
-    with pytest.raises(ChannelRefused, match="no running request"):  # forgotten with its last lease
+    with pytest.raises(ChannelRefused, match="no running request") as refused:  # forgotten with its last lease
         client.precopy(mid, 5)
+    assert refused.value.kind == "RequestEnded"  # the router lets the source's stream finish
     client.close()
 
 
@@ -910,10 +920,15 @@ def test_a_pre_copy_of_a_request_preempted_meanwhile_is_not_vouched_for(producer
     # an unknown migration, a finished request: refused by name
     with pytest.raises(ChannelRefused, match="no running request"):
         client.precopy("ef" * 16, 5)
+    req.status = RequestStatus.PREEMPTED  # not running, not ended: refused as such
+    with pytest.raises(ChannelRefused, match="preempted") as refused:
+        _precopy(sched, worker, client, mid, req)
+    assert refused.value.kind == "ValueError"
     req.status = RequestStatus.FINISHED_STOPPED
     assert sched.request_finished(req, [1, 2, 3]) == (False, None)  # no lease left: freed at once
-    with pytest.raises(ChannelRefused, match="no running request"):
+    with pytest.raises(ChannelRefused, match="no running request") as refused:
         client.precopy(mid, 5)
+    assert refused.value.kind == "RequestEnded"
     client.close()
 
 

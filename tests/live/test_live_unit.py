@@ -37,7 +37,9 @@ class FakeSource:
         if "down" in self.fail:
             raise ChannelError("lease channel 127.0.0.1:9: timed out")
         if "precopy" in self.fail:
-            raise ChannelRefused("lease channel 127.0.0.1:9 refused: no complete block yet")
+            raise ChannelRefused("lease channel 127.0.0.1:9 refused: no complete block yet", "ValueError")
+        if "ended" in self.fail:
+            raise ChannelRefused("lease channel 127.0.0.1:9 refused: the request ended here", "RequestEnded")
         self.tokens += [7] * self.per_stage
         # complete blocks of the tokens before the one being computed
         return lease(self.tokens, (len(self.tokens) - 2) // BS * BS)
@@ -144,6 +146,15 @@ def test_a_refused_final_lease_is_recomputed():
     rec = run(src, drv)
     assert rec.outcome == live.Outcome.RECOMPUTED and drv.resumed == [{"migration_id": "cd" * 16}]
     assert "no final lease" in rec.reason and "no complete block" in rec.reason and drv.stops == 1
+
+
+def test_a_final_lease_refused_because_the_request_ended_lets_its_stream_finish():
+    # the source ended it before the router relayed its last tokens: no stop, no recompute
+    src = FakeSource(list(range(3, 30)), fail={"ended"})
+    drv = FakeDriver(src)
+    rec = run(src, drv)
+    assert rec.outcome == live.Outcome.FINISHED and "ended on the source" in rec.reason
+    assert drv.stops == 0 and drv.resumed == [] and drv.loads == [] and src.ended == 1
 
 
 def test_a_source_whose_lease_channel_does_not_answer_keeps_the_request():

@@ -414,17 +414,17 @@ class SchedulerHalf:
             raise ValueError("this instance's worker has not registered its KV cache yet")
         self._reap_expired()
         if isinstance(request, protocol.MigratePrecopy):
-            ask = {"event": threading.Event(), "lease": None, "error": None}
+            ask = {"event": threading.Event(), "lease": None, "error": None, "ended": False}
             with self._lock:
                 if mid not in self._tracked:
-                    raise ValueError(f"migration {mid[:8]}: no running request of this instance carries it")
+                    raise protocol.RequestEnded(f"migration {mid[:8]}: no running request of this instance carries it")
                 self._precopy_asks[mid] = ask
             if not ask["event"].wait(PRECOPY_WAIT_S):
                 with self._lock:
                     self._precopy_asks.pop(mid, None)
                 raise ValueError(f"migration {mid[:8]}: the engine took no step in {PRECOPY_WAIT_S:g} s")
             if ask["error"]:
-                raise ValueError(f"migration {mid[:8]}: {ask['error']}")
+                raise (protocol.RequestEnded if ask["ended"] else ValueError)(f"migration {mid[:8]}: {ask['error']}")
             with self._lock:
                 return self._lease_reply(ask["lease"])
         # MigrateEnd: leases not taken end now; a taken one ends at its consumer's release (or at
@@ -449,8 +449,10 @@ class SchedulerHalf:
             for mid, ask in asks.items():
                 tracked = self._tracked.get(mid)
                 request = tracked.request if tracked is not None else None
-                if request is None or tracked.finished or request.status != RequestStatus.RUNNING:
-                    ask["error"] = "the request is not running here"
+                if request is None or tracked.finished or RequestStatus.is_finished(request.status):
+                    ask["error"], ask["ended"] = "the request ended here", True
+                elif request.status != RequestStatus.RUNNING:
+                    ask["error"] = "the request is not running here (preempted)"
                 else:
                     valid = request.num_computed_tokens - scheduled.get(request.request_id, 0) - 1
                     nblocks = min(max(valid, 0) // self.block_size, len(tracked.block_ids))

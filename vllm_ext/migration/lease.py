@@ -31,7 +31,12 @@ class ChannelError(RuntimeError):
 
 
 class ChannelRefused(ChannelError):
-    """The peer answered, and refused (its message says why)."""
+    """The peer answered, and refused (its message says why; `kind`: the refusal's type, e.g.
+    protocol.RequestEnded's name)."""
+
+    def __init__(self, message: str, kind: str = ""):
+        super().__init__(message)
+        self.kind = kind
 
 
 def deployment_secret() -> bytes:
@@ -120,7 +125,8 @@ class LeaseClient:
                     if fresh or attempt == 1 or deadline.remaining() <= 0:
                         raise ChannelError(f"{where}: {e}") from e
         if header.get("ok") is not True:
-            raise ChannelRefused(f"{where} refused: {str(header.get('error', header))[:1000]}")
+            raise ChannelRefused(f"{where} refused: {str(header.get('error', header))[:1000]}",
+                                 str(header.get("type", ""))[:64])
         try:
             return protocol.parse_reply(header, expect), payload
         except ProtocolError as e:

@@ -35,6 +35,7 @@ import secrets
 import time
 from typing import Any, Dict, List, Optional, Protocol
 
+from . import protocol
 from .kv_params import PROTOCOL as PARAMS_PROTOCOL
 from .kv_params import prompt_hash
 from .lease import ChannelError, ChannelRefused, LeaseClient, MigrationLease
@@ -246,8 +247,13 @@ async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_
         try:
             final = await _call(source.precopy, mid)
             record.final_lease_ms = _ms(time.perf_counter() - started)
-        except ChannelRefused as e:  # the source answered: the request has no complete block (or
-            record.reason = f"no final lease ({e}): recomputed"  # is not running): recompute it
+        except ChannelRefused as e:
+            if e.kind == protocol.RequestEnded.__name__:  # its last tokens are on their way: let them come
+                record.state, record.outcome, record.reason = "done", Outcome.FINISHED, "it ended on the source"
+                await _end(source, mid, record)
+                return record
+            # the request has no complete block yet, or is preempted: recompute it
+            record.reason = f"no final lease ({e}): recomputed"
         except ChannelError as e:
             record.state, record.outcome, record.reason = "done", Outcome.STAYED, f"no final lease: {e}"
             await _end(source, mid, record)

@@ -67,6 +67,11 @@ class ProtocolError(ValueError):
     """A message that breaks the protocol: malformed, of the wrong version, or out of bounds."""
 
 
+class RequestEnded(ValueError):
+    """A source's refusal of a migration's lease: the request ended there (or was never there).
+    Its reply's `type` names this class; the router then lets the source's stream finish."""
+
+
 # ---- ids ------------------------------------------------------------------------------------
 def encode_ids(ids: List[int]) -> bytes:
     """int64 little-endian bytes of a list of ids (each already checked to fit)."""
