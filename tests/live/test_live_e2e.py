@@ -228,13 +228,16 @@ def test_migrated_requests_equal_unmigrated(cluster):
         s.at(rng.randrange(1, 40), migrate_async(cluster, results=results))
         s.start()
         (status, record), = finish([s], results)
-        assert s.error is None and status == 200, (s.error, record)
-        # on a busy host a request may end before its move reaches the switch: it then stays; one
-        # with no complete block yet (a short prompt moved early) is recomputed, as it should be
+        # on a busy host a request may end before its move reaches the router (404: no running
+        # request; its tokens may come in one burst at the end) or the switch (it then stays);
+        # one with no complete block yet (a short prompt moved early) is recomputed, as it should be
+        if status == 404 and "no running request" in str(record) and len(s.ids) == MAX_TOKENS:
+            record = {"outcome": "finished", "reason": "ended before the move reached the router"}
+        assert s.error is None and (status == 200 or record["outcome"] == "finished"), (s.error, record)
         assert record["outcome"] in ("moved", "finished") or (
             record["outcome"] == "recomputed" and "no complete block" in record["reason"]), record
         outcomes.append(record["outcome"])
-        want_ids, want_text = reference(cluster, prompt, MAX_TOKENS, url=record["source"])
+        want_ids, want_text = reference(cluster, prompt, MAX_TOKENS, url=record.get("source"))
         assert s.ids == want_ids and s.text == want_text
         assert s.usage == {"prompt_tokens": len(prompt), "completion_tokens": len(want_ids),
                            "total_tokens": len(prompt) + len(want_ids)}
@@ -459,7 +462,8 @@ def test_three_instances_drain_and_a_source_killed_mid_migration(cluster):
     router = start_router(cluster["work"], "router3", urls, [cluster["leases"][n] for n in "ABC"])
     try:
         ps = prompts(24, (20, 45, 77, 101))[:4]
-        n = 1000  # long: every request still runs when it is moved or its instance is killed
+        n = 1900  # long: every request still runs when it is moved or its instance is killed (a
+        # move from a busy source over gloo can take seconds on 2 cores)
         refs = [reference(cluster, p, n)[0] for p in ps]
         drained = pin_to(cluster, router, "A", lambda: start_streams(router, ps, n), urls)
         status, report = admin(router, "/drain", {"instance": cluster["A"].url})
