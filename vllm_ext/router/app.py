@@ -629,8 +629,8 @@ class Router:
             try:
                 record = await asyncio.shield(self.start_migration(routed, targets[0]))
                 moved.append(record.as_dict())
-                if record.outcome in (live.Outcome.STAYED,):
-                    stayed.add(routed.rid)
+                if record.outcome in (live.Outcome.STAYED, live.Outcome.FINISHED):  # not tried again:
+                    stayed.add(routed.rid)  # one that ended leaves by itself
             except ValueError:
                 stayed.add(routed.rid)
         return web.json_response({"instance": inst.url, "migrations": moved, "left": sorted(inst.requests)},
