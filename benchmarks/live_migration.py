@@ -83,14 +83,19 @@ class Streamed(threading.Thread):
     def ids(self):
         return [t for _, ids in self.chunks for t in ids]
 
-    def time_at(self, tokens):
-        """When the chunk that brought token `tokens` arrived (the last chunk's time if fewer)."""
+    def chunk_at(self, tokens):
+        """The index of the chunk that brought token `tokens` (None if fewer came)."""
         n = 0
-        for t, ids in self.chunks:
+        for i, (_, ids) in enumerate(self.chunks):
             n += len(ids)
             if n >= tokens:
-                return t
-        return self.chunks[-1][0] if self.chunks else 0.0
+                return i
+        return None
+
+    def time_at(self, tokens):
+        """When the chunk that brought token `tokens` arrived (the last chunk's time if fewer)."""
+        i = self.chunk_at(tokens)
+        return self.chunks[-1 if i is None else i][0] if self.chunks else 0.0
 
     def span_between(self, t0, t1):
         """(seconds, tokens) of the stream within [t0, t1]: from its first chunk there to its
@@ -144,13 +149,8 @@ def downtime(stream, stop_tokens):
     """(downtime s, the request's median ITL s, the client's gaps in ms between the chunks
     around the hand-off): the gap at the hand-off (between the chunk that brought token
     `stop_tokens` and the next) minus the median gap of the request."""
-    times, n = [], 0
-    at = None
-    for t, ids in stream.chunks:
-        n += len(ids)
-        times.append(t)
-        if at is None and n >= stop_tokens:
-            at = len(times) - 1
+    times = [t for t, _ in stream.chunks]
+    at = stream.chunk_at(stop_tokens)
     gaps = [b - a for a, b in zip(times, times[1:])]
     itl = statistics.median(gaps) if gaps else 0.0
     if at is None or at + 1 >= len(times):
@@ -328,6 +328,7 @@ def _fmt(ms):
 
 def write_results(args, backend, cpu, result):
     rows = result["rows"]
+    row = {(r["tokens"], r["mode"]): r for r in rows}
     step = result["other_requests"]
     lines = [f"# Live migration downtime ({backend}, {args.device}, vLLM {result['vllm']})", "",
              f"Downtime = the client's gap between A's last token and B's first, minus the request's median "
@@ -338,7 +339,7 @@ def write_results(args, backend, cpu, result):
     for length in args.lengths:
         cells, wrong, itl = [], 0, 0.0
         for mode in MODES:
-            r = next(x for x in rows if x["tokens"] == length and x["mode"] == mode)
+            r = row[length, mode]
             cells.append(f"{1e3 * r['downtime_s']:.2f} ({1e3 * r['downtime_s_min']:.2f}.."
                          f"{1e3 * r['downtime_s_max']:.2f})")
             wrong += r["wrong"]
@@ -352,7 +353,7 @@ def write_results(args, backend, cpu, result):
     for length in args.lengths:
         cells = []
         for mode in MODES:
-            r = next(x for x in rows if x["tokens"] == length and x["mode"] == mode)
+            r = row[length, mode]
             cells += [_fmt(r.get("source_quiet_ms")), _fmt(r.get("stop_to_resume_ms"))]
         lines.append(f"| {length} | " + " | ".join(cells) + " |")
     if step["quiet_itl_s"] and step["same_load_itl_s"] and step["during_migrations_itl_s"]:

@@ -414,7 +414,7 @@ class SchedulerHalf:
             raise ValueError("this instance's worker has not registered its KV cache yet")
         self._reap_expired()
         if isinstance(request, protocol.MigratePrecopy):
-            ask = {"event": threading.Event(), "lease": None, "error": None, "ended": False}
+            ask = {"event": threading.Event(), "lease": None, "error": None}
             with self._lock:
                 if mid not in self._tracked:
                     raise protocol.RequestEnded(f"migration {mid[:8]}: no running request of this instance carries it")
@@ -423,8 +423,8 @@ class SchedulerHalf:
                 with self._lock:
                     self._precopy_asks.pop(mid, None)
                 raise ValueError(f"migration {mid[:8]}: the engine took no step in {PRECOPY_WAIT_S:g} s")
-            if ask["error"]:
-                raise (protocol.RequestEnded if ask["ended"] else ValueError)(f"migration {mid[:8]}: {ask['error']}")
+            if ask["error"] is not None:  # the refusal, of its kind (RequestEnded: the router lets it finish)
+                raise type(ask["error"])(f"migration {mid[:8]}: {ask['error']}")
             with self._lock:
                 return self._lease_reply(ask["lease"])
         # MigrateEnd: leases not taken end now; a taken one ends at its consumer's release (or at
@@ -450,14 +450,14 @@ class SchedulerHalf:
                 tracked = self._tracked.get(mid)
                 request = tracked.request if tracked is not None else None
                 if request is None or tracked.finished or RequestStatus.is_finished(request.status):
-                    ask["error"], ask["ended"] = "the request ended here", True
+                    ask["error"] = protocol.RequestEnded("the request ended here")
                 elif request.status != RequestStatus.RUNNING:
-                    ask["error"] = "the request is not running here (preempted)"
+                    ask["error"] = ValueError("the request is not running here (preempted)")
                 else:
                     valid = request.num_computed_tokens - scheduled.get(request.request_id, 0) - 1
                     nblocks = min(max(valid, 0) // self.block_size, len(tracked.block_ids))
                     if nblocks == 0:
-                        ask["error"] = "the request has no complete block yet"
+                        ask["error"] = ValueError("the request has no complete block yet")
                     else:
                         ask["lease"] = self._add_lease(request, tracked.block_ids[:nblocks], nblocks * self.block_size,
                                                        list(request.all_token_ids), tracked)
