@@ -281,10 +281,13 @@ def measure(args, a, b, router):
                    "outcomes": outcomes, "wrong": wrong,
                    "source_quiet_ms": _median(x[2].get("source_quiet_ms") for x in samples),
                    "stop_to_resume_ms": _median(x[2].get("stop_to_resume_ms") for x in samples),
+                   "resume_spans_ms": {k: _median((x[2].get("resume_spans") or {}).get(k) for x in samples)
+                                       for k in RESUME_SPANS},
                    "samples": [{"downtime_ms": round(1e3 * d, 3), "itl_ms": round(1e3 * itl, 3),
                                 "client_gaps_ms": around,
                                 **{k: rec.get(k) for k in ("source_quiet_ms", "stop_to_resume_ms", "final_lease_ms",
-                                                           "stages", "moved_tokens", "recomputed_tokens")}}
+                                                           "stages", "moved_tokens", "recomputed_tokens",
+                                                           "resume_spans")}}
                                for d, itl, rec, around in samples]}
             rows.append(row)
             print(f"{length:6d} tokens {mode:14s} downtime {1e3 * row['downtime_s']:8.2f} ms "
@@ -322,6 +325,10 @@ def migration_hook(router, box, mode):
     return hook
 
 
+RESUME_SPANS = {"to_api_server_ms": "to API server", "to_scheduler_ms": "to scheduler",
+                "to_scheduled_ms": "to scheduled", "to_first_token_ms": "to first token"}
+
+
 def _fmt(ms):
     return "-" if ms is None else f"{ms:.1f}"
 
@@ -356,6 +363,15 @@ def write_results(args, backend, cpu, result):
             r = row[length, mode]
             cells += [_fmt(r.get("source_quiet_ms")), _fmt(r.get("stop_to_resume_ms"))]
         lines.append(f"| {length} | " + " | ".join(cells) + " |")
+    lines += ["", "The resume, split at B's own times (medians, ms): to B's API server (vLLM's arrival time); "
+                  "from there to B's scheduler's first look (the engine's current step ends first); to its first "
+                  "scheduling; from there to the first token at the router (B's step, and the way back).", "",
+              "| tokens | mode | " + " | ".join(RESUME_SPANS.values()) + " |",
+              "| --- | --- | " + " | ".join("---" for _ in RESUME_SPANS) + " |"]
+    for length in args.lengths:
+        for mode in MODES:
+            spans = row[length, mode].get("resume_spans_ms") or {}
+            lines.append(f"| {length} | {mode} | " + " | ".join(_fmt(spans.get(k)) for k in RESUME_SPANS) + " |")
     if step["quiet_itl_s"] and step["same_load_itl_s"] and step["during_migrations_itl_s"]:
         during, same = step["during_migrations_itl_s"], step["same_load_itl_s"]
         lines += ["", f"Other requests' decode step (a background request on each instance, its seconds per "

@@ -955,3 +955,32 @@ def test_a_later_lease_digests_only_the_blocks_after_the_last_granted_ones(produ
     assert client.acquire(third.lease, 5, 5)[3] == block_digests(worker.cache.layers, [5, 6, 9, 11])
     client.end(mid, 5)
     client.close()
+
+
+def test_a_destination_traces_when_a_request_with_a_migration_id_arrived_and_was_scheduled(producer, monkeypatch):
+    sched, _ = producer
+    client = lease_client(sched)
+    mid = "7e" * 16
+    with pytest.raises(ChannelRefused, match="no request here carried it"):  # unknown
+        client.trace(mid, 5)
+    before = time.time()
+    req = make_request(list(range(3, 40)), {"migration_id": mid}, req_id="r-0")
+    req.arrival_time = before - 0.25  # vLLM's API server took it a moment ago
+    sched.get_num_new_matched_tokens(req, 0)
+    with pytest.raises(ChannelRefused, match="not scheduled yet"):  # seen, waiting
+        client.trace(mid, 5)
+    sched.get_num_new_matched_tokens(req, 0)  # looked at again: the first look counts
+    sched.update_state_after_alloc(req, [1, 2, 3], 0)
+    got = client.trace(mid, 5)
+    assert got.arrival_s == before - 0.25
+    assert before <= got.seen_s <= got.scheduled_s <= time.time()
+    # a request without a migration id leaves no trace; the oldest traces are forgotten
+    sched.get_num_new_matched_tokens(make_request([1, 2, 3], req_id="plain"), 0)
+    monkeypatch.setattr("vllm_ext.connector.scheduler.MAX_TRACES", 3)
+    for i in range(3):
+        other = make_request([1, 2, 3], {"migration_id": f"{i:02x}" * 16}, req_id=f"o-{i}")
+        sched.update_state_after_alloc(other, [4], 0)
+    assert len(sched._traces) == 3 and mid not in sched._traces
+    with pytest.raises(ChannelRefused, match="no request here carried it"):
+        client.trace(mid, 5)
+    client.close()

@@ -237,6 +237,10 @@ def test_migrated_requests_equal_unmigrated(cluster):
         assert record["outcome"] in ("moved", "finished") or (
             record["outcome"] == "recomputed" and "no complete block" in record["reason"]), record
         outcomes.append(record["outcome"])
+        if record["outcome"] in ("moved", "recomputed"):  # the destination traced the resume (one host: one clock)
+            spans = record["resume_spans"]
+            assert set(spans) == {"to_api_server_ms", "to_scheduler_ms", "to_scheduled_ms", "to_first_token_ms"}
+            assert spans["to_scheduled_ms"] >= 0 and spans["to_scheduler_ms"] >= 0, record
         want_ids, want_text = reference(cluster, prompt, MAX_TOKENS, url=record.get("source"))
         assert s.ids == want_ids and s.text == want_text
         assert s.usage == {"prompt_tokens": len(prompt), "completion_tokens": len(want_ids),

@@ -54,6 +54,7 @@ class FakeDriver:
         self.running = running
         self.loads, self.resumed, self.stops, self.done = [], [], 0, False
         self.last_token = None
+        self.traced = None
 
     def finished(self):
         return self.done
@@ -76,6 +77,10 @@ class FakeDriver:
     async def resume(self, destination, params):
         self.resumed.append(params)
         return self.resume_ok
+
+    async def resume_trace(self, destination):
+        self.traced = destination
+        return {"to_first_token_ms": 1.0}
 
 
 def run(source, driver, **kw):
@@ -105,6 +110,7 @@ def test_precopy_stages_then_a_final_lease_taken_while_it_runs():
     out = rec.as_dict()
     assert out["stop_to_resume_ms"] >= 0 and out["source_quiet_ms"] == rec.source_quiet_ms
     assert set(out["stages"][0]) == {"blocks", "new_blocks", "lease_ms", "load_ms"}
+    assert drv.traced == "B" and out["resume_spans"] == {"to_first_token_ms": 1.0}  # asked once it resumed
 
 
 def test_a_stage_with_few_new_blocks_becomes_the_final_lease():
@@ -176,9 +182,16 @@ def test_a_destination_that_does_not_resume_fails_the_migration():
     drv = FakeDriver(src, resume_ok=False)
     rec = run(src, drv)
     assert rec.outcome == live.Outcome.FAILED and src.ended == 1
+    assert drv.traced is None and rec.resume_spans is None  # no resume to trace
 
 
 @pytest.mark.parametrize("theirs,ours,want", [([1, 2, 3, 4], [1, 2, 3, 4, 5], 4), ([1, 2, 9, 4], [1, 2, 3, 4], 2),
                                               ([1, 2, 3, 4, 5], [1, 2], 2)])
 def test_agreed_tokens(theirs, ours, want):
     assert live.agreed_tokens(lease(theirs, len(theirs)), ours) == want
+
+
+def test_resume_spans_split_the_resume_at_the_destinations_times():
+    trace = protocol.MigrateTraceReply(arrival_s=100.004, seen_s=100.010, scheduled_s=100.0105)
+    assert live.resume_spans(100.0, trace, 100.025) == {
+        "to_api_server_ms": 4.0, "to_scheduler_ms": 6.0, "to_scheduled_ms": 0.5, "to_first_token_ms": 14.5}

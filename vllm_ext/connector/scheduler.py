@@ -21,6 +21,7 @@ update_state_after_alloc, build_connector_meta, update_connector_output, request
 set_handshake (once at start-up), and the lease channel's threads call _serve.
 """
 
+import collections
 import logging
 import secrets
 import threading
@@ -52,6 +53,8 @@ GRANT_WAIT_S = 3.0
 
 # A pre-copy asked on the lease channel waits at most this long for the engine's next step.
 PRECOPY_WAIT_S = 2.0
+# The requests with a migration id whose arrival times migrate.trace still knows.
+MAX_TRACES = 1024
 
 
 class Lease:
@@ -126,6 +129,9 @@ class SchedulerHalf:
         self._tracked: Dict[str, _Tracked] = {}  # migration id -> request
         self._tracked_req: Dict[str, str] = {}  # request id -> migration id
         self._precopy_asks: Dict[str, Dict[str, Any]] = {}  # migration id -> {"event", "lease", "error"}
+        # migration id -> [arrival, seen, scheduled] (time.time()) of the requests that carried
+        # one lately (migrate.trace); the oldest are forgotten past MAX_TRACES
+        self._traces: "collections.OrderedDict[str, List[float]]" = collections.OrderedDict()
         self._recvs: List[RecvJob] = []
         self._releases: List[ReleaseJob] = []
         self._warned: set = set()
@@ -173,7 +179,9 @@ class SchedulerHalf:
             return None, str(e)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[int, bool]:
-        """Side-effect free: the external tokens beyond the (block-aligned) local hit."""
+        """The external tokens beyond the (block-aligned) local hit (its only side effect: the
+        first look at a request with a migration id is noted for migrate.trace)."""
+        self._note_trace(request, 1)
         remote, error = self._remote(request)
         if error is not None:
             self._warn_once(request.request_id, error)
@@ -198,6 +206,7 @@ class SchedulerHalf:
         every request it schedules from the waiting queue, also when nothing is loaded (a full
         local hit, nothing beyond it, skip_reading_prefix_cache, refused params): then the
         lease is released at once, so the producer frees its blocks now and not at expiry."""
+        self._note_trace(request, 2)
         self._track(request, block_ids)
         remote, error = self._remote(request)
         if remote is None and error is None:
@@ -240,6 +249,25 @@ class SchedulerHalf:
                 self._tracked_req[request.request_id] = mid
             else:  # resumed after a preemption: a new block table
                 tracked.block_ids = list(block_ids)
+
+    def _note_trace(self, request, what: int) -> None:
+        """Notes the time of the scheduler's first look (what=1) or first scheduling (2) of a
+        request that carries a migration id (a resumed one: where its switch went)."""
+        if not self.is_producer:
+            return
+        mid = migration_id_of(request.kv_transfer_params)
+        if mid is None:
+            return
+        now = time.time()
+        with self._lock:
+            trace = self._traces.get(mid)
+            if trace is None:
+                arrival = getattr(request, "arrival_time", None)
+                trace = self._traces[mid] = [arrival if isinstance(arrival, float) else now, now, 0.0]
+                while len(self._traces) > MAX_TRACES:
+                    self._traces.popitem(last=False)
+            if what == 2 and not trace[2]:
+                trace[2] = now
 
     def _release(self, req_id: str, params: Any) -> None:
         """A release-only job for the lease named by `params`, when its lease fields are well
@@ -367,6 +395,13 @@ class SchedulerHalf:
                                                self._handshake.fingerprint_fields), b""
         if isinstance(request, (protocol.MigratePrecopy, protocol.MigrateEnd)):
             return self._serve_migration(request)
+        if isinstance(request, protocol.MigrateTrace):
+            with self._lock:
+                trace = self._traces.get(request.migration_id)
+            if trace is None or not trace[2]:
+                raise ValueError(f"migration {request.migration_id[:8]}: no request here carried it lately, or it "
+                                 "is not scheduled yet")
+            return protocol.MigrateTraceReply(*trace), b""
         lease_id = request.lease
         self._reap_expired()
         with self._lock:

@@ -159,6 +159,10 @@ class LeaseClient:
     def end(self, migration_id: str, timeout: float) -> None:
         self._request(protocol.MigrateEnd(migration_id), timeout)
 
+    def trace(self, migration_id: str, timeout: float) -> protocol.MigrateTraceReply:
+        """(A destination) when the request carrying `migration_id` reached it."""
+        return self._request(protocol.MigrateTrace(migration_id), timeout, protocol.MigrateTraceReply)[0]
+
     def _lease(self, message: protocol.Message, timeout: float) -> "MigrationLease":
         reply, payload = self._request(message, timeout, protocol.MigrateLeaseReply)
         if len(payload) != 8 * (reply.n + reply.n_tokens):

@@ -85,6 +85,7 @@ class Record:
     mode: str = "precopy"  # or "stop_and_copy" (no pre-copy), "recompute" (no KV moved)
     final_lease_ms: Optional[float] = None  # the final lease's wait (while the request still decodes)
     source_quiet_ms: Optional[float] = None  # from the source's last token the client got to the stop
+    resume_spans: Optional[Dict[str, float]] = None  # where the resume went (resume_spans())
     stopped_at: float = 0.0  # monotonic: the source's stream closed
     resumed_at: float = 0.0  # monotonic: the destination's first token
     started_at: float = dataclasses.field(default_factory=time.monotonic)
@@ -129,6 +130,9 @@ class Driver(Protocol):
         """Continue the request on `destination` from tokens(), loading `params`' lease (None:
         recompute); True once its first token arrived."""
 
+    async def resume_trace(self, destination: str) -> Optional[Dict[str, float]]:
+        """After a resume: resume_spans() of it (None when the destination cannot say)."""
+
 
 def lease_params(lease: MigrationLease, lease_host: str, lease_port: int, num_tokens: int,
                  migration_id: Optional[str] = None) -> Dict[str, Any]:
@@ -150,6 +154,18 @@ def lease_params(lease: MigrationLease, lease_host: str, lease_port: int, num_to
     return params
 
 
+def resume_spans(sent_s: float, trace: protocol.MigrateTraceReply, first_s: float) -> Dict[str, float]:
+    """Where a resume's time went, from the router's wall clock when it sent the request and
+    when the first token came, and the destination's trace (the same clock on one host; across
+    hosts their offset shifts the first and the last span): to vLLM's API server, from there to
+    its scheduler's first look (this waits for the engine's current step), to its first
+    scheduling, and from there to the token's arrival (the step that computes it, and the way
+    back)."""
+    return {"to_api_server_ms": _ms(trace.arrival_s - sent_s), "to_scheduler_ms": _ms(trace.seen_s - trace.arrival_s),
+            "to_scheduled_ms": _ms(trace.scheduled_s - trace.seen_s),
+            "to_first_token_ms": _ms(first_s - trace.scheduled_s)}
+
+
 def agreed_tokens(lease: MigrationLease, tokens: List[int]) -> int:
     """How many of the lease's tokens agree with `tokens` (the router's), from the start."""
     n = min(lease.num_tokens, len(tokens))
@@ -163,8 +179,8 @@ def agreed_tokens(lease: MigrationLease, tokens: List[int]) -> int:
 
 
 class SourceControl:
-    """The router's side of a source instance's lease channel (blocking calls: run them in a
-    thread)."""
+    """The router's side of an instance's lease channel, which it uses as a migration's source
+    (and as a destination's, for its trace); blocking calls: run them in a thread."""
 
     def __init__(self, secret: bytes, host: str, port: int, timeout_s: float = CONTROL_TIMEOUT_S):
         self.host, self.port = host, port
@@ -176,6 +192,9 @@ class SourceControl:
 
     def end(self, migration_id: str) -> None:
         self._client.end(migration_id, self.timeout_s)
+
+    def trace(self, migration_id: str) -> protocol.MigrateTraceReply:
+        return self._client.trace(migration_id, self.timeout_s)
 
     def close(self) -> None:
         self._client.close()
@@ -287,4 +306,6 @@ async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_
     else:
         record.outcome, record.reason = Outcome.FAILED, record.reason or "the destination did not resume it"
     await _end(source, mid, record)
+    if ok:
+        record.resume_spans = await driver.resume_trace(record.destination)
     return record

@@ -35,7 +35,8 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 #    digests.
 # 8: a migration's last lease is a pre-copy's, taken while the request runs (migrate.stop and
 #    migrate.take are gone).
-PROTOCOL = 8
+# 9: migrate.trace: when a resumed request reached the destination's API server and scheduler.
+PROTOCOL = 9
 
 FRAME = struct.Struct("!II")
 MAX_HEADER_BYTES = 64 << 10  # a header is a small JSON object; refused past this, unread
@@ -61,6 +62,7 @@ MAX_HOLD_S = 3600.0
 MAX_DESCRIBE_BYTES = 16 << 10
 # The server id a lease server authenticates as (it serves no endpoint of its own).
 LEASE_SERVER_ID = "vllm-ext-lease"
+MAX_WALL_CLOCK_S = 1e11  # a time.time() in a message (migrate.trace.reply)
 
 
 class ProtocolError(ValueError):
@@ -204,7 +206,10 @@ _FIELD_CHECKS.update(geometry=_check_geometry, uids=_check_uids, handle=_check_h
                      n_tokens=lambda v: _check_int("n_tokens", v, 0, MAX_IDS_PER_PULL),
                      num_prompt_tokens=lambda v: _check_int("num_prompt_tokens", v, 0, 1 << 40),
                      endpoint_id=lambda v: _check_str("endpoint_id", v, 64),
-                     lease_s=lambda v: _check_number("lease_s", v, 0, MAX_HOLD_S))
+                     lease_s=lambda v: _check_number("lease_s", v, 0, MAX_HOLD_S),
+                     arrival_s=lambda v: _check_number("arrival_s", v, 0, MAX_WALL_CLOCK_S),
+                     seen_s=lambda v: _check_number("seen_s", v, 0, MAX_WALL_CLOCK_S),
+                     scheduled_s=lambda v: _check_number("scheduled_s", v, 0, MAX_WALL_CLOCK_S))
 
 
 def _check_bool(name: str, value) -> None:
@@ -420,6 +425,26 @@ class MigrateEnd(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class MigrateTrace(Message):
+    """Asked of a destination after a resume: when the request carrying this migration id
+    reached it (MigrateTraceReply; refused when no request here carried it lately)."""
+
+    op: ClassVar[str] = "migrate.trace"
+    migration_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MigrateTraceReply(Message):
+    """Wall-clock times (time.time()) of the request's arrival at vLLM's API server, of the
+    scheduler's first look at it and of its first scheduling."""
+
+    op: ClassVar[str] = "migrate.trace.reply"
+    arrival_s: float
+    seen_s: float
+    scheduled_s: float
+
+
+@dataclasses.dataclass(frozen=True)
 class MigrateLeaseReply(Message):
     """A lease on the request's first `num_tokens` tokens: `n` block ids, then `n_tokens`
     token ids (the request's tokens so far: prompt, then output) follow in the payload."""
@@ -442,7 +467,7 @@ REQUESTS: Dict[str, Type[Message]] = {m.op: m for m in (Hello, Ping, IpcExport, 
                                                            NcclConnect)}
 # A lease server's requests: a registry of their own, so that neither server accepts the other's.
 LEASE_REQUESTS: Dict[str, Type[Message]] = {m.op: m for m in (LeaseDescribe, LeaseAcquire, LeaseRelease,
-                                                                 MigratePrecopy, MigrateEnd)}
+                                                                 MigratePrecopy, MigrateEnd, MigrateTrace)}
 
 
 def parse_request(header: Dict[str, Any], registry: Optional[Dict[str, Type[Message]]] = None) -> Message:

@@ -30,6 +30,7 @@ from aiohttp import web
 
 from .._http import backend_session, error, first_models, openai_app
 from ..migration import auth, live
+from ..migration.lease import ChannelError
 from . import streams
 from .streams import ClientStream
 
@@ -42,6 +43,8 @@ _EVENT_READ = ({"max_size": MAX_EVENT_BYTES}
                if "max_size" in inspect.signature(aiohttp.StreamReader.readuntil).parameters else {})
 
 ENV_TOKEN = "VLLM_EXT_ROUTER_TOKEN"
+# A migration's stop waits at most this long for the source's next token (it stops right after one)
+STOP_WAIT_MAX_S = 1.0
 POLICIES = ("round_robin", "least_loaded")
 
 
@@ -98,6 +101,8 @@ class Routed:
         self.leg: Optional[aiohttp.ClientResponse] = None
         self.pushback: List[bytes] = []  # lines of the leg read before the pump took it
         self.stop_now = False  # the pump closes the leg at its next chance
+        self.stop_after_token = False  # the pump closes the leg once it relayed the next token
+        self.resumed = asyncio.Event()  # a migration's destination gave its first token
         self.stopped: Optional[asyncio.Future] = None  # True: the pump closed the leg; False: it had ended
         self.migration: Optional[asyncio.Task] = None
         self.migrations: List[live.Record] = []
@@ -324,7 +329,7 @@ class Router:
             routed.instance.requests.pop(routed.rid, None)
         routed.instance, routed.leg, routed.pushback = inst, r, pushback
         inst.requests[routed.rid] = routed
-        routed.stop_now = False
+        routed.stop_now = routed.stop_after_token = False
 
     async def _run(self, routed: Routed, out) -> None:
         """Relays legs until the request ends (migrations and recoveries between them)."""
@@ -336,7 +341,15 @@ class Router:
                 return
             task = routed.migration
             if ended == "stopped" and task is not None:
-                await asyncio.shield(task)  # it resumes the request elsewhere, or fails to
+                # it resumes the request elsewhere, or fails to; the destination's tokens flow
+                # as soon as it resumed (the migration's end on the source is not waited for)
+                resumed = asyncio.ensure_future(routed.resumed.wait())
+                try:
+                    await asyncio.wait({task, resumed}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    resumed.cancel()
+                if task.cancelled():
+                    raise asyncio.CancelledError()
                 if routed.leg is not None:
                     continue
             # the leg broke (its instance is avoided), or a migration failed after the stop (its
@@ -386,6 +399,8 @@ class Router:
             if routed.client.finished:
                 leg.close()
                 return self._pump_ended(routed, "ended")
+            if routed.stop_after_token and piece.token_ids:
+                routed.stop_now = True
 
     @staticmethod
     def _pump_ended(routed: Routed, how: str) -> str:
@@ -445,6 +460,7 @@ class Router:
             raise ValueError(f"instance {src.url} has no lease channel (--lease): its requests cannot move")
         record = live.Record(routed.mid, routed.rid, src.url, dst.url)
         driver = _Driver(self, routed)
+        routed.resumed.clear()
         src.migrating_out += 1
         dst.migrating_in += 1
 
@@ -664,6 +680,7 @@ class _Driver:
     def __init__(self, router: Router, routed: Routed):
         self.router, self.routed = router, routed
         self.next_mid = live.new_migration_id()
+        self.resume_sent_s = self.resume_first_s = 0.0  # time.time(): the resume's request, its first token
 
     def finished(self) -> bool:
         return self.routed.client.finished or self.routed.gone
@@ -687,25 +704,50 @@ class _Driver:
             return False
 
     async def stop(self) -> bool:
+        """Right after the source's next token reaches the client, so that the client's wait
+        starts at the stop; at once when that token is late (twice the last gap between tokens,
+        at most STOP_WAIT_MAX_S)."""
         routed = self.routed
         if routed.leg is None or routed.client.finished:
             return False
         routed.stopped = asyncio.get_running_loop().create_future()
+        gap = routed.client.last_gap_s
+        if gap is not None:
+            routed.stop_after_token = True
+            try:
+                return await asyncio.wait_for(asyncio.shield(routed.stopped), min(2 * gap, STOP_WAIT_MAX_S))
+            except asyncio.TimeoutError:
+                pass
         routed.stop_now = True
-        routed.leg.content.set_exception(_StopLeg())  # a pump waiting for the next event wakes up
+        if routed.leg is not None:
+            routed.leg.content.set_exception(_StopLeg())  # a pump waiting for the next event wakes up
         return await routed.stopped
 
     async def resume(self, destination: str, params: Optional[Dict[str, Any]]) -> bool:
         routed = self.routed
         inst = self.router._by_url[destination]
         body = streams.resume_leg_body(routed.body, routed.chat, routed.tokens(), len(routed.client.token_ids), params)
+        self.resume_sent_s = time.time()
         try:
             await self.router._open(routed, inst, inst.url + "/v1/completions", body, first_token=True)
         except (_LegFailed, _Refused) as e:
             logger.warning("migration of %s: %s did not resume it: %s", routed.rid, destination, e)
             return False
+        self.resume_first_s = time.time()
         routed.mid = self.next_mid
+        routed.resumed.set()
         return True
+
+    async def resume_trace(self, destination: str) -> Optional[Dict[str, float]]:
+        inst = self.router._by_url[destination]
+        if inst.control is None or not self.resume_first_s:
+            return None
+        try:
+            trace = await asyncio.get_running_loop().run_in_executor(None, inst.control.trace, self.next_mid)
+        except ChannelError as e:
+            logger.info("migration of %s: no trace from %s: %s", self.routed.rid, destination, e)
+            return None
+        return live.resume_spans(self.resume_sent_s, trace, self.resume_first_s)
 
 
 @web.middleware

@@ -167,6 +167,7 @@ class ClientStream:
         self._sent = 0
         self.token_ids: List[int] = []
         self.last_token_at: Optional[float] = None  # time.monotonic() of the last token taken
+        self.last_gap_s: Optional[float] = None  # between the last two chunks with tokens
         self.prompt_token_ids: Optional[List[int]] = None
         self.logprobs = None
         self.finish_reason = None
@@ -213,7 +214,10 @@ class ClientStream:
         self.text += piece.text
         self.token_ids.extend(piece.token_ids)
         if piece.token_ids:
-            self.last_token_at = time.monotonic()
+            now = time.monotonic()
+            if self.last_token_at is not None:
+                self.last_gap_s = now - self.last_token_at
+            self.last_token_at = now
         if not self.chat:
             self.logprobs = _merge_logprobs(self.logprobs, piece.logprobs, before)
         if self.stops and piece.text:
