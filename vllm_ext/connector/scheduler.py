@@ -131,7 +131,7 @@ class SchedulerHalf:
         self._precopy_asks: Dict[str, Dict[str, Any]] = {}  # migration id -> {"event", "lease", "error"}
         # migration id -> [arrival, seen, scheduled] (time.time()) of the requests that carried
         # one lately (migrate.trace); the oldest are forgotten past MAX_TRACES
-        self._traces: "collections.OrderedDict[str, List[float]]" = collections.OrderedDict()
+        self._traces: collections.OrderedDict[str, List[float]] = collections.OrderedDict()
         self._recvs: List[RecvJob] = []
         self._releases: List[ReleaseJob] = []
         self._warned: set = set()
