@@ -984,3 +984,25 @@ def test_a_destination_traces_when_a_request_with_a_migration_id_arrived_and_was
     with pytest.raises(ChannelRefused, match="no request here carried it"):
         client.trace(mid, 5)
     client.close()
+
+
+def test_block_digests_chain_every_layers_weighted_bits_per_block():
+    """The digest as its docstring defines it, one block at a time, against block_digests over
+    more blocks than one chunk (fresh random KV)."""
+    from vllm_ext.connector import worker as worker_mod
+
+    layers = list(vllm_layers(seed=int(time.time())).values())
+    ids = list(range(NUM_BLOCKS))[::-1][:70]
+    want = []
+    for b in ids:
+        acc = 0
+        for t in layers:
+            bits = t[b].reshape(-1).view(torch.int32).to(torch.int64)
+            weights = worker_mod._digest_weights(bits.numel(), t.device)
+            acc = (acc * 1000003 + int((bits * weights).sum())) & ((1 << 64) - 1)
+        want.append(acc - (1 << 64) if acc >= 1 << 63 else acc)
+    old, worker_mod._DIGEST_CHUNK = worker_mod._DIGEST_CHUNK, 16  # several chunks
+    try:
+        assert block_digests(layers, ids) == want and block_digests(layers, []) == []
+    finally:
+        worker_mod._DIGEST_CHUNK = old

@@ -83,19 +83,26 @@ def _digest_weights(n: int, device: torch.device) -> torch.Tensor:
 def block_digests(layers: List[torch.Tensor], block_ids: List[int]) -> List[int]:
     """One 64-bit digest per block over every layer's bytes of it (layout `blocks`: dimension 0
     is the block), the same on CPU and CUDA: each element's bits as an integer, times a fixed
-    pseudo-random odd weight per position, summed (wrapping), layers chained."""
-    out: List[int] = []
+    pseudo-random odd weight per position, summed (wrapping), layers chained. On a GPU it waits
+    for the device twice (the ids going up, the digests coming back), whatever the number of
+    layers and blocks: another process sharing the GPU makes every wait long."""
+    if not block_ids:
+        return []
+    indexes: Dict[torch.device, torch.Tensor] = {}
+    digests = []
     for start in range(0, len(block_ids), _DIGEST_CHUNK):
-        ids = block_ids[start:start + _DIGEST_CHUNK]
+        n = min(_DIGEST_CHUNK, len(block_ids) - start)
         acc = None
         for t in layers:
-            index = torch.tensor(ids, device=t.device)
-            rows = t.index_select(0, index).reshape(len(ids), -1)
+            index = indexes.get(t.device)
+            if index is None:
+                index = indexes[t.device] = torch.tensor(block_ids, device=t.device)
+            rows = t.index_select(0, index[start:start + n]).reshape(n, -1)
             bits = rows.view(_INT_OF_SIZE[rows.element_size()]).to(torch.int64)
             s = (bits * _digest_weights(bits.shape[1], t.device)).sum(dim=1)
-            acc = s if acc is None else acc * 1000003 + s
-        out.extend(acc.tolist())
-    return out
+            acc = s if acc is None else acc * 1000003 + s.to(acc.device)
+        digests.append(acc)
+    return torch.cat(digests).tolist()
 
 
 def make_endpoint(cache: KVCache, backend: str, host: str, options: Dict[str, Any],
