@@ -2,6 +2,7 @@
 behaviour is tests/live/test_live_e2e.py's)."""
 
 import asyncio
+import json
 import socket
 
 import pytest
@@ -100,3 +101,92 @@ def test_with_no_instance_up_requests_get_503_and_bad_bodies_400(monkeypatch):
     (s1, b1), (s2, _), (s3, b3), (s4, _) = run(calls, monkeypatch=monkeypatch)
     assert s1 == 503 and b1["error"]["type"] == "ServiceUnavailableError"
     assert s2 == 400 and s3 == 404 and b3 == {"detail": "Not Found"} and s4 == 503
+
+
+# ---- the switch: the pump and the driver's stop, over a fake leg --------------------------------
+class _Content:
+    """A backend stream's body: events the test puts, and the wake-up a stop sets."""
+
+    def __init__(self):
+        self.events: asyncio.Queue = asyncio.Queue()
+        self._error = None
+
+    async def readuntil(self, sep, **_):
+        while self._error is None:
+            try:
+                return await asyncio.wait_for(self.events.get(), 0.01)
+            except asyncio.TimeoutError:
+                pass
+        error, self._error = self._error, None
+        raise error
+
+    def set_exception(self, error):
+        self._error = error
+
+
+class _Leg:
+    def __init__(self):
+        self.content, self.closed = _Content(), False
+
+    def close(self):
+        self.closed = True
+
+
+class _Out:
+    def __init__(self):
+        self.chunks = []
+
+    async def write(self, data):
+        self.chunks.append(data)
+
+
+def _token_event(token_id):
+    choice = {"index": 0, "text": f" t{token_id}", "token_ids": [token_id], "logprobs": None, "finish_reason": None}
+    return ("data: " + json.dumps({"id": "c", "choices": [choice]}) + "\n\n").encode()
+
+
+def _switch(gap_s, tokens_after_stop):
+    """A routed request with a leg; the driver's stop while the pump relays. Returns (what stop
+    returned, the client's token ids, the leg, seconds the stop took)."""
+    from vllm_ext.router import app as router_app
+    from vllm_ext.router.streams import ClientStream
+
+    async def go():
+        router = router_app.Router(["http://127.0.0.1:9"], None, Settings())
+        client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
+        client.prompt_token_ids = [1, 2]
+        routed = router_app.Routed("c", {"model": "m"}, False, client, None)
+        leg = routed.leg = _Leg()
+        out = _Out()
+        for t in (10, 11):  # two tokens: the client's last gap between tokens is known
+            await leg.content.events.put(_token_event(t))
+        pump = asyncio.ensure_future(router._pump(routed, out))
+        while len(client.token_ids) < 2:
+            await asyncio.sleep(0.005)
+        client.last_gap_s = gap_s
+        driver = router_app._Driver(router, routed)
+        started = asyncio.get_running_loop().time()
+        stop = asyncio.ensure_future(driver.stop())
+        await asyncio.sleep(0.05)
+        assert not stop.done() or not tokens_after_stop  # it waits for the source's next token
+        for t in tokens_after_stop:
+            await leg.content.events.put(_token_event(t))
+        stopped = await stop
+        took = asyncio.get_running_loop().time() - started
+        assert await pump == "stopped" and routed.leg is None
+        return stopped, list(client.token_ids), leg, took
+
+    return asyncio.run(go())
+
+
+def test_the_stop_comes_right_after_the_sources_next_token(monkeypatch):
+    monkeypatch.setattr("vllm_ext.router.app.STOP_WAIT_MAX_S", 60.0)  # a slow host does not make the token late
+    stopped, ids, leg, _ = _switch(gap_s=30.0, tokens_after_stop=[12, 13, 14])
+    # 12 reached the client, then the leg closed: 13 and 14 were never relayed
+    assert stopped is True and ids == [10, 11, 12] and leg.closed
+
+
+def test_a_late_token_does_not_hold_the_stop_past_twice_the_last_gap():
+    stopped, ids, leg, took = _switch(gap_s=0.1, tokens_after_stop=[])
+    assert stopped is True and ids == [10, 11] and leg.closed
+    assert took >= 0.2  # it waited for the token that did not come, as long as it may
