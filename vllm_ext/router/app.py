@@ -744,7 +744,7 @@ class _Driver:
             return None
         try:
             trace = await asyncio.get_running_loop().run_in_executor(None, inst.control.trace, self.next_mid)
-        except ChannelError as e:
+        except (ChannelError, ValueError) as e:  # a diagnostic: the migration's outcome stands
             logger.info("migration of %s: no trace from %s: %s", self.routed.rid, destination, e)
             return None
         return live.resume_spans(self.resume_sent_s, trace, self.resume_first_s)
