@@ -216,6 +216,15 @@ async def _end(source: SourceControl, migration_id: str, record: Record) -> None
                        record.source, e)
 
 
+async def _ends_early(record: Record, source: SourceControl, outcome: Outcome, reason: str = "") -> Record:
+    """A migration that ends before the resume: its outcome (and reason), its end on the source."""
+    record.state, record.outcome = "done", outcome
+    if reason:
+        record.reason = reason
+    await _end(source, record.migration_id, record)
+    return record
+
+
 async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_stages: int = MAX_STAGES,
                   last_stage_max_blocks: int = LAST_STAGE_MAX_BLOCKS,
                   next_migration_id: Optional[str] = None, recompute: bool = False) -> Record:
@@ -255,9 +264,7 @@ async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_
             break
         moved = lease.n
     if driver.finished():
-        record.state, record.outcome = "done", Outcome.FINISHED
-        await _end(source, mid, record)
-        return record
+        return await _ends_early(record, source, Outcome.FINISHED)
 
     record.state = "switch"
     params = None
@@ -268,19 +275,13 @@ async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_
             record.final_lease_ms = _ms(time.perf_counter() - started)
         except ChannelRefused as e:
             if e.kind == protocol.RequestEnded.__name__:  # its last tokens are on their way: let them come
-                record.state, record.outcome, record.reason = "done", Outcome.FINISHED, "it ended on the source"
-                await _end(source, mid, record)
-                return record
+                return await _ends_early(record, source, Outcome.FINISHED, "it ended on the source")
             # the request has no complete block yet, or is preempted: recompute it
             record.reason = f"no final lease ({e}): recomputed"
         except ChannelError as e:
-            record.state, record.outcome, record.reason = "done", Outcome.STAYED, f"no final lease: {e}"
-            await _end(source, mid, record)
-            return record
+            return await _ends_early(record, source, Outcome.STAYED, f"no final lease: {e}")
     if not await driver.stop():
-        record.state, record.outcome = "done", Outcome.FINISHED
-        await _end(source, mid, record)
-        return record
+        return await _ends_early(record, source, Outcome.FINISHED)
     record.stopped_at = time.monotonic()
     last = driver.last_token_at()
     record.source_quiet_ms = _ms(record.stopped_at - last) if last is not None else None
