@@ -181,7 +181,7 @@ class SchedulerHalf:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[int, bool]:
         """The external tokens beyond the (block-aligned) local hit (its only side effect: the
         first look at a request with a migration id is noted for migrate.trace)."""
-        self._note_trace(request, 1)
+        self._note_trace(request, scheduled=False)
         remote, error = self._remote(request)
         if error is not None:
             self._warn_once(request.request_id, error)
@@ -206,7 +206,7 @@ class SchedulerHalf:
         every request it schedules from the waiting queue, also when nothing is loaded (a full
         local hit, nothing beyond it, skip_reading_prefix_cache, refused params): then the
         lease is released at once, so the producer frees its blocks now and not at expiry."""
-        self._note_trace(request, 2)
+        self._note_trace(request, scheduled=True)
         self._track(request, block_ids)
         remote, error = self._remote(request)
         if remote is None and error is None:
@@ -250,9 +250,9 @@ class SchedulerHalf:
             else:  # resumed after a preemption: a new block table
                 tracked.block_ids = list(block_ids)
 
-    def _note_trace(self, request, what: int) -> None:
-        """Notes the time of the scheduler's first look (what=1) or first scheduling (2) of a
-        request that carries a migration id (a resumed one: where its switch went)."""
+    def _note_trace(self, request, scheduled: bool) -> None:
+        """Notes the time of the scheduler's first look at, or first scheduling of, a request
+        that carries a migration id (a resumed one: where its switch went)."""
         if not self.is_producer:
             return
         mid = migration_id_of(request.kv_transfer_params)
@@ -266,7 +266,7 @@ class SchedulerHalf:
                 trace = self._traces[mid] = [arrival if isinstance(arrival, float) else now, now, 0.0]
                 while len(self._traces) > MAX_TRACES:
                     self._traces.popitem(last=False)
-            if what == 2 and not trace[2]:
+            if scheduled and not trace[2]:
                 trace[2] = now
 
     def _release(self, req_id: str, params: Any) -> None:
