@@ -8,10 +8,13 @@ Measured per size (1, 2, 4, 8, 16, 32, 68 blocks and 1 GiB = 128 blocks):
   gather    paged cache -> contiguous buffer (ops.gather_blocks)
   scatter   buffer -> paged cache            (ops.scatter_blocks)
   peer      paged cache on GPU0 -> paged cache on GPU1, kernel on GPU1 (ops.copy_blocks)
+  digest    one 64-bit digest per block, read in place (ops.block_digests, enqueue only)
 Ceilings, same bytes, same run: device-to-device copy of one contiguous buffer (torch copy_),
-and for peer the peer copy of one contiguous buffer GPU0 -> GPU1.
+for peer the peer copy of one contiguous buffer GPU0 -> GPU1, and for digest (which only
+reads) torch's float32 sum of one contiguous buffer.
 Baselines: `memcpy` = one cudaMemcpyAsync per (block, layer, K/V) issued from C (how vLLM's
-swap_blocks and Llumnix copy); `torch` = index_select / index_copy_ per layer.
+swap_blocks and Llumnix copy); `torch` = index_select / index_copy_ per layer; for digest,
+torch's per-layer digest (index_select, the words widened to int64, times weights, summed).
 
 Formulas: GB/s = payload bytes (blocks x 8 MiB) / median time, GB = 1e9 bytes; % of ceiling =
 our GB/s / ceiling GB/s at the same size; speed-up = baseline time / our time. Times come from
@@ -26,6 +29,7 @@ Outputs: kernels[-cpu].md, .json, .png (when matplotlib is installed).
 """
 
 import argparse
+import array
 import ctypes
 import math
 import os
@@ -154,6 +158,31 @@ def torch_scatter(buf, cache, ids_dev):
         t.index_copy_(1, ids_dev, view[:, layer].transpose(0, 1).reshape(shape))
 
 
+def torch_digest(cache, ids_dev, weights):
+    """The block digest in torch ops, per layer (what the connector did before ops.block_digests):
+    the blocks' bytes as int64 words, times per-position weights, summed, layers chained."""
+    acc = None
+    for t in cache.layers:
+        rows = t.index_select(1, ids_dev).transpose(0, 1).reshape(ids_dev.numel(), -1)
+        words = rows.view(torch.int32).to(torch.int64)
+        s = (words * weights[:words.shape[1]]).sum(dim=1)
+        acc = s if acc is None else acc * 1000003 + s
+    return acc
+
+
+def numpy_digests(rows):
+    """The digest as csrc/vllm_ext.h defines it, of host rows of the wire format (the check)."""
+    import numpy as np
+
+    out = []
+    for row in rows.numpy():
+        words = row.view("<u4").astype(np.uint64)
+        p = np.arange(words.size, dtype=np.uint64)
+        w = (p * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0x243F6A8885A308D3)) | np.uint64(1)
+        out.append(int((words * w).sum(dtype=np.uint64).astype(np.int64)))
+    return out
+
+
 def torch_peer(src, src_ids, dst, dst_ids):
     for s, d in zip(src.layers, dst.layers):
         d.index_copy_(1, dst_ids, s.index_select(1, src_ids).to(d.device, non_blocking=True))
@@ -252,6 +281,25 @@ def bench_size(n, cache, rng, timer, iters, peer=None):
     record("scatter", ours, ceiling, baselines, int(not torch.equal(ops.gather_blocks(cache, ids_dev[0]), probe)),
            graph)
 
+    # digest: reads the blocks in place; its ceiling is one read of the same bytes
+    srcs = [torch.full((nbytes // 4,), 1.0, dtype=torch.float32, device=dev) for _ in range(sets)]
+    reads = [lambda i=i: srcs[i].sum() for i in range(sets)]
+    read_ceiling = timer.median_ms(reads, iters)
+    graph_read_ceiling = timer.graph_ms(reads) if dev.type == "cuda" else None
+    del srcs, reads
+    id_arrays = [array.array("q", s) for s in id_sets]
+    outs = [torch.empty(n, dtype=torch.int64, device=dev) for _ in range(sets)]
+    calls = [lambda i=i: ops._digests_prechecked(cache, id_arrays[i], outs[i], dev) for i in range(sets)]
+    ours = timer.median_ms(calls, iters)
+    graph = (timer.graph_ms(calls), graph_read_ceiling) if dev.type == "cuda" else None
+    weights = torch.randint(-(1 << 62), 1 << 62, (cache.block_nbytes // 4 // cache.num_layers,), device=dev) | 1
+    baselines = {"torch": timer.median_ms([lambda i=i: torch_digest(cache, ids_dev[i], weights)
+                                           for i in range(sets)], max(5, iters // 4))}
+    checked = id_sets[0][:8]
+    wrong = int(ops.block_digests(cache, checked) != numpy_digests(ops.gather_blocks(cache, checked).cpu()))
+    record("digest", ours, read_ceiling, baselines, wrong, graph)
+    del outs
+
     if peer is not None:
         dst_cache, peer_timer = peer
         dst_dev = dst_cache.device
@@ -315,8 +363,8 @@ def markdown(rows, meta):
 def markdown_cuda(rows, meta):
     lines = [f"# vllm-ext kernel benchmark ({meta['device_name']})", "",
              f"Geometry: {meta['geometry']}, {meta['block_mib']:.0f} MiB per block. GB/s = 1e9 bytes/s of "
-             "payload; ceiling = one contiguous copy of the same bytes in the same run; speed-up = baseline "
-             "time / our time.", "",
+             "payload; ceiling = one contiguous copy of the same bytes in the same run (for digest, which "
+             "only reads: torch's float32 sum of them); speed-up = baseline time / our time.", "",
              "Two timings: *call* = CUDA events around one eager Python call (host overhead included, "
              "as a caller sees it), *device* = per-call time of 32 calls captured back to back in a CUDA "
              "graph; its ceiling is the faster of the same copy captured the same way and the eager copy. "
@@ -349,7 +397,8 @@ def markdown_cpu(rows, meta):
              f"({meta['threads']} threads). Geometry: {meta['geometry']}, {meta['block_mib']:.0f} MiB per "
              f"block. Time = median of {meta['iters']} calls on the host clock after {WARMUP_CALLS} warm-up "
              "calls; GB/s = 1e9 bytes/s of payload. *vs copy_* = our GB/s / the GB/s of torch's copy_ of one "
-             "contiguous buffer of the same bytes, in the same run: a reference, not a ceiling. "
+             "contiguous buffer of the same bytes (for digest: torch's float32 sum of them), in the same run: "
+             "a reference, not a ceiling. "
              "Speed-up = torch index_select / index_copy_ per layer, time / our time.", "",
              "| op | size (MiB) | blocks | time (us) | GB/s | copy_ GB/s | vs copy_ | x vs torch | wrong |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -449,7 +498,7 @@ def main(argv=None):
         log(f"[{sizes.index(n) + 1}/{len(sizes)}] {n} blocks ({n * cache.block_nbytes / MIB:.0f} MiB)")
         for op, entry in bench_size(n, cache, rng, timer, iters, peer).items():
             rows.append(dict(entry, op=op))
-    rows.sort(key=lambda r: (["gather", "scatter", "peer"].index(r["op"]), r["blocks"]))
+    rows.sort(key=lambda r: (["gather", "scatter", "digest", "peer"].index(r["op"]), r["blocks"]))
     name = torch.cuda.get_device_name(0) if gpus else platform.processor() or "CPU"
     meta = {"device_name": name, "gpus": gpus, "geometry": GEOMETRY | {"dtype": str(DTYPE), "layout": "flash"},
             "block_mib": cache.block_nbytes / MIB, "iters": iters, "threads": torch.get_num_threads(),

@@ -32,6 +32,24 @@ int check_copy_args(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t 
   return VLLM_EXT_OK;
 }
 
+int check_digest_args(const vllm_ext_side* cache, const int64_t* ids, int64_t num_ids, int32_t num_layers,
+                      int32_t num_components, int64_t slice_nbytes) {
+  int status = check_copy_args(cache, cache, num_ids, num_layers, num_components, slice_nbytes);
+  if (status != VLLM_EXT_OK) return status;
+  if (cache->block_ids != nullptr)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "block digests: cache->block_ids must be NULL (ids go in `ids`)");
+  if (slice_nbytes % 4 != 0)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "block digests: slice_nbytes " + std::to_string(slice_nbytes) +
+                                                   " is not a multiple of 4 (the digest reads 32-bit words)");
+  if (num_ids > 0 && ids == nullptr) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "block digests: ids is NULL");
+  for (int64_t i = 0; i < num_ids; ++i)
+    if (ids[i] < 0 || ids[i] >= cache->num_blocks)
+      return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "block digests: id " + std::to_string(ids[i]) +
+                                                     " out of range for a cache of " +
+                                                     std::to_string(cache->num_blocks) + " blocks");
+  return VLLM_EXT_OK;
+}
+
 }  // namespace vllm_ext
 
 extern "C" {

@@ -22,6 +22,14 @@ int fail(int status, const std::string& message);
 int check_copy_args(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
                     int32_t num_layers, int32_t num_components, int64_t slice_nbytes);
 
+// Checks the arguments both digest implementations share (ids [host], every one in range).
+int check_digest_args(const vllm_ext_side* cache, const int64_t* ids, int64_t num_ids, int32_t num_layers,
+                      int32_t num_components, int64_t slice_nbytes);
+
+// The digest's weight of word p of a block row (vllm_ext.h) is digest_raw(p) | 1; the raw
+// value grows by VLLM_EXT_DIGEST_STEP from word to word, so loops walk it with additions.
+VLLM_EXT_HOST_DEVICE inline uint64_t digest_raw(uint64_t p) { return p * VLLM_EXT_DIGEST_STEP + VLLM_EXT_DIGEST_SEED; }
+
 // Base address of `layer` on one side: its table entry, or base + layer * layer_stride.
 VLLM_EXT_HOST_DEVICE inline uint64_t layer_base(const vllm_ext_side& side, int32_t layer) {
   return side.layer_ptrs != nullptr ? side.layer_ptrs[layer]

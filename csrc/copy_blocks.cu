@@ -320,6 +320,84 @@ int launch_inline(const vllm_ext_side& src, const vllm_ext_side& dst, const int6
   return VLLM_EXT_OK;
 }
 
+// ---- block digests (vllm_ext.h) ----------------------------------------------------------------
+// The terms of one vector whose first word is word p of its block row (raw = digest_raw(p)).
+__device__ __forceinline__ uint64_t digest_terms(uint32_t x, uint64_t raw) { return uint64_t{x} * (raw | 1u); }
+__device__ __forceinline__ uint64_t digest_terms(uint2 v, uint64_t raw) {
+  return digest_terms(v.x, raw) + digest_terms(v.y, raw + VLLM_EXT_DIGEST_STEP);
+}
+__device__ __forceinline__ uint64_t digest_terms(uint4 v, uint64_t raw) {
+  return digest_terms(v.x, raw) + digest_terms(v.y, raw + VLLM_EXT_DIGEST_STEP) +
+         digest_terms(v.z, raw + 2 * VLLM_EXT_DIGEST_STEP) + digest_terms(v.w, raw + 3 * VLLM_EXT_DIGEST_STEP);
+}
+
+// grid: (min(tiles, resident CTAs)), block: (kThreads); tiles as in copy_blocks_kernel, over
+// slice index i * L * C + k (k = l * C + c, the slice's place in its block row). Each warp
+// adds its tile's terms into out[i] with one atomic: the sum mod 2^64 has no order, so the
+// digest is the same whatever the grid. Ids were checked on the host.
+// NOTE: every thread of a CTA walks the same tiles, so the warp reduction below is reached by
+// all 32 lanes (threads past the end of a partial tile add 0).
+template <int kVecBytes, int kUnroll>
+__global__ void __launch_bounds__(kThreads, VLLM_EXT_MIN_CTAS_PER_SM)
+    block_digests_kernel(const vllm_ext_side cache, int32_t num_layers, int32_t num_components, int64_t slice_vecs,
+                         int64_t tiles_per_slice, int64_t num_tiles, unsigned long long* out,
+                         const __grid_constant__ InlineIds ids) {
+  using Vec = typename VecOf<kVecBytes>::type;
+  constexpr int kWords = kVecBytes / 4;
+  constexpr int64_t kTileVecs = int64_t{kThreads} * kUnroll;
+  constexpr uint64_t kUnrollStep = VLLM_EXT_DIGEST_STEP * kThreads * kWords;  // raw from vector u to u + 1
+  const int64_t per_block = int64_t{num_layers} * num_components;
+  for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const int64_t slice = tile / tiles_per_slice;
+    const int64_t first_vec = (tile - slice * tiles_per_slice) * kTileVecs + threadIdx.x;
+    const int64_t k = slice % per_block, i = slice / per_block;
+    const int64_t b = ids.src(cache, i);
+    if (b < 0 || b >= cache.num_blocks) continue;  // never outside the cache (the whole CTA skips)
+    const int32_t l = static_cast<int32_t>(k / num_components), c = static_cast<int32_t>(k % num_components);
+    const Vec* from = reinterpret_cast<const Vec*>(slice_address(cache, layer_base(cache, l), b, c)) + first_vec;
+    const uint64_t raw = vllm_ext::digest_raw(static_cast<uint64_t>((k * slice_vecs + first_vec) * kWords));
+    Vec v[kUnroll];
+    uint64_t sum = 0;
+    if (slice_vecs - (first_vec - threadIdx.x) >= kTileVecs) {  // a full tile: no per-access bounds checks
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) v[u] = load_once(from + u * kThreads);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) sum += digest_terms(v[u], raw + u * kUnrollStep);
+    } else {
+      const int64_t left = slice_vecs - first_vec;  // vectors from this thread on
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (u * kThreads < left) v[u] = load_once(from + u * kThreads);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (u * kThreads < left) sum += digest_terms(v[u], raw + u * kUnrollStep);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if ((threadIdx.x & 31) == 0) atomicAdd(out + i, static_cast<unsigned long long>(sum));
+  }
+}
+
+template <int kVecBytes>
+int launch_digests(const vllm_ext_side& cache, int64_t num_ids, int32_t num_layers, int32_t num_components,
+                   int64_t slice_nbytes, unsigned long long* out, int device, cudaStream_t stream, const InlineIds& ids) {
+  vllm_ext_side side = cache;
+  int64_t slice_vecs = slice_nbytes / kVecBytes;
+  const bool deep = slice_vecs >= int64_t{kThreads} * kDeepUnroll;
+  const int64_t tile_vecs = int64_t{kThreads} * (deep ? kDeepUnroll : 1);
+  int64_t tiles_per_slice = (slice_vecs + tile_vecs - 1) / tile_vecs;
+  int64_t num_tiles = num_ids * num_layers * num_components * tiles_per_slice;
+  const void* kernel = deep ? reinterpret_cast<const void*>(block_digests_kernel<kVecBytes, kDeepUnroll>)
+                            : reinterpret_cast<const void*>(block_digests_kernel<kVecBytes, 1>);
+  const int64_t resident = deep ? resident_ctas<block_digests_kernel<kVecBytes, kDeepUnroll>>(device)
+                                : resident_ctas<block_digests_kernel<kVecBytes, 1>>(device);
+  const int64_t grid = std::min<int64_t>(num_tiles, resident);
+  void* args[] = {&side, &num_layers, &num_components, &slice_vecs, &tiles_per_slice, &num_tiles, &out,
+                  const_cast<InlineIds*>(&ids)};
+  VLLM_EXT_CUDA_TRY(cudaLaunchKernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), args, 0, stream));
+  return VLLM_EXT_OK;
+}
+
 using GetAddressRange = int (*)(unsigned long long* base, size_t* size, unsigned long long ptr);
 
 GetAddressRange driver_get_address_range() {  // cuMemGetAddressRange, looked up once
@@ -477,6 +555,42 @@ int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging*
     auto last = stream_of(send ? lanes[0].comm_stream : lanes[0].copy_stream);
     for (int32_t i = 1; i < num_lanes; ++i) VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(last, event_of(lanes[i].tail), 0));
     VLLM_EXT_CUDA_TRY(cudaEventRecord(event_of(done), last));
+  }
+  return VLLM_EXT_OK;
+}
+
+int vllm_ext_block_digests_cuda(const vllm_ext_side* cache, const int64_t* ids, int64_t num_ids, int32_t num_layers,
+                                int32_t num_components, int64_t slice_nbytes, int32_t alignment, uint64_t* out,
+                                int32_t device, void* stream) {
+  int status = vllm_ext::check_digest_args(cache, ids, num_ids, num_layers, num_components, slice_nbytes);
+  if (status == VLLM_EXT_OK) status = check_alignment(alignment, slice_nbytes);
+  if (status != VLLM_EXT_OK) return status;
+  if (alignment < 4) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "block digests: alignment " +
+                                                                    std::to_string(alignment) + " is below 4");
+  if (num_ids > 0 && out == nullptr) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "block digests: out is NULL");
+  if (num_ids > INT32_MAX) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "block digests: too many ids");
+  for (int64_t i = 0; i < num_ids; ++i)
+    if (ids[i] > INT32_MAX) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "a block id above 2^31 cannot be passed inline");
+  if (num_ids == 0) return VLLM_EXT_OK;
+  DeviceGuard guard(device);
+  if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
+  auto s = static_cast<cudaStream_t>(stream);
+  VLLM_EXT_CUDA_TRY(cudaMemsetAsync(out, 0, static_cast<size_t>(num_ids) * sizeof(uint64_t), s));
+  if (num_layers == 0 || slice_nbytes == 0) return VLLM_EXT_OK;
+  auto* sums = reinterpret_cast<unsigned long long*>(out);
+  InlineIds chunk;
+  chunk.has_src = 1;
+  chunk.has_dst = 0;
+  for (int64_t first = 0; first < num_ids; first += kMaxInlineIds) {
+    const int64_t n = std::min<int64_t>(kMaxInlineIds, num_ids - first);
+    chunk.first = first;
+    for (int64_t i = 0; i < n; ++i) chunk.src_ids[i] = static_cast<int32_t>(ids[first + i]);
+    switch (std::min(alignment, 16)) {
+      case 16: status = launch_digests<16>(*cache, n, num_layers, num_components, slice_nbytes, sums + first, device, s, chunk); break;
+      case 8: status = launch_digests<8>(*cache, n, num_layers, num_components, slice_nbytes, sums + first, device, s, chunk); break;
+      default: status = launch_digests<4>(*cache, n, num_layers, num_components, slice_nbytes, sums + first, device, s, chunk); break;
+    }
+    if (status != VLLM_EXT_OK) return status;
   }
   return VLLM_EXT_OK;
 }

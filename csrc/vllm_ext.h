@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define VLLM_EXT_ABI_VERSION 7
+#define VLLM_EXT_ABI_VERSION 8
 
 /* The library is built with hidden visibility; only these functions are exported. */
 #if defined(__GNUC__)
@@ -213,6 +213,35 @@ VLLM_EXT_API int vllm_ext_copy_blocks_memcpy(const vllm_ext_side* src, const vll
 VLLM_EXT_API int vllm_ext_copy_blocks_cpu(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
                              int32_t num_layers, int32_t num_components, int64_t slice_nbytes,
                              int32_t num_threads);
+
+/*
+ * Block digests: one 64-bit digest per block over every byte of it, so that a transfer can be
+ * checked end to end (the source digests what it grants, the destination what it received).
+ * The digest of a block is defined on its row of the buffer wire format (slices (l, c) in the
+ * order l * num_components + c, slice_nbytes bytes each), read as little-endian 32-bit words
+ * x_0, x_1, ...:
+ *   digest = sum_p x_p * w_p  (mod 2^64),  w_p = (p * VLLM_EXT_DIGEST_STEP + VLLM_EXT_DIGEST_SEED) | 1
+ * Every weight is odd, so changing any one word changes the digest; a sum mod 2^64 has no
+ * order, so every implementation (and any split of the work) gives the same value. Each byte
+ * is read once. `cache` is a paged side (its block_ids NULL); ids are [host], num_ids of them,
+ * each in [0, cache->num_blocks) (else VLLM_EXT_ERR_INVALID_ARGUMENT, nothing done);
+ * slice_nbytes is a multiple of 4.
+ */
+#define VLLM_EXT_DIGEST_STEP 0x9E3779B97F4A7C15ull
+#define VLLM_EXT_DIGEST_SEED 0x243F6A8885A308D3ull
+
+/* CUDA: `out` [device] receives num_ids digests. Enqueued on `stream` (a memset and one launch
+ * per VLLM_EXT_MAX_INLINE_IDS ids, which travel in the launch): no allocation, no
+ * synchronisation. `alignment` (4, 8 or 16) divides slice_nbytes, the strides and every layer
+ * address; it selects the access width. */
+VLLM_EXT_API int vllm_ext_block_digests_cuda(const vllm_ext_side* cache, const int64_t* ids, int64_t num_ids,
+                                int32_t num_layers, int32_t num_components, int64_t slice_nbytes,
+                                int32_t alignment, uint64_t* out, int32_t device, void* stream);
+
+/* CPU twin: the same digests of [host] memory into `out` [host], over num_threads threads. */
+VLLM_EXT_API int vllm_ext_block_digests_cpu(const vllm_ext_side* cache, const int64_t* ids, int64_t num_ids,
+                               int32_t num_layers, int32_t num_components, int64_t slice_nbytes,
+                               uint64_t* out, int32_t num_threads);
 
 /* Checks that the library holds code that runs on `device` (loading the kernel on it).
  * Returns VLLM_EXT_ERR_NO_KERNEL_IMAGE for a GPU arch the library was not built for.

@@ -15,7 +15,7 @@ _DIR = Path(__file__).resolve().parent
 # VLLM_EXT_LIBRARY loads another build of the library (tests use it for arch checks).
 LIBRARY_PATH = Path(os.environ.get("VLLM_EXT_LIBRARY") or _DIR / "libvllm_ext.so")
 BUILD_INFO_PATH = _DIR / "_build_info.json"
-ABI_VERSION = 7
+ABI_VERSION = 8
 IPC_HANDLE_BYTES = 64
 
 # vllm_ext_status
@@ -112,6 +112,13 @@ _FUNCTIONS = {
     # int vllm_ext_copy_blocks_cpu(const side* src, const side* dst, int64 num_ids,
     #     int32 num_layers, int32 num_components, int64 slice_nbytes, int32 num_threads)
     "vllm_ext_copy_blocks_cpu": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i32]),
+    # int vllm_ext_block_digests_cuda(const side* cache, const int64* ids, int64 num_ids,
+    #     int32 num_layers, int32 num_components, int64 slice_nbytes, int32 alignment,
+    #     uint64* out, int32 device, void* stream)
+    "vllm_ext_block_digests_cuda": (_i32, [_side_p, _ptr, _i64, _i32, _i32, _i64, _i32, _ptr, _i32, _ptr]),
+    # int vllm_ext_block_digests_cpu(const side* cache, const int64* ids, int64 num_ids,
+    #     int32 num_layers, int32 num_components, int64 slice_nbytes, uint64* out, int32 num_threads)
+    "vllm_ext_block_digests_cpu": (_i32, [_side_p, _ptr, _i64, _i32, _i32, _i64, _ptr, _i32]),
     # int vllm_ext_check_device(int32 device, int32* major, int32* minor)
     "vllm_ext_check_device": (_i32, [_i32, _i32_p, _i32_p]),
     # int vllm_ext_stream_is_capturing(void* stream, int32* capturing)
@@ -377,3 +384,18 @@ def copy_blocks_cpu(src, dst, num_ids, num_layers, num_components, slice_nbytes,
     check(lib().vllm_ext_copy_blocks_cpu(ctypes.byref(src), ctypes.byref(dst), num_ids, num_layers,
                                          num_components, slice_nbytes, num_threads),
           "vllm_ext_copy_blocks_cpu")
+
+
+def block_digests_cuda(cache, ids, num_ids, num_layers, num_components, slice_nbytes, alignment, out, device,
+                       stream):
+    """ids: address of a [host] int64 array; out: address of num_ids uint64 on the device."""
+    check(lib().vllm_ext_block_digests_cuda(ctypes.byref(cache), ids, num_ids, num_layers, num_components,
+                                            slice_nbytes, alignment, out, device, stream),
+          "vllm_ext_block_digests_cuda")
+
+
+def block_digests_cpu(cache, ids, num_ids, num_layers, num_components, slice_nbytes, out, num_threads):
+    """ids: address of a [host] int64 array; out: address of num_ids uint64 in host memory."""
+    check(lib().vllm_ext_block_digests_cpu(ctypes.byref(cache), ids, num_ids, num_layers, num_components,
+                                           slice_nbytes, out, num_threads),
+          "vllm_ext_block_digests_cpu")

@@ -23,7 +23,7 @@ naming it, and nothing is written.
 """
 
 import array
-from typing import Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 
@@ -33,7 +33,7 @@ from .cache import KVCache, _pow2_alignment
 
 BlockIds = Union[Sequence[int], torch.Tensor]
 
-__all__ = ["gather_blocks", "scatter_blocks", "copy_blocks"]
+__all__ = ["gather_blocks", "scatter_blocks", "copy_blocks", "block_digests"]
 
 
 def gather_blocks(cache: KVCache, block_ids: BlockIds, out: Optional[torch.Tensor] = None,
@@ -114,6 +114,45 @@ def copy_blocks(src_cache: KVCache, src_ids: BlockIds, dst_cache: KVCache, dst_i
         _check_same_layout(src_cache, dst_cache)
         _check_disjoint(sids, dids, check_ids)
     _copy_prechecked(src_cache, sids, dst_cache, dids, kernel_device)
+
+
+def block_digests(cache: KVCache, block_ids: BlockIds) -> List[int]:
+    """One 64-bit digest per block of `cache` over every byte of it, as signed int64 values: a
+    weighted sum of the 32-bit words of the block's row in the wire format (the definition is
+    in csrc/vllm_ext.h), so it does not depend on the cache's layout, and the CPU and CUDA
+    implementations agree bit for bit. It reads each byte once.
+
+    On a GPU the work goes to the cache's GPU's current stream (so it follows what was queued
+    there, e.g. the forward that wrote the blocks) and the call waits for that stream once, for
+    the digests. Ids may repeat; the cache's slices must be whole 32-bit words.
+    """
+    _check_cache(cache, "cache")
+    values = id_values(block_ids, "block_ids")
+    check_id_values(values, "block_ids", cache.num_blocks, unique=False)
+    if cache.alignment < 4:
+        raise ValueError(f"cache: block digests read 32-bit words; this cache's addresses, strides or slices "
+                         f"({cache.slice_nbytes} bytes) are only {cache.alignment}-byte aligned")
+    if not values:
+        return []
+    device = cache.device if cache.device.type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        _lib.ensure_device(device.index)
+    out = torch.empty(len(values), dtype=torch.int64, device=device)
+    _digests_prechecked(cache, array.array("q", values), out, device)
+    return out.tolist()
+
+
+def _digests_prechecked(cache: KVCache, ids: "array.array", out: torch.Tensor, device: torch.device) -> None:
+    """The digests of checked host ids into `out` (int64 [len(ids)] on `device`, where the cache
+    is); on a GPU only enqueued on the current stream (benchmarks time this)."""
+    side = _cache_side(cache, None, device)
+    if device.type == "cpu":
+        _lib.block_digests_cpu(side, _address(ids), len(ids), cache.num_layers, cache.num_components,
+                               cache.slice_nbytes, out.data_ptr(), torch.get_num_threads())
+    else:
+        _lib.block_digests_cuda(side, _address(ids), len(ids), cache.num_layers, cache.num_components,
+                                cache.slice_nbytes, cache.alignment, out.data_ptr(), device.index,
+                                _current_raw_stream(device.index))
 
 
 # ---- the launches, after the checks --------------------------------------------------------------

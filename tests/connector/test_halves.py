@@ -18,9 +18,10 @@ import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
+from vllm_ext import ops  # noqa: E402
 from vllm_ext.connector import check_vllm_version  # noqa: E402
 from vllm_ext.connector.scheduler import SchedulerHalf  # noqa: E402
-from vllm_ext.connector.worker import WorkerHalf, block_digests  # noqa: E402
+from vllm_ext.connector.worker import WorkerHalf  # noqa: E402
 from vllm_ext.migration.kv_params import PROTOCOL, prompt_hash  # noqa: E402
 from vllm_ext.migration.lease import ChannelError, ChannelRefused, LeaseClient  # noqa: E402
 
@@ -263,7 +264,7 @@ def test_acquire_extends_the_lease_for_the_pull_then_release_frees(producer):
     block_ids, num_tokens, hash_, digests = client.acquire(params["remote_lease"], 20, 5)
     assert block_ids == params["remote_block_ids"] and num_tokens == 40 and hash_ == params["remote_prompt_hash"]
     # the worker digested the blocks it serves, as a consumer digests what it pulled
-    assert digests == block_digests(worker.cache.layers, block_ids)
+    assert digests == ops.block_digests(worker.cache, block_ids)
     sched.clock.now += 10.0  # past the 30 s lease, within the pull's hold
     assert sched.build_connector_meta().finished_sending == []
     client.release(params["remote_lease"], 5)
@@ -887,7 +888,7 @@ def test_a_migration_pre_copies_complete_blocks_and_keeps_them_past_the_abort(pr
     assert pre.block_size == BLOCK_SIZE and pre.num_prompt_tokens == 50
     assert pre.prompt_hash == prompt_hash(pre.token_ids[:48])
     ids, _, _, digests = client.acquire(pre.lease, 5, 5)
-    assert ids == [5, 6, 9] and digests == block_digests(worker.cache.layers, ids)
+    assert ids == [5, 6, 9] and digests == ops.block_digests(worker.cache, ids)
     assert client.release(pre.lease, 5) is True  # not preempted meanwhile: the pull may be used
 
     # the final lease is one more pre-copy; then the router closes the stream
@@ -946,13 +947,13 @@ def test_a_later_lease_digests_only_the_blocks_after_the_last_granted_ones(produ
     step(sched, worker, SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[], scheduled_cached_reqs=grown))
     second, meta = _precopy(sched, worker, client, mid, req)
     assert second.block_ids == [5, 6, 9, 11] and meta.digest_from == {second.lease: 3}
-    assert client.acquire(second.lease, 5, 5)[3] == block_digests(worker.cache.layers, [5, 6, 9, 11])
+    assert client.acquire(second.lease, 5, 5)[3] == ops.block_digests(worker.cache, [5, 6, 9, 11])
     assert client.release(second.lease, 5) is True
     # preempted (and resumed in the same blocks): nothing known is trusted, every block is digested
     req.num_preemptions += 1
     third, meta = _precopy(sched, worker, client, mid, req)
     assert third.block_ids == [5, 6, 9, 11] and meta.digest_from == {}
-    assert client.acquire(third.lease, 5, 5)[3] == block_digests(worker.cache.layers, [5, 6, 9, 11])
+    assert client.acquire(third.lease, 5, 5)[3] == ops.block_digests(worker.cache, [5, 6, 9, 11])
     client.end(mid, 5)
     client.close()
 
@@ -986,23 +987,13 @@ def test_a_destination_traces_when_a_request_with_a_migration_id_arrived_and_was
     client.close()
 
 
-def test_block_digests_chain_every_layers_weighted_bits_per_block():
-    """The digest as its docstring defines it, one block at a time, against block_digests over
-    more blocks than one chunk (fresh random KV)."""
-    from vllm_ext.connector import worker as worker_mod
+def test_block_digests_of_vllms_layers_follow_the_definition():
+    """vLLM's own per-layer tensors (layout `blocks`) as the worker wraps them: the digests
+    equal the header's definition over each block's row (fresh random KV)."""
+    from reference import ref_block_digests
 
-    layers = list(vllm_layers(seed=int(time.time())).values())
-    ids = list(range(NUM_BLOCKS))[::-1][:70]
-    want = []
-    for b in ids:
-        acc = 0
-        for t in layers:
-            bits = t[b].reshape(-1).view(torch.int32).to(torch.int64)
-            weights = worker_mod._digest_weights(bits.numel(), t.device)
-            acc = (acc * 1000003 + int((bits * weights).sum())) & ((1 << 64) - 1)
-        want.append(acc - (1 << 64) if acc >= 1 << 63 else acc)
-    old, worker_mod._DIGEST_CHUNK = worker_mod._DIGEST_CHUNK, 16  # several chunks
-    try:
-        assert block_digests(layers, ids) == want and block_digests(layers, []) == []
-    finally:
-        worker_mod._DIGEST_CHUNK = old
+    from vllm_ext.connector.worker import wrap_kv_caches
+
+    cache, _ = wrap_kv_caches(vllm_layers(seed=int(time.time())))
+    ids = list(range(NUM_BLOCKS))[::-1][:70] + [3, 3]
+    assert ops.block_digests(cache, ids) == ref_block_digests(cache, ids)

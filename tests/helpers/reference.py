@@ -108,3 +108,21 @@ def to_device(cache: KVCache, device, pin_memory=False) -> KVCache:
 
 def distinct_ids(rng: random.Random, num_blocks: int, n: int) -> list:
     return rng.sample(range(num_blocks), n)
+
+
+DIGEST_STEP, DIGEST_SEED = 0x9E3779B97F4A7C15, 0x243F6A8885A308D3  # csrc/vllm_ext.h
+
+
+def ref_block_digests(cache: KVCache, ids) -> list:
+    """The digest as csrc/vllm_ext.h defines it, over ref_gather's rows, in numpy uint64 (whose
+    arithmetic wraps mod 2^64): sum of word p times (p * STEP + SEED) | 1, as signed int64."""
+    import numpy as np
+
+    rows = ref_gather(cache, ids).numpy()
+    out = []
+    for row in rows:
+        words = row.view("<u4").astype(np.uint64)
+        p = np.arange(words.size, dtype=np.uint64)
+        weights = (p * np.uint64(DIGEST_STEP) + np.uint64(DIGEST_SEED)) | np.uint64(1)
+        out.append(int((words * weights).sum(dtype=np.uint64).astype(np.int64)))
+    return out

@@ -15,6 +15,7 @@ from reference import (
     fill_random_,
     random_cache,
     random_geometry,
+    ref_block_digests,
     ref_gather,
     ref_scatter,
 )
@@ -203,3 +204,49 @@ def test_property_scatter_then_gather_is_identity(data):
     assert torch.equal(ops.gather_blocks(cache, ids), buf)
     gather_ids = data.draw(st.lists(st.integers(0, geometry["num_blocks"] - 1), max_size=30))
     assert torch.equal(ops.gather_blocks(cache, gather_ids), ref_gather(cache, gather_ids))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_block_digests_match_the_definition(layout, dtype, seed):
+    """Every layout and dtype, ids with repeats: the digests equal the header's definition over
+    the block rows; geometries whose slices are not whole 32-bit words are refused."""
+    rng = random.Random(300 + seed)
+    geometry = random_geometry(rng, layout)
+    cache = random_cache(geometry, dtype, layout, seed=seed)
+    ids = [rng.randrange(geometry["num_blocks"]) for _ in range(rng.randint(1, 12))]
+    before = cache_bytes(cache)
+    if cache.alignment < 4:
+        with pytest.raises(ValueError, match="32-bit words"):
+            ops.block_digests(cache, ids)
+    else:
+        digests = ops.block_digests(cache, ids)
+        assert digests == ref_block_digests(cache, ids)
+        assert all(-(1 << 63) <= d < (1 << 63) for d in digests)
+    assert_cache_bytes_equal(cache, before)
+
+
+def test_a_changed_word_changes_its_blocks_digest_and_no_other():
+    geometry = {"num_layers": 3, "num_blocks": 12, "block_size": 4, "num_kv_heads": 2, "head_size": 16}
+    cache = random_cache(geometry, torch.bfloat16, "flash", seed=31)
+    rng = random.Random(31)
+    ids = list(range(12))
+    for _ in range(8):
+        before = ops.block_digests(cache, ids)
+        block, layer = rng.randrange(12), rng.randrange(3)
+        raw = cache.layers[layer].view(torch.uint8)[rng.randrange(2), block].view(-1)  # flash: [2, blocks, ...]
+        raw[rng.randrange(raw.numel())] ^= 1 << rng.randrange(8)
+        after = ops.block_digests(cache, ids)
+        assert [i for i in ids if before[i] != after[i]] == [block]
+
+
+def test_large_digests_use_threads_and_stay_exact(monkeypatch):
+    """32 MiB, enough for the CPU twin to split the slices over threads (partial sums per thread)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    geometry = {"num_layers": 8, "num_blocks": 64, "block_size": 16, "num_kv_heads": 16, "head_size": 64}
+    cache = random_cache(geometry, torch.bfloat16, "flashinfer", seed=32)
+    ids = random.Random(32).choices(range(64), k=70)
+    assert cache.block_nbytes * len(ids) >= 32 << 20
+    assert ops.block_digests(cache, ids) == ref_block_digests(cache, ids)
+    assert ops.block_digests(cache, []) == []

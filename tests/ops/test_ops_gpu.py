@@ -18,6 +18,7 @@ from reference import (
     fill_random_,
     random_cache,
     random_geometry,
+    ref_block_digests,
     ref_gather,
     ref_scatter,
     to_device,
@@ -479,3 +480,59 @@ def test_peer_copy_between_gpus(src_device, dst_device, seed):
 @pytest.mark.multi_gpu
 def test_ipc_across_two_gpus(tmp_path):
     _run_ipc(tmp_path, "cuda:0", 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_block_digests_cuda_equal_cpu(layout, dtype, seed):
+    rng, cpu, gpu = cuda_and_cpu_pair(layout, dtype, 600 + seed)
+    ids = [rng.randrange(cpu.num_blocks) for _ in range(rng.randint(1, 12))]
+    if gpu.alignment < 4:
+        with pytest.raises(ValueError, match="32-bit words"):
+            ops.block_digests(gpu, ids)
+        return
+    digests = ops.block_digests(gpu, ids)
+    assert digests == ops.block_digests(cpu, ids) == ref_block_digests(cpu, ids)
+    assert_cache_bytes_equal(gpu, cache_bytes(cpu))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,head_size,alignment", [u for u in UNALIGNED if u[2] >= 4], ids=str)
+def test_block_digests_at_each_access_width(dtype, head_size, alignment):
+    geometry = {"num_layers": 3, "num_blocks": 9, "block_size": 1, "num_kv_heads": 1, "head_size": head_size}
+    _, cpu, gpu = cuda_and_cpu_pair("flash", dtype, 7, geometry=geometry)
+    assert gpu.alignment == alignment
+    assert ops.block_digests(gpu, [5, 0, 8, 5]) == ops.block_digests(cpu, [5, 0, 8, 5])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 448, 449, 1000])
+def test_block_digests_across_launch_splits_and_model_sized_slices(n):
+    """Ids past one launch's 448 (the digests of each launch land at their own offset), and a
+    7B-shaped block (256 KiB slices: the deep-unrolled tiles)."""
+    rng = random.Random(n)
+    small = {"num_layers": 2, "num_blocks": 64, "block_size": 2, "num_kv_heads": 2, "head_size": 8}
+    _, cpu, gpu = cuda_and_cpu_pair("flashinfer", torch.float16, n, geometry=small)
+    ids = [rng.randrange(64) for _ in range(n)]
+    assert ops.block_digests(gpu, ids) == ops.block_digests(cpu, ids)
+    big = {"num_layers": 2, "num_blocks": 6, "block_size": 16, "num_kv_heads": 32, "head_size": 128}
+    _, cpu, gpu = cuda_and_cpu_pair("flash", torch.bfloat16, n, geometry=big)
+    ids = [rng.randrange(6) for _ in range(3)]
+    assert ops.block_digests(gpu, ids) == ops.block_digests(cpu, ids) == ref_block_digests(cpu, ids)
+
+
+@pytest.mark.gpu
+def test_block_digests_follow_the_work_queued_on_the_current_stream():
+    """On a side stream, right after a scatter queued there (no synchronisation between): the
+    digests see the scattered bytes."""
+    rng, cpu, gpu = cuda_and_cpu_pair("flash", torch.bfloat16, 9)
+    ids = distinct_ids(rng, cpu.num_blocks, min(4, cpu.num_blocks))
+    rows = poison((len(ids), gpu.block_nbytes), "cpu", 9)
+    ops.scatter_blocks(rows, cpu, ids)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # the scatter queued behind a long kernel
+        ops.scatter_blocks(rows.cuda(), gpu, ids)
+        assert ops.block_digests(gpu, ids) == ops.block_digests(cpu, ids)

@@ -273,3 +273,55 @@ def test_ops_and_pull_accept_the_same_ids(good):
             MigrationEndpoint(b, "gloo", secret=b"s" * 32, stripes=1) as dst:
         dst.pull(src.descriptor(), good, [1], timeout=20)
     assert torch.equal(ops.gather_blocks(b, [0, 1]), ops.gather_blocks(a, [3, 3]))
+
+
+@pytest.mark.parametrize("ids,exc,match", [
+    ([0, 99], ValueError, "block_ids: id 99 out of range"),
+    ([-1], ValueError, "block_ids: id -1 out of range"),
+    ([1.0], TypeError, "block_ids: 1.0 is not an int"),
+    ("01", TypeError, "block_ids: expected a list"),
+])
+def test_block_digests_reject(cache, ids, exc, match):
+    with pytest.raises(exc, match=match):
+        ops.block_digests(cache, ids)
+
+
+def test_block_digests_reject_non_cache_and_unaligned_slices():
+    with pytest.raises(TypeError, match="cache: expected vllm_ext.KVCache"):
+        ops.block_digests(torch.zeros(4), [0])
+    odd = KVCache.allocate(num_layers=1, num_blocks=2, block_size=1, num_kv_heads=1, head_size=3,
+                           dtype=torch.float16, device="cpu")
+    with pytest.raises(ValueError, match="block digests read 32-bit words.*6 bytes.*2-byte aligned"):
+        ops.block_digests(odd, [0])
+
+
+def test_the_c_digests_refuse_what_python_refuses():
+    """The ABI checks its own arguments too: an id outside the cache, slices that are not whole
+    words, a side with its own ids. Nothing is written to `out`."""
+    import array
+    import ctypes
+
+    cache = KVCache.allocate(num_layers=2, num_blocks=4, block_size=2, num_kv_heads=1, head_size=8,
+                             dtype=torch.float16, device="cpu")
+    side = ops._cache_side(cache, None, torch.device("cpu"))
+    out = (ctypes.c_uint64 * 2)(7, 7)
+
+    def refused(ids, slice_nbytes=cache.slice_nbytes, s=side):
+        ids = array.array("q", ids)
+        with pytest.raises(_lib.VllmExtError) as info:
+            _lib.block_digests_cpu(s, ids.buffer_info()[0], len(ids), 2, 2, slice_nbytes, ctypes.addressof(out), 1)
+        assert info.value.status == _lib.ERR_INVALID_ARGUMENT and list(out) == [7, 7]
+        return str(info.value)
+
+    assert "id 4 out of range for a cache of 4 blocks" in refused([0, 4])
+    assert "not a multiple of 4" in refused([0], slice_nbytes=30)
+    with_ids = _lib.Side(side.layer_ptrs, 0, 0, side.block_stride, side.component_stride, 4,
+                         ctypes.addressof(out))
+    assert "block_ids must be NULL" in refused([0], s=with_ids)
+    # the CUDA entry point checks before any GPU work (a CPU-only build says it has no CUDA)
+    bad = array.array("q", [5])
+    with pytest.raises(_lib.VllmExtError) as info:
+        _lib.block_digests_cuda(side, bad.buffer_info()[0], 1, 2, 2, cache.slice_nbytes, 16, ctypes.addressof(out), 0,
+                                None)
+    assert info.value.status == (_lib.ERR_INVALID_ARGUMENT if _lib.built_with_cuda() else _lib.ERR_NO_CUDA)
+    assert list(out) == [7, 7]

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from .. import KVCache
+from .. import KVCache, ops
 from ..migration import MigrationEndpoint, MigrationError, PeerDescriptor
 from ..migration.kv_params import PROTOCOL, fingerprint_mismatch, layout_fingerprint
 from ..migration.lease import ChannelError, LeaseClient
@@ -63,46 +63,6 @@ def _left(deadline: float, cap: Optional[float] = None) -> float:
 
 class TransferFailed(RuntimeError):
     """A receive failed for a reason worth one log line (the request is failed or recomputed)."""
-
-
-_DIGEST_CHUNK = 64  # blocks digested at a time (bounds the temporary copies)
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_weights: Dict[Tuple[int, str], torch.Tensor] = {}
-
-
-def _digest_weights(n: int, device: torch.device) -> torch.Tensor:
-    key = (n, str(device))
-    w = _weights.get(key)
-    if w is None:
-        g = torch.Generator().manual_seed(0x5EED)
-        w = (torch.randint(-(1 << 62), 1 << 62, (n,), generator=g, dtype=torch.int64) | 1).to(device)
-        _weights[key] = w
-    return w
-
-
-def block_digests(layers: List[torch.Tensor], block_ids: List[int]) -> List[int]:
-    """One 64-bit digest per block over every layer's bytes of it (layout `blocks`: dimension 0
-    is the block), the same on CPU and CUDA: each element's bits as an integer, times a fixed
-    pseudo-random odd weight per position, summed (wrapping), layers chained. On a GPU it waits
-    for the device twice (the ids going up, the digests coming back), whatever the number of
-    layers and blocks: another process sharing the GPU makes every wait long."""
-    if not block_ids:
-        return []
-    indexes: Dict[torch.device, torch.Tensor] = {}
-    digests = []
-    for start in range(0, len(block_ids), _DIGEST_CHUNK):
-        n = min(_DIGEST_CHUNK, len(block_ids) - start)
-        acc = None
-        for t in layers:
-            index = indexes.get(t.device)
-            if index is None:
-                index = indexes[t.device] = torch.tensor(block_ids, device=t.device)
-            rows = t.index_select(0, index[start:start + n]).reshape(n, -1)
-            bits = rows.view(_INT_OF_SIZE[rows.element_size()]).to(torch.int64)
-            s = (bits * _digest_weights(bits.shape[1], t.device)).sum(dim=1)
-            acc = s if acc is None else acc * 1000003 + s.to(acc.device)
-        digests.append(acc)
-    return torch.cat(digests).tolist()
 
 
 def make_endpoint(cache: KVCache, backend: str, host: str, options: Dict[str, Any],
@@ -194,6 +154,10 @@ class WorkerHalf:
     # ---- start-up ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         self.cache, names = wrap_kv_caches(kv_caches)
+        if self.verify_kv and self.cache.alignment < 4:
+            raise ValueError(f"vllm-ext connector: verify_kv digests 32-bit words, and these KV caches are only "
+                             f"{self.cache.alignment}-byte aligned ({self.cache.slice_nbytes}-byte blocks per layer); "
+                             "set kv_connector_extra_config.verify_kv to false")
         first = self.cache.layers[0]
         backend = self._backend or ("ipc" if first.is_cuda else "gloo")
         self.fingerprint_fields = {
@@ -230,7 +194,7 @@ class WorkerHalf:
             self._granted_now.append(lease_id)
             if self.verify_kv and VllmExtWorkerMetadata is not None:
                 skip = meta.digest_from.get(lease_id, 0)
-                self._digests_now[lease_id] = block_digests(self.cache.layers, list(blocks[skip:]))
+                self._digests_now[lease_id] = ops.block_digests(self.cache, list(blocks[skip:]))
         for lease_id in meta.ended_leases:  # released or expired (its blocks may go back to vLLM this step)
             blocks = self.leased_blocks.pop(lease_id, None)
             if blocks is not None and self._grants:
@@ -451,9 +415,9 @@ class WorkerHalf:
 
     def _digests(self, block_ids: List[int]) -> List[int]:
         if self._stream is None:
-            return block_digests(self.cache.layers, block_ids)
+            return ops.block_digests(self.cache, block_ids)
         with torch.cuda.stream(self._stream):  # beside the engine's stream, not on it
-            return block_digests(self.cache.layers, block_ids)
+            return ops.block_digests(self.cache, block_ids)
 
     def _release(self, client: LeaseClient, lease: str) -> bool:
         """Ends the lease; False when the producer says its blocks changed owner meanwhile (a

@@ -36,7 +36,8 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 # 8: a migration's last lease is a pre-copy's, taken while the request runs (migrate.stop and
 #    migrate.take are gone).
 # 9: migrate.trace: when a resumed request reached the destination's API server and scheduler.
-PROTOCOL = 9
+# 10: an acquire's block digests are ops.block_digests (the library's weighted word sum).
+PROTOCOL = 10
 
 FRAME = struct.Struct("!II")
 MAX_HEADER_BYTES = 64 << 10  # a header is a small JSON object; refused past this, unread
