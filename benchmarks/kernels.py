@@ -298,7 +298,6 @@ def bench_size(n, cache, rng, timer, iters, peer=None):
     checked = id_sets[0][:8]
     wrong = int(ops.block_digests(cache, checked) != numpy_digests(ops.gather_blocks(cache, checked).cpu()))
     record("digest", ours, read_ceiling, baselines, wrong, graph)
-    del outs
 
     if peer is not None:
         dst_cache, peer_timer = peer
