@@ -238,3 +238,25 @@ def test_spin_until_readable_sees_a_message_or_eof_and_leaves_it():
         server.close()
 
 
+
+
+def test_a_connection_to_itself_is_refused_and_frees_the_port():
+    """A client retrying a local port nobody listens on can connect to itself (TCP's simultaneous
+    open) and hold the port its server is about to bind: refused and closed at once."""
+    from vllm_ext.migration import control
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.connect(("127.0.0.1", port))  # nothing listens: Linux connects the socket to itself
+    assert sock.getsockname() == sock.getpeername()
+    with pytest.raises(ConnectionRefusedError, match="connected to itself"):
+        control._refuse_self_connection(sock)
+    assert sock.fileno() == -1
+    server = socket.create_server(("127.0.0.1", port))  # the port is free again
+    try:
+        client = socket.create_connection(("127.0.0.1", port))
+        control._refuse_self_connection(client)  # an ordinary connection passes
+        client.close()
+    finally:
+        server.close()

@@ -303,6 +303,7 @@ def open_connection(host: str, port: int, local: str, deadline: Deadline, *, cli
     if conn is None:
         try:
             sock = socket.create_connection((host, port), timeout=max(deadline.remaining(), 1e-3))
+            _refuse_self_connection(sock)
         except OSError as e:
             raise MigrationError(f"control channel: cannot connect to {host}:{port}: {e}") from e
         if tls is not None:
@@ -318,6 +319,21 @@ def open_connection(host: str, port: int, local: str, deadline: Deadline, *, cli
         conn.close()
         raise
     return conn
+
+
+def _refuse_self_connection(sock: socket.socket) -> None:
+    """A TCP connect to a local port nobody listens on can pick that same port as its own and
+    connect to itself (a simultaneous open). Retrying clients (a consumer whose producer is not
+    up yet) would then hold the port the producer is about to bind, and, closed the usual way,
+    keep it in TIME-WAIT for a minute (which SO_REUSEADDR does not get past): reset and refused."""
+    try:
+        local, peer = sock.getsockname(), sock.getpeername()
+    except OSError:
+        return
+    if local == peer:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
+        sock.close()
+        raise ConnectionRefusedError(f"connected to itself ({local[0]}:{local[1]}): nothing listens there")
 
 
 def _authenticate_client(conn: Connection, deadline: Deadline, client_id: str, server_id: str,
