@@ -237,6 +237,7 @@ def measure(args, a, b, router):
     rng = random.Random(0)
     body = {"model": "m", "temperature": 0, "return_token_ids": True, "ignore_eos": True}
     rows, quiet, same_load, busy = [], [0.0, 0], [0.0, 0], [0.0, 0]  # (seconds, tokens) of the background streams
+    busy_by_mode = {m: [0.0, 0] for m in args.modes}
     # a background request on each instance at all times: the other requests' decode steps
     background = [Background(s.url, dict(body, prompt=[rng.randrange(3, 1000) for _ in range(64)],
                                          max_tokens=min(1024, args.max_len - 64))) for s in (a, b)]
@@ -280,8 +281,11 @@ def measure(args, a, b, router):
                 d, itl, around = downtime(s, record["stop_tokens"] - len(prompt))
                 if d is not None and record["outcome"] in ("moved", "recomputed"):  # not one that ended first
                     samples.append((d, itl, record, around))
-                for bg in background if mode != "cached" else ():  # the floor moves nothing
-                    _add(busy, bg.span_between(box["t0"], box["t1"]))
+                for bg in background:
+                    span = bg.span_between(box["t0"], box["t1"])
+                    _add(busy_by_mode[mode], span)
+                    if mode != "cached":  # the floor moves nothing
+                        _add(busy, span)
             ds = [x[0] for x in samples] or [float("nan")]
             row = {"tokens": length, "mode": mode, "downtime_s": statistics.median(ds), "downtime_s_min": min(ds),
                    "downtime_s_max": max(ds), "itl_s": statistics.median([x[1] for x in samples] or [0.0]),
@@ -304,7 +308,8 @@ def measure(args, a, b, router):
         s.stop()
     step = {"quiet_itl_s": quiet[0] / quiet[1] if quiet[1] else None,
             "same_load_itl_s": same_load[0] / same_load[1] if same_load[1] else None,
-            "during_migrations_itl_s": busy[0] / busy[1] if busy[1] else None}
+            "during_migrations_itl_s": busy[0] / busy[1] if busy[1] else None,
+            "during_migrations_itl_s_by_mode": {m: b[0] / b[1] if b[1] else None for m, b in busy_by_mode.items()}}
     return {"vllm": vllm.__version__, "rows": rows, "other_requests": step}
 
 
@@ -386,6 +391,10 @@ def write_results(args, backend, cpu, result):
                       f"token): {1e3 * step['quiet_itl_s']:.3f} ms alone; {1e3 * same:.3f} ms beside an unmigrated "
                       f"request of each row (the same load without a move); {1e3 * during:.3f} ms while "
                       f"migrations ran (all but `cached`): {during / same:.3f}x the same load."]
+        by_mode = {m: v for m, v in (step.get("during_migrations_itl_s_by_mode") or {}).items() if v}
+        if by_mode:
+            lines += ["", "The same per way of moving (each over its own migrations' windows): " +
+                      ", ".join(f"{m} {v / same:.3f}x" for m, v in by_mode.items()) + "."]
     markdown = "\n".join(lines) + "\n"
     print(markdown)
 
