@@ -22,6 +22,7 @@ using vllm_ext::layer_base;
 #define VLLM_EXT_THREADS 256
 #endif
 constexpr int kThreads = VLLM_EXT_THREADS;
+static_assert(kThreads % 32 == 0, "VLLM_EXT_THREADS: whole warps (the digest kernel's warp sums use every lane)");
 // Vectors each thread keeps in flight per tile on the main path, and the CTAs per SM the
 // register budget must allow (1 = no constraint); build-time knobs for tuning runs.
 #ifndef VLLM_EXT_DEEP_UNROLL
@@ -570,7 +571,8 @@ int vllm_ext_block_digests_cuda(const vllm_ext_side* cache, const int64_t* ids, 
   if (num_ids > 0 && out == nullptr) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "block digests: out is NULL");
   if (num_ids > INT32_MAX) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "block digests: too many ids");
   for (int64_t i = 0; i < num_ids; ++i)
-    if (ids[i] > INT32_MAX) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "a block id above 2^31 cannot be passed inline");
+    if (ids[i] > INT32_MAX)
+      return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "block digests: a block id above 2^31 cannot be passed inline");
   if (num_ids == 0) return VLLM_EXT_OK;
   DeviceGuard guard(device);
   if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");

@@ -137,6 +137,9 @@ def block_digests(cache: KVCache, block_ids: BlockIds) -> List[int]:
     device = cache.device if cache.device.type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         _lib.ensure_device(device.index)
+        if _capturing(device):
+            raise ValueError("block_digests: not during a CUDA graph capture (it waits for the digests; "
+                             "a graph would replay only the kernel)")
     out = torch.empty(len(values), dtype=torch.int64, device=device)
     _digests_prechecked(cache, array.array("q", values), out, device)
     return out.tolist()

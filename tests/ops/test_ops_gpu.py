@@ -524,6 +524,29 @@ def test_block_digests_across_launch_splits_and_model_sized_slices(n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype,head_size,alignment", [(torch.float32, 1, 4), (torch.float16, 4, 8),
+                                                       (torch.bfloat16, 8, 16)], ids=str)
+def test_block_digests_of_long_odd_slices_equal_cpu(dtype, head_size, alignment):
+    """2305 vectors per slice at each access width: the deep-unrolled kernel's full and partial tiles."""
+    geometry = {"num_layers": 2, "num_blocks": 4, "block_size": 2305, "num_kv_heads": 1, "head_size": head_size}
+    _, cpu, gpu = cuda_and_cpu_pair("flash", dtype, alignment, geometry=geometry)
+    assert gpu.alignment == alignment
+    assert ops.block_digests(gpu, [3, 0, 3]) == ops.block_digests(cpu, [3, 0, 3])
+
+
+@pytest.mark.gpu
+def test_block_digests_refuse_a_cuda_graph_capture():
+    _, _, gpu = cuda_and_cpu_pair("flash", torch.bfloat16, 10, geometry={
+        "num_layers": 2, "num_blocks": 4, "block_size": 16, "num_kv_heads": 2, "head_size": 64})
+    ops.block_digests(gpu, [0])  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="not during a CUDA graph capture"):
+        with torch.cuda.graph(graph):
+            ops.block_digests(gpu, [0])
+
+
+@pytest.mark.gpu
 def test_block_digests_follow_the_work_queued_on_the_current_stream():
     """On a side stream, right after a scatter queued there (no synchronisation between): the
     digests see the scattered bytes."""
@@ -531,8 +554,10 @@ def test_block_digests_follow_the_work_queued_on_the_current_stream():
     ids = distinct_ids(rng, cpu.num_blocks, min(4, cpu.num_blocks))
     rows = poison((len(ids), gpu.block_nbytes), "cpu", 9)
     ops.scatter_blocks(rows, cpu, ids)
+    rows_gpu = rows.cuda()  # uploaded before: on the side stream only the sleep and the scatter
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         torch.cuda._sleep(50_000_000)  # the scatter queued behind a long kernel
-        ops.scatter_blocks(rows.cuda(), gpu, ids)
+        ops.scatter_blocks(rows_gpu, gpu, ids)
         assert ops.block_digests(gpu, ids) == ops.block_digests(cpu, ids)
