@@ -392,7 +392,7 @@ def markdown_cpu(rows, meta):
     buffer is a reference the threaded CPU implementation may beat)."""
     lines = [f"# vllm-ext kernel benchmark, CPU implementation ({meta['device_name']}, "
              f"{os.cpu_count()} cores)", "",
-             f"No GPU: gather and scatter of host caches by the CPU implementation "
+             f"No GPU: gather, scatter and the block digests of host caches by the CPU implementation "
              f"({meta['threads']} threads). Geometry: {meta['geometry']}, {meta['block_mib']:.0f} MiB per "
              f"block. Time = median of {meta['iters']} calls on the host clock after {WARMUP_CALLS} warm-up "
              "calls; GB/s = 1e9 bytes/s of payload. *vs copy_* = our GB/s / the GB/s of torch's copy_ of one "
