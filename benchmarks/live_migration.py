@@ -236,7 +236,7 @@ def measure(args, a, b, router):
 
     rng = random.Random(0)
     body = {"model": "m", "temperature": 0, "return_token_ids": True, "ignore_eos": True}
-    rows, quiet, same_load, busy = [], [0.0, 0], [0.0, 0], [0.0, 0]  # (seconds, tokens) of the background streams
+    rows, quiet, same_load = [], [0.0, 0], [0.0, 0]  # (seconds, tokens) of the background streams
     busy_by_mode = {m: [0.0, 0] for m in args.modes}
     # a background request on each instance at all times: the other requests' decode steps
     background = [Background(s.url, dict(body, prompt=[rng.randrange(3, 1000) for _ in range(64)],
@@ -282,10 +282,7 @@ def measure(args, a, b, router):
                 if d is not None and record["outcome"] in ("moved", "recomputed"):  # not one that ended first
                     samples.append((d, itl, record, around))
                 for bg in background:
-                    span = bg.span_between(box["t0"], box["t1"])
-                    _add(busy_by_mode[mode], span)
-                    if mode != "cached":  # the floor moves nothing
-                        _add(busy, span)
+                    _add(busy_by_mode[mode], bg.span_between(box["t0"], box["t1"]))
             ds = [x[0] for x in samples] or [float("nan")]
             row = {"tokens": length, "mode": mode, "downtime_s": statistics.median(ds), "downtime_s_min": min(ds),
                    "downtime_s_max": max(ds), "itl_s": statistics.median([x[1] for x in samples] or [0.0]),
@@ -306,6 +303,10 @@ def measure(args, a, b, router):
                   f"{1e3 * row['itl_s']:.2f} ms, outcomes {outcomes}, wrong {wrong}", flush=True)
     for s in background:
         s.stop()
+    busy = [0.0, 0]  # every way of moving but the floor, which moves nothing
+    for mode, span in busy_by_mode.items():
+        if mode != "cached":
+            _add(busy, span)
     step = {"quiet_itl_s": quiet[0] / quiet[1] if quiet[1] else None,
             "same_load_itl_s": same_load[0] / same_load[1] if same_load[1] else None,
             "during_migrations_itl_s": busy[0] / busy[1] if busy[1] else None,

@@ -570,8 +570,9 @@ int vllm_ext_block_digests_cuda(const vllm_ext_side* cache, const int64_t* ids, 
                                                                     std::to_string(alignment) + " is below 4");
   if (num_ids > 0 && out == nullptr) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "block digests: out is NULL");
   if (num_ids > INT32_MAX) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "block digests: too many ids");
-  for (int64_t i = 0; i < num_ids; ++i)
-    if (ids[i] > INT32_MAX)
+  InlineIds chunk;
+  for (int64_t i = 0; i < num_ids; ++i)  // in range (checked above); refused before the first launch
+    if (!inline_id(ids[i], cache->num_blocks, &chunk.src_ids[0]))
       return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "block digests: a block id above 2^31 cannot be passed inline");
   if (num_ids == 0) return VLLM_EXT_OK;
   DeviceGuard guard(device);
@@ -580,13 +581,12 @@ int vllm_ext_block_digests_cuda(const vllm_ext_side* cache, const int64_t* ids, 
   VLLM_EXT_CUDA_TRY(cudaMemsetAsync(out, 0, static_cast<size_t>(num_ids) * sizeof(uint64_t), s));
   if (num_layers == 0 || slice_nbytes == 0) return VLLM_EXT_OK;
   auto* sums = reinterpret_cast<unsigned long long*>(out);
-  InlineIds chunk;
   chunk.has_src = 1;
   chunk.has_dst = 0;
   for (int64_t first = 0; first < num_ids; first += kMaxInlineIds) {
     const int64_t n = std::min<int64_t>(kMaxInlineIds, num_ids - first);
     chunk.first = first;
-    for (int64_t i = 0; i < n; ++i) chunk.src_ids[i] = static_cast<int32_t>(ids[first + i]);
+    for (int64_t i = 0; i < n; ++i) inline_id(ids[first + i], cache->num_blocks, &chunk.src_ids[i]);
     switch (std::min(alignment, 16)) {
       case 16: status = launch_digests<16>(*cache, n, num_layers, num_components, slice_nbytes, sums + first, device, s, chunk); break;
       case 8: status = launch_digests<8>(*cache, n, num_layers, num_components, slice_nbytes, sums + first, device, s, chunk); break;
