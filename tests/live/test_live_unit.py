@@ -49,15 +49,18 @@ class FakeSource:
 
 
 class FakeDriver:
-    def __init__(self, source, seen=None, resume_ok=True, load_ok=True, running=True):
+    def __init__(self, source, seen=None, resume_ok=True, load_ok=True, running=True, refusal=None):
         self.source, self.seen, self.resume_ok, self.load_ok = source, seen, resume_ok, load_ok
-        self.running = running
+        self.running, self.refusal = running, refusal
         self.loads, self.resumed, self.stops, self.done = [], [], 0, False
         self.last_token = None
         self.traced = None
 
     def finished(self):
         return self.done
+
+    async def refuse(self, destination):
+        return self.refusal
 
     async def load(self, destination, token_ids, params):
         self.loads.append((token_ids, params))
@@ -195,3 +198,11 @@ def test_resume_spans_split_the_resume_at_the_destinations_times():
     trace = protocol.MigrateTraceReply(arrival_s=100.004, seen_s=100.010, scheduled_s=100.0105)
     assert live.resume_spans(100.0, trace, 100.025) == {
         "to_api_server_ms": 4.0, "to_scheduler_ms": 6.0, "to_scheduled_ms": 0.5, "to_first_token_ms": 14.5}
+
+
+def test_a_destination_the_driver_refuses_leaves_the_request_where_it_is():
+    src = FakeSource(list(range(3, 40)))
+    drv = FakeDriver(src, refusal="its random stream would not go on there")
+    rec = run(src, drv)
+    assert rec.outcome == live.Outcome.STAYED and rec.reason == "its random stream would not go on there"
+    assert src.calls == [] and drv.loads == [] and drv.stops == 0 and drv.resumed == []

@@ -190,3 +190,49 @@ def test_a_late_token_does_not_hold_the_stop_past_twice_the_last_gap():
     stopped, ids, leg, took = _switch(gap_s=0.1, tokens_after_stop=[])
     assert stopped is True and ids == [10, 11] and leg.closed
     assert took >= 0.2  # it waited for the token that did not come, as long as it may
+
+
+def test_a_seeded_request_moves_only_between_instances_that_sample_alike(monkeypatch):
+    """The router asks each instance's lease channel (real lease servers here) how it samples:
+    a seeded request may go only where its random stream goes on; others go anywhere."""
+    from vllm_ext.migration import protocol
+    from vllm_ext.migration.lease import LeaseServer
+    from vllm_ext.router.app import Routed, Router, _Driver
+    from vllm_ext.router.streams import ClientStream
+
+    secret = "router-unit-test-deployment-secret"
+    monkeypatch.setenv("VLLM_EXT_AUTH_SECRET", secret)
+    samplers = {"A": "generator:cpu:0.32", "B": "generator:cpu:0.32", "C": "position:cuda:0.26", "D": ""}
+    asked = []
+
+    def serving(kind):
+        def handler(request):
+            asked.append(kind)
+            assert isinstance(request, protocol.LeaseDescribe)
+            return protocol.LeaseDescribeReply({}, "0" * 32, {}, kind), b""
+        return handler
+    servers = {n: LeaseServer(secret.encode(), serving(k)) for n, k in samplers.items()}
+    try:
+        urls = {n: f"http://{n.lower()}.invalid" for n in samplers}
+        router = Router(list(urls.values()), [f"127.0.0.1:{s.port}" for s in servers.values()], Settings())
+
+        def refusal(body, to):
+            routed = Routed("cmpl-1", body, False, ClientStream("cmpl-1", False, "m", False, want_usage=False), None)
+            routed.instance = router.instances[0]
+            return asyncio.run(_Driver(router, routed).refuse(urls[to]))
+
+        seeded = {"prompt": [1, 2], "seed": 5, "temperature": 0.8}
+        assert refusal(seeded, "B") is None
+        for to in "CD":
+            why = refusal(seeded, to)
+            assert "random stream would not go on there" in why and repr(samplers["A"]) in why, why
+        assert len(asked) == 4  # each instance asked once, then known (until it is marked down)
+        asked.clear()
+        for body in ({"prompt": [1, 2], "temperature": 0.8}, {"prompt": [1, 2], "seed": 5, "temperature": 0}):
+            assert refusal(body, "D") is None
+        assert asked == []  # nothing to ask for requests with no random stream of their own
+    finally:
+        for s in servers.values():
+            s.close()
+        for inst in router.instances:
+            inst.control.close()

@@ -24,7 +24,6 @@ def events(data: bytes):
     ({"prompt": [1, 2], "use_beam_search": True}, "beam search"),
     ({"prompt": [1, 2], "frequency_penalty": 0.5}, "frequency_penalty"),
     ({"prompt": [1, 2], "presence_penalty": 0.1}, "presence_penalty"),
-    ({"prompt": [1, 2], "seed": 3, "temperature": 0.8}, "seeded sampler"),
     ({"prompt": [1, 2], "response_format": {"type": "json_object"}}, "'response_format' is not carried"),
     ({"prompt": [[1, 2], [3]]}, "one prompt"),
     ({"prompt": [1, 2], "stop": 7}, "stop: expected"),
@@ -37,6 +36,20 @@ def test_chat_logprobs_cannot_move_but_completion_logprobs_can():
     assert "logprobs" in streams.not_migratable({"messages": [], "logprobs": True}, chat=True)
     assert streams.not_migratable({"prompt": "a b", "logprobs": 2, "stop": ["x"], "seed": 1, "temperature": 0},
                                   chat=False) is None
+
+
+def test_a_seeded_request_moves_and_its_resumed_leg_says_how_many_tokens_it_sampled():
+    body = {"prompt": [1, 2], "seed": 3, "temperature": 0.8, "max_tokens": 10}
+    assert streams.not_migratable(body, chat=False) is None and streams.seeded_random(body)
+    leg = streams.resume_leg_body(body, False, [1, 2, 5, 6, 7], 3, {"migration_id": "ab" * 16})
+    assert leg["seed"] == 3 and leg["temperature"] == 0.8 and leg["max_tokens"] == 7
+    assert leg["kv_transfer_params"] == {"migration_id": "ab" * 16, "sampled_tokens": 3}
+    # greedy (even with a seed) and unseeded requests have no stream to continue
+    for other in ({"prompt": [1], "seed": 3, "temperature": 0}, {"prompt": [1], "temperature": 0.8}):
+        assert not streams.seeded_random(other)
+        assert streams.resume_leg_body(other, False, [1, 5], 1, {"migration_id": "ab" * 16})[
+            "kv_transfer_params"] == {"migration_id": "ab" * 16}
+    assert streams.seeded_random({"prompt": [1], "seed": 0})  # the server's default temperature: random
 
 
 def test_resumed_leg_continues_from_the_tokens_with_the_remaining_budget():

@@ -117,6 +117,9 @@ class VllmExtConnector(KVConnectorBase_V1):
 
     # ==== worker side =====================================================================
     def register_kv_caches(self, kv_caches):
+        from .sampling import find
+
+        self._worker.seeded = find(self._vllm_config)  # from the model runner on the call stack
         self._worker.register_kv_caches(kv_caches)
 
     def get_handshake_metadata(self):

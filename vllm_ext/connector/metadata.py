@@ -64,6 +64,9 @@ class VllmExtMetadata(KVConnectorMetadata):
     digest_from: Dict[str, int] = dataclasses.field(default_factory=dict)
     ended_leases: List[str] = dataclasses.field(default_factory=list)
     finished_sending: List[str] = dataclasses.field(default_factory=list)
+    # consumer: request id -> tokens it sampled before it moved here (a seeded request's first
+    # step here: its random stream skips their draws; connector/sampling.py)
+    skip_draws: Dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -71,6 +74,7 @@ class VllmExtHandshake(KVConnectorHandshakeMetadata):
     descriptor: Dict[str, Any]  # the worker's MigrationEndpoint descriptor, as JSON-able fields
     fingerprint: str
     fingerprint_fields: Dict[str, Any]
+    sampler: str = ""  # how seeded requests draw here (SeededStreams.kind; "": unknown)
 
 
 if KVConnectorWorkerMetadata is not None:

@@ -36,6 +36,7 @@ from ..migration.kv_params import (
     parse_remote_params,
     producer_params,
     prompt_hash,
+    sampled_tokens_of,
 )
 from ..migration.lease import LeaseServer
 from .metadata import RecvJob, ReleaseJob, VllmExtHandshake, VllmExtMetadata
@@ -392,7 +393,7 @@ class SchedulerHalf:
             if self._handshake is None:
                 raise ValueError("this instance's worker has not registered its KV cache yet")
             return protocol.LeaseDescribeReply(self._handshake.descriptor, self._handshake.fingerprint,
-                                               self._handshake.fingerprint_fields), b""
+                                               self._handshake.fingerprint_fields, self._handshake.sampler), b""
         if isinstance(request, (protocol.MigratePrecopy, protocol.MigrateEnd)):
             return self._serve_migration(request)
         if isinstance(request, protocol.MigrateTrace):
@@ -524,6 +525,28 @@ class SchedulerHalf:
                 else:
                     tracked.block_ids.extend(new_ids[0])
 
+    def _skip_draws(self, scheduler_output) -> Dict[str, int]:
+        """Engine thread: the seeded requests first scheduled in this step that were resumed
+        here with `sampled_tokens` (their random stream skips those tokens' draws)."""
+        if not self.is_consumer or scheduler_output is None:
+            return {}
+        from vllm.sampling_params import SamplingType
+
+        skips = {}
+        for new in getattr(scheduler_output, "scheduled_new_reqs", ()):
+            sampling = new.sampling_params
+            if sampling is None or sampling.sampling_type != SamplingType.RANDOM_SEED:
+                continue
+            params = (sampling.extra_args or {}).get("kv_transfer_params")
+            try:
+                n = sampled_tokens_of(params, len(new.prompt_token_ids or ()))
+            except ParamsError as e:
+                logger.warning("request %s: %s: its seeded random stream restarts here", new.req_id, e)
+                continue
+            if n:
+                skips[new.req_id] = n
+        return skips
+
     # ---- every step ----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output=None) -> VllmExtMetadata:
         if self.is_producer:
@@ -531,10 +554,11 @@ class SchedulerHalf:
             self._follow_blocks(scheduler_output)
             if self._precopy_asks:
                 self._precopy(scheduler_output)
+        skips = self._skip_draws(scheduler_output)
         with self._lock:
             meta = VllmExtMetadata(recvs=self._recvs, releases=self._releases, new_leases=self._new_leases,
                                    digest_from=self._digest_from, ended_leases=self._ended_leases,
-                                   finished_sending=self._finished_sending)
+                                   finished_sending=self._finished_sending, skip_draws=skips)
             self._new_leases, self._digest_from, self._ended_leases, self._finished_sending = {}, {}, [], []
         self._recvs, self._releases = [], []
         return meta

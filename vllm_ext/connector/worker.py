@@ -33,6 +33,7 @@ from ..migration import MigrationEndpoint, MigrationError, PeerDescriptor
 from ..migration.kv_params import PROTOCOL, fingerprint_mismatch, layout_fingerprint
 from ..migration.lease import ChannelError, LeaseClient
 from .metadata import RecvJob, ReleaseJob, VllmExtHandshake, VllmExtMetadata, VllmExtWorkerMetadata
+from .sampling import SeededStreams
 from .stats import VllmExtStats
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
@@ -150,6 +151,8 @@ class WorkerHalf:
         self._granted_now: List[str] = []  # producer: leases granted since the last worker metadata
         self._digests_now: Dict[str, List[int]] = {}  # producer: their digests (verify_kv)
         self._grants = False  # the endpoint serves only granted blocks
+        # seeded requests' random streams (set with the KV caches: connector/sampling.py)
+        self.seeded: Optional[SeededStreams] = None
 
     # ---- start-up ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
@@ -181,7 +184,8 @@ class WorkerHalf:
     def handshake(self) -> VllmExtHandshake:
         assert self.endpoint is not None
         return VllmExtHandshake(descriptor=descriptor_fields(self.endpoint.descriptor()),
-                                fingerprint=self.fingerprint, fingerprint_fields=self.fingerprint_fields)
+                                fingerprint=self.fingerprint, fingerprint_fields=self.fingerprint_fields,
+                                sampler=self.seeded.kind if self.seeded is not None else "")
 
     # ---- per step ------------------------------------------------------------------------
     def start_load_kv(self, meta: Optional[VllmExtMetadata]) -> None:
@@ -209,6 +213,10 @@ class WorkerHalf:
                 self._pool.submit(self._receive, job, queued + self.pull_timeout_s)
         for release in meta.releases:
             self._pool.submit(self._release_only, release)
+        for req_id, n in meta.skip_draws.items():  # before this step samples
+            if self.seeded is None or not self.seeded.skip(req_id, n):
+                logger.warning("request %s: its seeded random stream cannot skip the %d draws made before it moved "
+                               "here: it restarts", req_id, n)
 
     def build_worker_meta(self):
         """The leases granted since the last call (None when none, or on releases without worker

@@ -8,10 +8,12 @@ Version history (PROTOCOL, carried as `kv_transfer_params["vllm_ext"]`):
      resume, whose few blocks cost less than the steps an asynchronous load waits).
   3: the prompt hash is sha256 of the ids as little-endian int64 (15x faster than of their JSON:
      both schedulers hash a migrated request's whole sequence in their steps).
+  4: `sampled_tokens` (a resumed request's output so far, now the end of its prompt: a seeded
+     request's random stream skips their draws; vllm_ext/connector/sampling.py).
 
 A producer answers a finished `do_remote_decode` request with:
 
-    {"do_remote_prefill": true, "do_remote_decode": false, "vllm_ext": 3,
+    {"do_remote_prefill": true, "do_remote_decode": false, "vllm_ext": 4,
      "remote_lease": "<32 hex>",            # external id of the lease (never vLLM's request id)
      "remote_block_ids": [int, ...],         # the producer's blocks, in token order
      "remote_num_tokens": int,               # tokens whose KV those blocks hold
@@ -36,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from .base import geometry_mismatch
 
-PROTOCOL = 3
+PROTOCOL = 4
 MAX_REMOTE_BLOCKS = 1 << 20
 _HEX = re.compile(r"^[0-9a-f]+$")
 
@@ -47,7 +49,7 @@ class ParamsError(ValueError):
 
 _FIELDS = ("do_remote_prefill", "do_remote_decode", "vllm_ext", "remote_lease", "remote_block_ids",
            "remote_num_tokens", "remote_prompt_hash", "remote_fingerprint", "remote_endpoint", "remote_lease_s",
-           "migration_id", "sync_load")
+           "migration_id", "sync_load", "sampled_tokens")
 _ENDPOINT_FIELDS = ("lease_host", "lease_port", "endpoint_id", "backend")
 # What vLLM itself adds to kv_transfer_params on their way (its scheduler: the producer's cached
 # prompt tokens; its chat endpoint: pre-tokenized prompts); any other key is refused.
@@ -164,6 +166,18 @@ def migration_id_of(params: Any) -> Optional[str]:
     if isinstance(value, str) and len(value) == 32 and _HEX.match(value):
         return value
     return None
+
+
+def sampled_tokens_of(params: Any, num_tokens: int) -> int:
+    """kv_transfer_params' `sampled_tokens` (0 when absent) of a request of `num_tokens` tokens:
+    at most num_tokens - 1 of them can have been sampled (ParamsError naming the field)."""
+    if not isinstance(params, dict) or "sampled_tokens" not in params:
+        return 0
+    value = _field(params, "sampled_tokens", int)
+    if not 0 <= value < num_tokens:
+        raise ParamsError(f"kv_transfer_params.sampled_tokens: expected 0 to {num_tokens - 1} (the request has "
+                          f"{num_tokens} tokens), got {value}")
+    return value
 
 
 def lease_ref(params: Any):

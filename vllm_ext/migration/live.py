@@ -112,6 +112,9 @@ class Driver(Protocol):
     def finished(self) -> bool:
         """The request ended (its last token was relayed)."""
 
+    async def refuse(self, destination: str) -> Optional[str]:
+        """Why the request cannot move to `destination` (None: it can); asked first."""
+
     async def load(self, destination: str, token_ids: List[int], params: Dict[str, Any]) -> bool:
         """A pre-copy stage: the destination loads `params`' lease for `token_ids` into its
         prefix cache (a one-token request). True when it answered."""
@@ -180,7 +183,8 @@ def agreed_tokens(lease: MigrationLease, tokens: List[int]) -> int:
 
 class SourceControl:
     """The router's side of an instance's lease channel, which it uses as a migration's source
-    (and as a destination's, for its trace); blocking calls: run them in a thread."""
+    (and as a destination's, for its trace; and as either's, for how it samples); blocking
+    calls: run them in a thread."""
 
     def __init__(self, secret: bytes, host: str, port: int, timeout_s: float = CONTROL_TIMEOUT_S):
         self.host, self.port = host, port
@@ -189,6 +193,9 @@ class SourceControl:
 
     def precopy(self, migration_id: str) -> MigrationLease:
         return self._client.precopy(migration_id, self.timeout_s)
+
+    def describe(self) -> protocol.LeaseDescribeReply:
+        return self._client.describe(self.timeout_s)
 
     def end(self, migration_id: str) -> None:
         self._client.end(migration_id, self.timeout_s)
@@ -233,6 +240,9 @@ async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_
     `recompute`: move no KV (the destination recomputes it: the baseline migration is measured
     against)."""
     mid = record.migration_id
+    refused = await driver.refuse(record.destination)
+    if refused is not None:
+        return await _ends_early(record, source, Outcome.STAYED, refused)
     if recompute:
         max_stages, record.mode = 0, "recompute"
     elif max_stages == 0:

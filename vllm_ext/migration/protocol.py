@@ -37,7 +37,8 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 #    migrate.take are gone).
 # 9: migrate.trace: when a resumed request reached the destination's API server and scheduler.
 # 10: an acquire's block digests are ops.block_digests (the library's weighted word sum).
-PROTOCOL = 10
+# 11: lease.describe.reply says how the instance draws seeded requests' numbers (`sampler`).
+PROTOCOL = 11
 
 FRAME = struct.Struct("!II")
 MAX_HEADER_BYTES = 64 << 10  # a header is a small JSON object; refused past this, unread
@@ -163,6 +164,7 @@ _FIELD_CHECKS = {
     "hostname": lambda v: _check_str("hostname", v, 255),
     "gen": lambda v: _check_str("gen", v, 64),
     "reason": lambda v: _check_str("reason", v, 1024),
+    "sampler": lambda v: _check_str("sampler", v, 128),
 }
 
 
@@ -361,10 +363,14 @@ class LeaseDescribe(Message):
 
 @dataclasses.dataclass(frozen=True)
 class LeaseDescribeReply(Message):
+    """`sampler`: how the instance draws a seeded request's random numbers (two instances that
+    say the same, not empty, continue each other's seeded requests; connector/sampling.py)."""
+
     op: ClassVar[str] = "lease.describe.reply"
     descriptor: Dict[str, Any]
     fingerprint: str
     fingerprint_fields: Dict[str, Any]
+    sampler: str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -79,6 +79,7 @@ class Instance:
         self.migrating_in = 0
         self.migrating_out = 0
         self.metrics: Dict[str, float] = {}
+        self.sampler: Optional[str] = None  # its lease channel's answer, until it is marked down
 
     @property
     def load(self) -> int:
@@ -441,6 +442,18 @@ class Router:
         if inst.healthy:
             logger.warning("instance %s is down (%s: %s)", inst.url, type(e).__name__, e)
         inst.healthy = False
+        inst.sampler = None  # it may come back with another configuration
+
+    async def _sampler(self, inst: Instance) -> str:
+        """How `inst` draws seeded requests' numbers ("" when it cannot say)."""
+        if inst.sampler is None and inst.control is not None:
+            try:
+                reply = await asyncio.get_running_loop().run_in_executor(None, inst.control.describe)
+                inst.sampler = reply.sampler
+            except (ChannelError, ValueError) as e:
+                logger.info("instance %s: no describe (%s)", inst.url, e)
+                return ""
+        return inst.sampler or ""
 
     # ---- migration -----------------------------------------------------------------------
     def start_migration(self, routed: Routed, dst: Instance, stages: Optional[int] = None,
@@ -684,6 +697,18 @@ class _Driver:
 
     def finished(self) -> bool:
         return self.routed.client.finished or self.routed.gone
+
+    async def refuse(self, destination: str) -> Optional[str]:
+        """A seeded request moves only where its random stream goes on: both instances draw the
+        same way (vllm_ext/connector/sampling.py)."""
+        if not streams.seeded_random(self.routed.body) or self.routed.instance is None:
+            return None
+        source = await self.router._sampler(self.routed.instance)
+        there = await self.router._sampler(self.router._by_url[destination])
+        if not source or source != there:
+            return (f"a seeded request's random stream would not go on there: the source samples by "
+                    f"{source or 'an unknown way'!r}, the destination by {there or 'an unknown way'!r}")
+        return None
 
     def tokens(self) -> List[int]:
         return self.routed.tokens()

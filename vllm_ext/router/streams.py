@@ -22,12 +22,12 @@ from typing import Any, Dict, List, Optional
 # where the tokens generated so far are part of the prompt).
 CARRIED = ("temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos", "logprobs",
            "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-           "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "user")
+           "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "user", "seed")
 # Fields that only shape the first leg (the prompt, the client's own stream): not carried.
 FIRST_LEG_ONLY = ("model", "prompt", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
                   "min_tokens", "n", "echo", "return_token_ids", "kv_transfer_params", "prompt_logprobs",
                   "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
-                  "chat_template_kwargs", "request_id", "priority", "top_logprobs", "seed",
+                  "chat_template_kwargs", "request_id", "priority", "top_logprobs",
                   "frequency_penalty", "presence_penalty", "best_of", "use_beam_search", "stop")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's default for /v1/completions
 
@@ -41,8 +41,6 @@ def not_migratable(body: Dict[str, Any], chat: bool) -> Optional[str]:
     for name in ("frequency_penalty", "presence_penalty"):
         if body.get(name):
             return f"{name} counts output tokens only: on the destination they became prompt"
-    if body.get("seed") is not None and body.get("temperature", 1.0) != 0:
-        return "a seeded sampler would restart its random stream on the destination"
     if chat and (body.get("logprobs") or body.get("top_logprobs")):
         return "chat logprobs are not carried across a hand-off"
     stop = body.get("stop")
@@ -57,6 +55,13 @@ def not_migratable(body: Dict[str, Any], chat: bool) -> Optional[str]:
     if not chat and isinstance(body.get("prompt"), list) and body["prompt"] and not isinstance(body["prompt"][0], int):
         return "prompt: one prompt only"
     return None
+
+
+def seeded_random(body: Dict[str, Any]) -> bool:
+    """A seed and a temperature above vLLM's greedy threshold (absent: the server's default,
+    taken as random): its random stream must go on where it moves (connector/sampling.py)."""
+    temperature = body.get("temperature")
+    return body.get("seed") is not None and not (isinstance(temperature, (int, float)) and temperature < 1e-5)
 
 
 def max_new_tokens(body: Dict[str, Any], chat: bool) -> Optional[int]:
@@ -88,6 +93,8 @@ def resume_leg_body(body: Dict[str, Any], chat: bool, token_ids: List[int], gene
         leg["max_tokens"] = max(limit - generated, 1)
     if body.get("min_tokens"):
         leg["min_tokens"] = max(body["min_tokens"] - generated, 0)
+    if params is not None and seeded_random(body):
+        params = dict(params, sampled_tokens=generated)  # the destination's stream skips their draws
     if params is not None:
         leg["kv_transfer_params"] = params
     return leg
