@@ -1,13 +1,14 @@
-"""Live migration end to end, with real servers on 127.0.0.1: vLLM CPU instances A and B (and C,
-started by the three-instance test; kv_both, gloo, kv_load_failure_policy "recompute", a small
-seeded random Llama with a word-level tokenizer, written by the test) behind the router, plus an
-instance address where nothing listens (a dead destination).
+"""Live migration end to end, with real servers on 127.0.0.1: vLLM instances A and B (and C,
+started by the three-instance test; kv_both, kv_load_failure_policy "recompute", a small seeded
+random Llama with a word-level tokenizer, written by the test) behind the router, plus an
+instance address where nothing listens (a dead destination). On CPU (gloo) and, marked gpu, on
+one GPU (ipc; the harness's DEVICES).
 
 Every migrated request's greedy output equals a single instance's token for token (and its
-text, and usage counts the prompt once). Faults: a dead destination, a source killed during
-the migration and a stream broken under a request, a lease that expires before a slow
-destination pulls, corrupted KV caught by the block digests; drain and the balancer; at the
-end every live instance's KV usage is back to zero.
+text, and usage counts the prompt once); so does a seeded sampled one's. Faults: a dead
+destination, a source killed during the migration and a stream broken under a request, a lease
+that expires before a slow destination pulls, corrupted KV caught by the block digests; drain
+and the balancer; at the end every live instance's KV usage is back to zero.
 
 Deadlines (generous on purpose, never assertions on speed): start-up 420 s per server, each
 request 120 s. The module's tests share the servers, in order; the last ones kill C.
@@ -45,10 +46,11 @@ MAX_TOKENS = 1500
 DRAIN_TIMEOUT_S = 15.0
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    work = tmp_path_factory.mktemp("live")
-    model = h.write_checkpoint(work / "model")
+@pytest.fixture(scope="module", params=[pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
+def cluster(request, tmp_path_factory):
+    device = h.DEVICES[request.param]
+    work = tmp_path_factory.mktemp(f"live-{device.name}")
+    model = h.write_checkpoint(work / "model", device=device)
     h.write_tokenizer(model)
     ports = {name: h.free_port() for name in "ABC"}
     faults = {"corrupt": work / "corrupt-now", "delay": work / "delay-now"}
@@ -57,7 +59,7 @@ def cluster(tmp_path_factory):
     def start(name, core):
         others = [f"127.0.0.1:{p}" for n, p in ports.items() if n != name]
         server = h.start_vllm(
-            name, model, work, core=core, tokenizer=True,
+            name, model, work, core=core, tokenizer=True, device=device,
             extra_pythonpath=str(HERE),
             extra_env={"VLLM_EXT_TEST_CORRUPT": str(faults["corrupt"]),
                        "VLLM_EXT_TEST_PULL_DELAY": str(faults["delay"])},
@@ -71,7 +73,10 @@ def cluster(tmp_path_factory):
     try:
         # two instances for most tests (one core each: gloo's Python-side serving starves on a core
         # shared with a busy engine); the third (C) is started by the three-instance test
-        a, b = start("A", "0"), start("B", "1")
+        a = start("A", "0")
+        if device.sequential_start:  # vLLM sizes its cache from the GPU memory free when it starts
+            a.wait_healthy()
+        b = start("B", "1")
         a.wait_healthy()
         b.wait_healthy()
         dead = f"http://127.0.0.1:{h.free_port()}"
@@ -317,9 +322,38 @@ def test_a_non_streaming_request_migrates(cluster):
     assert answer["usage"]["prompt_tokens"] == len(prompt)
 
 
+def test_a_seeded_request_moved_twice_keeps_its_random_stream(cluster):
+    """Sampled (temperature 1, a seed), moved there and back at random points: the tokens equal
+    a single instance's for that seed, and another seed gives others (the stream is the seed's)."""
+    rng = random.Random()
+    prompt = prompts(26, (45,))[0]
+    sampling = {"temperature": 1.0, "top_p": 0.95, "seed": rng.randrange(1 << 30)}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "return_token_ids": True, **sampling}
+    other_ids, _ = reference(cluster, prompt, **dict(sampling, seed=sampling["seed"] + 1))
+    records = []
+
+    def twice(rid):
+        def go():
+            for stages in (rng.randrange(0, 3), 0):
+                records.append(admin(cluster["router"], "/migrate", {"request_id": rid, "stages": stages}))
+        t = threading.Thread(target=go, daemon=True)
+        t.start()
+        records.append(t)
+    s = Stream(cluster["router"].url, body)
+    s.at(rng.randrange(2, 40), twice)
+    s.start()
+    records = finish([s], records)
+    want_ids, want_text = reference(cluster, prompt, **sampling)
+    assert s.error is None and records[0][0] == 200 and records[0][1]["outcome"] == "moved", records
+    assert records[1][0] == 404 or records[1][1]["outcome"] in ("moved", "finished"), records
+    assert s.ids == want_ids and s.text == want_text
+    assert other_ids != want_ids
+    wait_idle(cluster)
+
+
 def test_requests_that_cannot_move_are_refused_by_name(cluster):
     body = {"model": "tiny", "prompt": prompts(18, (20,))[0], "max_tokens": MAX_TOKENS, "temperature": 0.7,
-            "seed": 1}
+            "frequency_penalty": 0.5}
     s = Stream(cluster["router"].url, body)
     s.start()
     s.first.wait(60)
