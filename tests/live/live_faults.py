@@ -8,6 +8,7 @@ while the file an environment variable names exists:
   pull (a slow destination: its source's lease expires meanwhile).
 """
 
+import contextlib
 import os
 import time
 
@@ -36,10 +37,16 @@ class LiveFaultConnector(VllmExtConnector):
             stats = pull(peer, src, dst, deadline)
             path = os.environ.get("VLLM_EXT_TEST_CORRUPT", "")
             if path and os.path.exists(path):
-                g = torch.Generator().manual_seed(1234)
-                for layer in worker.cache.layers:
-                    noise = torch.randn((len(dst), *layer.shape[1:]), generator=g) * 3
-                    layer[dst] = noise.to(device=layer.device, dtype=layer.dtype)
+                # on a GPU the noise goes on the pull's stream and is waited for, as the pull is:
+                # the digests after it (on that stream) must see it
+                stream = worker._stream
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    g = torch.Generator().manual_seed(1234)
+                    for layer in worker.cache.layers:
+                        noise = torch.randn((len(dst), *layer.shape[1:]), generator=g) * 3
+                        layer[dst] = noise.to(device=layer.device, dtype=layer.dtype)
+                if stream is not None:
+                    stream.synchronize()
             return stats
 
         worker._receive = slow_receive

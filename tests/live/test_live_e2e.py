@@ -206,6 +206,12 @@ def prompts(seed, lengths):
     return out + [shared + [rng.randrange(3, 1000) for _ in range(n)] for n in (3, 29)]
 
 
+def divergence(got, want) -> str:
+    """Where two token lists part (an assertion's message)."""
+    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return f"{len(got)} tokens for {len(want)}; first difference at {i}: {got[i:i + 4]} for {want[i:i + 4]}"
+
+
 def wait_idle(cluster, names="AB"):
     """Every instance's KV usage back to zero (leases released or expired) within the deadline."""
     deadline = time.monotonic() + DRAIN_TIMEOUT_S + LEASE_S
@@ -397,7 +403,7 @@ def test_corrupted_kv_is_caught_and_recomputed(cluster):
     finally:
         cluster["corrupt"].unlink(missing_ok=True)
     want_ids, _ = reference(cluster, prompt, url=record["source"])
-    assert status == 200 and s.error is None and s.ids == want_ids, record
+    assert status == 200 and s.error is None and s.ids == want_ids, (record, s.error, divergence(s.ids, want_ids))
     after = {n: h.metrics(cluster[n].url).get("vllm:vllm_ext_digest_mismatches_total", 0) for n in "AB"}
     assert sum(after.values()) - sum(before.values()) == 2
     wait_idle(cluster)
@@ -417,7 +423,7 @@ def test_a_lease_that_expires_before_the_pull_is_recomputed(cluster):
     finally:
         cluster["delay"].unlink(missing_ok=True)
     want_ids, _ = reference(cluster, prompt, url=record["source"])
-    assert status == 200 and s.error is None and s.ids == want_ids, record
+    assert status == 200 and s.error is None and s.ids == want_ids, (record, s.error, divergence(s.ids, want_ids))
     wait_idle(cluster)
     expired_after = sum(h.metrics(cluster[n].url)["vllm:vllm_ext_expired_leases_total"] for n in "AB")
     assert expired_after - expired_before >= 1
@@ -466,7 +472,8 @@ def test_drain_moves_every_running_request(cluster):
     assert moved and all(m["outcome"] in ("moved", "finished") or
                          m["outcome"] == "recomputed" and "no complete block" in m["reason"]
                          for m in report["migrations"]), report
-    assert [s.ids for s in streams_] == refs and all(s.error is None for s in streams_)
+    assert all(s.error is None for s in streams_), [s.error for s in streams_]
+    assert [s.ids for s in streams_] == refs, [divergence(s.ids, r) for s, r in zip(streams_, refs)]
     wait_idle(cluster)
 
 
