@@ -997,3 +997,32 @@ def test_block_digests_of_vllms_layers_follow_the_definition():
     cache, _ = wrap_kv_caches(vllm_layers(seed=int(time.time())))
     ids = list(range(NUM_BLOCKS))[::-1][:70] + [3, 3]
     assert ops.block_digests(cache, ids) == ref_block_digests(cache, ids)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_resumes_failed_load_is_unsafe_only_with_a_step_in_flight(async_scheduling):
+    """A resumed request (sync load, a migration id) whose blocks come back invalid: its trace
+    says unsafe when the engine schedules asynchronously (vLLM ran its next step on the bad
+    blocks before it learnt of them), and only then; a failure of other blocks does not count."""
+    from vllm_ext.connector.metadata import VllmExtHandshake
+
+    sched = SchedulerHalf(is_producer=True, is_consumer=True, block_size=BLOCK_SIZE, lease_s=30.0,
+                          lease_host="127.0.0.1", lease_port=0, secret=SECRET, failure_policy="recompute",
+                          async_scheduling=async_scheduling)
+    client = None
+    try:
+        sched.set_handshake({0: VllmExtHandshake(descriptor={}, fingerprint="cd" * 16, fingerprint_fields={})})
+        client = lease_client(sched)
+        resumed, other = "5a" * 16, "6b" * 16
+        for mid, req_id, dst in ((resumed, "r", [4, 5, 6]), (other, "o", [7, 8, 9])):
+            req = make_request(range(41), dict(good_params(), sync_load=True, migration_id=mid), req_id=req_id)
+            assert sched.get_num_new_matched_tokens(req, 0) == (40, False)
+            sched.update_state_after_alloc(req, dst, 40)
+        sched.build_connector_meta()
+        sched.update_connector_output(SimpleNamespace(invalid_block_ids={5, 30}, kv_connector_worker_meta=None))
+        assert client.trace(resumed, 5).unsafe is async_scheduling
+        assert client.trace(other, 5).unsafe is False
+    finally:
+        if client is not None:
+            client.close()
+        sched.shutdown()

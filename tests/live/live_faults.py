@@ -5,7 +5,10 @@ while the file an environment variable names exists:
   overwritten after the pull, before the digests are checked); the source's KV, which its
   request still decodes from until the switch, is left alone;
 - VLLM_EXT_TEST_PULL_DELAY: a destination that waits that file's number of seconds before each
-  pull (a slow destination: its source's lease expires meanwhile).
+  pull (a slow destination: its source's lease expires meanwhile);
+- VLLM_EXT_TEST_UNSAFE_LOADS: a destination that reports a resume's failed load as unsafe, as an
+  engine that schedules asynchronously does (a GPU's default; the CPU's engine does not): the
+  router drops that leg and recomputes.
 """
 
 import contextlib
@@ -20,6 +23,14 @@ from vllm_ext.connector.connector import VllmExtConnector
 class LiveFaultConnector(VllmExtConnector):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        sched = self._scheduler
+        if sched is not None:
+            asynchronous = sched.failed_load_is_unsafe
+
+            def unsafe():
+                path = os.environ.get("VLLM_EXT_TEST_UNSAFE_LOADS", "")
+                return asynchronous() or bool(path and os.path.exists(path))
+            sched.failed_load_is_unsafe = unsafe
         worker = self._worker
         if worker is None:
             return

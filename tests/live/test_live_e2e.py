@@ -53,7 +53,7 @@ def cluster(request, tmp_path_factory):
     model = h.write_checkpoint(work / "model", device=device)
     h.write_tokenizer(model)
     ports = {name: h.free_port() for name in "ABC"}
-    faults = {"corrupt": work / "corrupt-now", "delay": work / "delay-now"}
+    faults = {"corrupt": work / "corrupt-now", "delay": work / "delay-now", "unsafe": work / "unsafe-now"}
     started = []
 
     def start(name, core):
@@ -62,7 +62,8 @@ def cluster(request, tmp_path_factory):
             name, model, work, core=core, tokenizer=True, device=device,
             extra_pythonpath=str(HERE),
             extra_env={"VLLM_EXT_TEST_CORRUPT": str(faults["corrupt"]),
-                       "VLLM_EXT_TEST_PULL_DELAY": str(faults["delay"])},
+                       "VLLM_EXT_TEST_PULL_DELAY": str(faults["delay"]),
+                       "VLLM_EXT_TEST_UNSAFE_LOADS": str(faults["unsafe"])},
             kv_config={"kv_connector": "LiveFaultConnector", "kv_connector_module_path": "live_faults",
                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                        "kv_connector_extra_config": {"lease_port": ports[name], "connect_to": others,
@@ -410,9 +411,12 @@ def test_corrupted_kv_is_caught_and_recomputed(cluster):
 
 
 def test_a_lease_that_expires_before_the_pull_is_recomputed(cluster):
+    """The destination's load fails (the lease expired while it waited) and says so as an engine
+    with a step in flight does: the router drops what it sent and recomputes the request."""
     prompt = prompts(21, (60,))[0]
     expired_before = sum(h.metrics(cluster[n].url)["vllm:vllm_ext_expired_leases_total"] for n in "AB")
     cluster["delay"].write_text(str(LEASE_S + 3))
+    cluster["unsafe"].touch()
     results = []
     try:
         s = Stream(cluster["router"].url, {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
@@ -422,8 +426,10 @@ def test_a_lease_that_expires_before_the_pull_is_recomputed(cluster):
         (status, record), = finish([s], results)
     finally:
         cluster["delay"].unlink(missing_ok=True)
+        cluster["unsafe"].unlink(missing_ok=True)
     want_ids, _ = reference(cluster, prompt, url=record["source"])
     assert status == 200 and s.error is None and s.ids == want_ids, (record, s.error, divergence(s.ids, want_ids))
+    assert record["outcome"] == "failed", record  # dropped at the destination, continued by recomputing
     wait_idle(cluster)
     expired_after = sum(h.metrics(cluster[n].url)["vllm:vllm_ext_expired_leases_total"] for n in "AB")
     assert expired_after - expired_before >= 1

@@ -98,7 +98,8 @@ class VllmExtConnector(KVConnectorBase_V1):
                 lease_host=str(extra.get("lease_host", "127.0.0.1")), lease_port=int(extra.get("lease_port", 0)),
                 secret=secret, failure_policy=policy,
                 whole_blocks=bool(extra.get("load_whole_blocks", vllm_config.device_config.device_type == "cpu")),
-                wait_for_grant=VllmExtWorkerMetadata is not None)
+                wait_for_grant=VllmExtWorkerMetadata is not None,
+                async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)))
         else:
             from .worker import WorkerHalf
 

@@ -108,7 +108,7 @@ class SchedulerHalf:
     def __init__(self, *, is_producer: bool, is_consumer: bool, block_size: int, lease_s: float,
                  lease_host: str, lease_port: int, secret: bytes, failure_policy: str,
                  whole_blocks: bool = False, clock: Callable[[], float] = time.monotonic,
-                 wait_for_grant: bool = True):
+                 wait_for_grant: bool = True, async_scheduling: bool = False):
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.block_size = block_size
@@ -119,6 +119,9 @@ class SchedulerHalf:
         # wait_for_grant: the worker reports the leases it serves (update_connector_output) and
         # acquire waits for that; False (releases without worker metadata): served at once
         self.wait_for_grant = wait_for_grant
+        # the engine schedules a step before the last one's output is in: a failed load before a
+        # request's first step is then unsafe (vLLM has run its next step on the bad blocks)
+        self.async_scheduling = async_scheduling
         self._lock = threading.Lock()  # leases and _finished_sending: engine thread + channel threads
         self._granted = threading.Condition(self._lock)
         self._leases: Dict[str, Lease] = {}
@@ -130,9 +133,12 @@ class SchedulerHalf:
         self._tracked: Dict[str, _Tracked] = {}  # migration id -> request
         self._tracked_req: Dict[str, str] = {}  # request id -> migration id
         self._precopy_asks: Dict[str, Dict[str, Any]] = {}  # migration id -> {"event", "lease", "error"}
-        # migration id -> [arrival, seen, scheduled] (time.time()) of the requests that carried
-        # one lately (migrate.trace); the oldest are forgotten past MAX_TRACES
-        self._traces: collections.OrderedDict[str, List[float]] = collections.OrderedDict()
+        # migration id -> [arrival, seen, scheduled (time.time()), its load failed] of the
+        # requests that carried one lately (migrate.trace); the oldest are forgotten past MAX_TRACES
+        self._traces: collections.OrderedDict[str, list] = collections.OrderedDict()
+        # request id -> (migration id, blocks) of a load before a resumed request's first step
+        # (sync): a failure shows as invalid blocks in that step's output
+        self._sync_loads: Dict[str, Tuple[str, set]] = {}
         self._recvs: List[RecvJob] = []
         self._releases: List[ReleaseJob] = []
         self._warned: set = set()
@@ -226,6 +232,10 @@ class SchedulerHalf:
         end = self._load_end(request, remote)
         start = end - num_external_tokens
         first, last = start // self.block_size, -(-end // self.block_size)
+        mid = migration_id_of(request.kv_transfer_params)
+        if remote.sync and mid is not None and self.is_producer:
+            with self._lock:
+                self._sync_loads[request.request_id] = (mid, set(block_ids[first:last]))
         self._recvs.append(RecvJob(
             req_id=request.request_id, lease=remote.lease, lease_host=remote.lease_host,
             lease_port=remote.lease_port, endpoint_id=remote.endpoint_id, fingerprint=remote.fingerprint,
@@ -264,7 +274,7 @@ class SchedulerHalf:
             trace = self._traces.get(mid)
             if trace is None:
                 arrival = getattr(request, "arrival_time", None)
-                trace = self._traces[mid] = [arrival if isinstance(arrival, float) else now, now, 0.0]
+                trace = self._traces[mid] = [arrival if isinstance(arrival, float) else now, now, 0.0, False]
                 while len(self._traces) > MAX_TRACES:
                     self._traces.popitem(last=False)
             if scheduled and not trace[2]:
@@ -291,6 +301,9 @@ class SchedulerHalf:
     # ---- producer ------------------------------------------------------------------------
     def request_finished(self, request, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         params = request.kv_transfer_params
+        if self._sync_loads:
+            with self._lock:
+                self._sync_loads.pop(request.request_id, None)
         if self.is_consumer and isinstance(params, dict) and params.get("do_remote_prefill"):
             # never scheduled (aborted while waiting): nothing will pull its lease
             params["do_remote_prefill"] = False
@@ -402,7 +415,7 @@ class SchedulerHalf:
             if trace is None or not trace[2]:
                 raise ValueError(f"migration {request.migration_id[:8]}: no request here carried it lately, or it "
                                  "is not scheduled yet")
-            return protocol.MigrateTraceReply(*trace), b""
+            return protocol.MigrateTraceReply(*trace[:3], unsafe=trace[3] and self.failed_load_is_unsafe()), b""
         lease_id = request.lease
         self._reap_expired()
         with self._lock:
@@ -563,8 +576,20 @@ class SchedulerHalf:
         self._recvs, self._releases = [], []
         return meta
 
+    def failed_load_is_unsafe(self) -> bool:
+        """Whether a resumed request whose first load failed may have had wrong tokens sent."""
+        return self.async_scheduling
+
     def update_connector_output(self, output) -> None:
-        """The step's worker output: the leases whose blocks the worker now serves."""
+        """The step's worker output: the leases whose blocks the worker now serves, and the
+        blocks of loads that failed (a resumed request's: its trace says so)."""
+        invalid = getattr(output, "invalid_block_ids", None)
+        if invalid and self._sync_loads:
+            with self._lock:
+                for mid, blocks in self._sync_loads.values():
+                    trace = self._traces.get(mid)
+                    if trace is not None and not blocks.isdisjoint(invalid):
+                        trace[3] = True
         meta = getattr(output, "kv_connector_worker_meta", None)
         granted = getattr(meta, "granted", None)
         if not granted:

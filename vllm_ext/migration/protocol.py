@@ -37,7 +37,9 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 #    migrate.take are gone).
 # 9: migrate.trace: when a resumed request reached the destination's API server and scheduler.
 # 10: an acquire's block digests are ops.block_digests (the library's weighted word sum).
-# 11: lease.describe.reply says how the instance draws seeded requests' numbers (`sampler`).
+# 11: lease.describe.reply says how the instance draws seeded requests' numbers (`sampler`);
+#     migrate.trace.reply says whether the resume's load failed with a later step already in
+#     flight (`unsafe`: the router discards that leg).
 PROTOCOL = 11
 
 FRAME = struct.Struct("!II")
@@ -203,6 +205,7 @@ _FIELD_CHECKS.update(geometry=_check_geometry, uids=_check_uids, handle=_check_h
                      fingerprint=lambda v: _check_hex("fingerprint", v, 16),
                      descriptor=_check_object("descriptor"), fingerprint_fields=_check_object("fingerprint_fields"),
                      intact=lambda v: _check_bool("intact", v), running=lambda v: _check_bool("running", v),
+                     unsafe=lambda v: _check_bool("unsafe", v),
                      migration_id=lambda v: _check_hex("migration_id", v, 16),
                      block_size=lambda v: _check_int("block_size", v, 1, 1 << 20),
                      n_digests=lambda v: _check_int("n_digests", v, 0, MAX_IDS_PER_PULL),
@@ -443,12 +446,16 @@ class MigrateTrace(Message):
 @dataclasses.dataclass(frozen=True)
 class MigrateTraceReply(Message):
     """Wall-clock times (time.time()) of the request's arrival at vLLM's API server, of the
-    scheduler's first look at it and of its first scheduling."""
+    scheduler's first look at it and of its first scheduling. `unsafe`: the load of its KV
+    before its first step failed while the engine had its next step in flight already
+    (asynchronous scheduling): vLLM recomputes the blocks, but that step ran on them, so the
+    request's first tokens may be wrong."""
 
     op: ClassVar[str] = "migrate.trace.reply"
     arrival_s: float
     seen_s: float
     scheduled_s: float
+    unsafe: bool
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,7 @@ import aiohttp
 from aiohttp import web
 
 from .._http import backend_session, error, first_models, openai_app
-from ..migration import auth, live
+from ..migration import auth, live, protocol
 from ..migration.lease import ChannelError
 from . import streams
 from .streams import ClientStream
@@ -694,6 +694,7 @@ class _Driver:
         self.router, self.routed = router, routed
         self.next_mid = live.new_migration_id()
         self.resume_sent_s = self.resume_first_s = 0.0  # time.time(): the resume's request, its first token
+        self.trace: Optional[protocol.MigrateTraceReply] = None  # the destination's, of a resume that loaded KV
 
     def finished(self) -> bool:
         return self.routed.client.finished or self.routed.gone
@@ -749,6 +750,9 @@ class _Driver:
         return await routed.stopped
 
     async def resume(self, destination: str, params: Optional[Dict[str, Any]]) -> bool:
+        """A resume that loaded KV is trusted only once the destination's trace says its load did
+        not fail under a step already in flight (vLLM then recomputes the blocks, but may have sent
+        a token computed on them): such a leg is dropped before its first token is relayed."""
         routed = self.routed
         inst = self.router._by_url[destination]
         body = streams.resume_leg_body(routed.body, routed.chat, routed.tokens(), len(routed.client.token_ids), params)
@@ -759,20 +763,32 @@ class _Driver:
             logger.warning("migration of %s: %s did not resume it: %s", routed.rid, destination, e)
             return False
         self.resume_first_s = time.time()
+        if params is not None and "remote_lease" in params:
+            self.trace = await self._trace(inst)
+            if self.trace is not None and self.trace.unsafe:
+                logger.warning("migration of %s: %s failed to load its KV with its next step in flight (its first "
+                               "tokens may be wrong): dropped, recomputed", routed.rid, destination)
+                routed.leg.close()  # vLLM aborts it there
+                routed.leg, routed.pushback = None, []
+                return False
         routed.mid = self.next_mid
         routed.resumed.set()
         return True
 
-    async def resume_trace(self, destination: str) -> Optional[Dict[str, float]]:
-        inst = self.router._by_url[destination]
-        if inst.control is None or not self.resume_first_s:
+    async def _trace(self, inst: Instance) -> Optional[protocol.MigrateTraceReply]:
+        if inst.control is None:
             return None
         try:
-            trace = await asyncio.get_running_loop().run_in_executor(None, inst.control.trace, self.next_mid)
+            return await asyncio.get_running_loop().run_in_executor(None, inst.control.trace, self.next_mid)
         except (ChannelError, ValueError) as e:  # a diagnostic: the migration's outcome stands
-            logger.info("migration of %s: no trace from %s: %s", self.routed.rid, destination, e)
+            logger.info("migration of %s: no trace from %s: %s", self.routed.rid, inst.url, e)
             return None
-        return live.resume_spans(self.resume_sent_s, trace, self.resume_first_s)
+
+    async def resume_trace(self, destination: str) -> Optional[Dict[str, float]]:
+        if not self.resume_first_s:
+            return None
+        trace = self.trace or await self._trace(self.router._by_url[destination])
+        return live.resume_spans(self.resume_sent_s, trace, self.resume_first_s) if trace is not None else None
 
 
 @web.middleware
