@@ -14,7 +14,8 @@ drawn next. vLLM samples in one of two ways:
   release or sampler), vLLM's call is replayed n times on a dummy row (milliseconds each).
 
 Two instances continue each other's seeded requests when their `kind` strings are equal and
-not empty (the router checks this before it moves one). vLLM gives a connector no handle on
+not empty (the router checks this before it moves one): the way, the device (V1 on CUDA: its
+model, whose launch shape lays out the stream), the vLLM release, fp64 noise. vLLM gives a connector no handle on
 its model runner: `find` takes the runner that registers the KV caches from the call stack.
 """
 
@@ -127,6 +128,8 @@ def find(vllm_config) -> SeededStreams:
         tags.append("fp64")
     if getattr(vllm_config, "use_v2_model_runner", False):
         return SeededStreams(":".join(["position", *tags]))
+    if vllm_config.device_config.device_type == "cuda":  # a CUDA generator's stream depends on the launch shape
+        tags.append(torch.cuda.get_device_name().replace(":", " "))
     requests = getattr(runner, "requests", None)
     topk_topp = getattr(sampler, "topk_topp_sampler", None)
     if not isinstance(requests, dict) or not callable(topk_topp):

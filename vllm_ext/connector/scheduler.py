@@ -233,7 +233,7 @@ class SchedulerHalf:
         start = end - num_external_tokens
         first, last = start // self.block_size, -(-end // self.block_size)
         mid = migration_id_of(request.kv_transfer_params)
-        if remote.sync and mid is not None and self.is_producer:
+        if remote.sync and mid is not None and self.is_producer:  # its trace (the lease channel's) says if it fails
             with self._lock:
                 self._sync_loads[request.request_id] = (mid, set(block_ids[first:last]))
         self._recvs.append(RecvJob(
