@@ -25,7 +25,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,9 +38,10 @@ SECRET_ENV = "VLLM_EXT_AUTH_SECRET"
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """The tests' harness's: below the ephemeral range, never the same twice."""
+    from benchmarks.serving.servers import harness
+
+    return harness.free_port()
 
 
 def post(url, body, timeout=600):

@@ -5,6 +5,7 @@ the servers run on each kind of device (DEVICES)."""
 import dataclasses
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -101,8 +102,35 @@ def write_tokenizer(path: Path) -> Path:
     return path
 
 
+_HANDED_OUT: set = set()
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, for a server started later: below the kernel's ephemeral range, so that
+    no socket bound to port 0 meanwhile (a lease channel, an endpoint, a client's connect) can
+    take it first, and never the same twice in one process."""
+    top = _ephemeral_start()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, top - 12000), top)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # a crowded range: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
