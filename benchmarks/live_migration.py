@@ -339,7 +339,8 @@ def migration_hook(router, box, mode):
 
 
 RESUME_SPANS = {"to_api_server_ms": "to API server", "to_scheduler_ms": "to scheduler",
-                "to_scheduled_ms": "to scheduled", "to_first_token_ms": "to first token"}
+                "to_scheduled_ms": "to scheduled", "to_first_token_ms": "to first token",
+                "load_check_ms": "load check"}
 
 
 def _fmt(ms):
@@ -379,7 +380,9 @@ def write_results(args, backend, cpu, result):
         lines.append(f"| {length} | " + " | ".join(cells) + " |")
     lines += ["", "The resume, split at B's own times (medians, ms): to B's API server (vLLM's arrival time); "
                   "from there to B's scheduler's first look (the engine's current step ends first); to its first "
-                  "scheduling; from there to the first token at the router (B's step, and the way back).", "",
+                  "scheduling; from there to the first token at the router (B's step, and the way back); then, "
+                  "where B loaded KV, the token's wait at the router for B's word that the load did not fail "
+                  "under a step already in flight (the client gets the token after it).", "",
               "| tokens | mode | " + " | ".join(RESUME_SPANS.values()) + " |",
               "| --- | --- | " + " | ".join("---" for _ in RESUME_SPANS) + " |"]
     for length in args.lengths:

@@ -251,7 +251,10 @@ def test_migrated_requests_equal_unmigrated(cluster):
         outcomes.append(record["outcome"])
         if record["outcome"] in ("moved", "recomputed"):  # the destination traced the resume (one host: one clock)
             spans = record["resume_spans"]
-            assert set(spans) == {"to_api_server_ms", "to_scheduler_ms", "to_scheduled_ms", "to_first_token_ms"}
+            # a resume that loaded KV also says how long its first token waited for the load's check
+            assert set(spans) == {"to_api_server_ms", "to_scheduler_ms", "to_scheduled_ms", "to_first_token_ms",
+                                  *(["load_check_ms"] if record["outcome"] == "moved" else [])}, record
+            assert spans.get("load_check_ms", 0) >= 0, record
             assert spans["to_scheduled_ms"] >= 0 and spans["to_scheduler_ms"] >= 0, record
         want_ids, want_text = reference(cluster, prompt, MAX_TOKENS, url=record.get("source"))
         assert s.ids == want_ids and s.text == want_text

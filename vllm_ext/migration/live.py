@@ -157,16 +157,21 @@ def lease_params(lease: MigrationLease, lease_host: str, lease_port: int, num_to
     return params
 
 
-def resume_spans(sent_s: float, trace: protocol.MigrateTraceReply, first_s: float) -> Dict[str, float]:
+def resume_spans(sent_s: float, trace: protocol.MigrateTraceReply, first_s: float,
+                 check_s: Optional[float] = None) -> Dict[str, float]:
     """Where a resume's time went, from the router's wall clock when it sent the request and
     when the first token came, and the destination's trace (the same clock on one host; across
     hosts their offset shifts the first and the last span): to vLLM's API server, from there to
     its scheduler's first look (this waits for the engine's current step), to its first
     scheduling, and from there to the token's arrival (the step that computes it, and the way
-    back)."""
-    return {"to_api_server_ms": _ms(trace.arrival_s - sent_s), "to_scheduler_ms": _ms(trace.seen_s - trace.arrival_s),
-            "to_scheduled_ms": _ms(trace.scheduled_s - trace.seen_s),
-            "to_first_token_ms": _ms(first_s - trace.scheduled_s)}
+    back). `check_s`: how long that token then waited for the trace that vouches for the load
+    (a resume that loaded KV; the client gets the token after it)."""
+    spans = {"to_api_server_ms": _ms(trace.arrival_s - sent_s), "to_scheduler_ms": _ms(trace.seen_s - trace.arrival_s),
+             "to_scheduled_ms": _ms(trace.scheduled_s - trace.seen_s),
+             "to_first_token_ms": _ms(first_s - trace.scheduled_s)}
+    if check_s is not None:
+        spans["load_check_ms"] = _ms(check_s)
+    return spans
 
 
 def agreed_tokens(lease: MigrationLease, tokens: List[int]) -> int:

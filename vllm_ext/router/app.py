@@ -694,6 +694,7 @@ class _Driver:
         self.router, self.routed = router, routed
         self.next_mid = live.new_migration_id()
         self.resume_sent_s = self.resume_first_s = 0.0  # time.time(): the resume's request, its first token
+        self.check_s: Optional[float] = None  # the first token's wait for the trace (a resume that loaded KV)
         self.trace: Optional[protocol.MigrateTraceReply] = None  # the destination's, of a resume that loaded KV
 
     def finished(self) -> bool:
@@ -765,6 +766,7 @@ class _Driver:
         self.resume_first_s = time.time()
         if params is not None and "remote_lease" in params:
             self.trace = await self._trace(inst)
+            self.check_s = time.time() - self.resume_first_s
             if self.trace is not None and self.trace.unsafe:
                 logger.warning("migration of %s: %s failed to load its KV with its next step in flight (its first "
                                "tokens may be wrong): dropped, recomputed", routed.rid, destination)
@@ -788,7 +790,9 @@ class _Driver:
         if not self.resume_first_s:
             return None
         trace = self.trace or await self._trace(self.router._by_url[destination])
-        return live.resume_spans(self.resume_sent_s, trace, self.resume_first_s) if trace is not None else None
+        if trace is None:
+            return None
+        return live.resume_spans(self.resume_sent_s, trace, self.resume_first_s, self.check_s)
 
 
 @web.middleware
