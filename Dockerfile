@@ -207,14 +207,14 @@ RUN --mount=type=secret,id=ca-bundle \
 # against another torch (they fail to load, and the first transformers import with them), and
 # xgrammar's triton (1 GB), PyPI's CUDA build: vLLM on the CPU only uses a triton with a CPU
 # backend and disables this one. `pip check` then lists these four as missing, and only these.
-# The kernels are loaded as vLLM loads them: vllm-cpu ships _C (AVX-512 with BF16), _C_AVX512
-# and _C_AVX2 and picks one by the CPU; `import vllm._C` dies (SIGILL) on a CPU without AVX-512.
+# tools/docker/check_vllm_cpu.py then loads vLLM's kernels as vLLM does (by the CPU's flags).
 RUN --mount=type=secret,id=ca-bundle \
     --mount=type=cache,id=vllm-ext-pip,target=/root/.cache/pip \
     --mount=type=bind,source=requirements-openai-cpu.txt,target=/tmp/requirements-openai-cpu.txt \
+    --mount=type=bind,source=tools/docker/check_vllm_cpu.py,target=/tmp/check_vllm_cpu.py \
     pip-install -r /tmp/requirements-openai-cpu.txt \
     && pip uninstall -y torchvision torchaudio torchcodec triton \
-    && python -c 'import torch, transformers, vllm, xgrammar; from vllm.platforms import current_platform as p; p.import_kernels(); torch.ops._C.silu_and_mul; print("torch", torch.__version__, "| vllm", vllm.__version__)'
+    && python /tmp/check_vllm_cpu.py
 COPY tools/docker/vllm-serve.sh /usr/local/bin/vllm-serve
 
 # ---------------------------------------------------------------------------------------------

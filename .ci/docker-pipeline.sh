@@ -153,11 +153,8 @@ timed image-cpu-cold timeout 20m make image DEVICE=cpu "${make_args[@]}"
 stamp "checks of vllm-openai-cpu"
 openai_cpu=$image_repo/vllm-openai-cpu:ci
 smoke_openai_cpu() {
-  "$DOCKER" run --rm --entrypoint python "$openai_cpu" -c 'import torch, vllm, vllm_ext
-from vllm.platforms import current_platform
-current_platform.import_kernels()  # the kernel build for this CPU, as vLLM picks it (Dockerfile)
-torch.ops._C.silu_and_mul
-print("vllm", vllm.__version__, "| vllm_ext", vllm_ext.__version__, "| torch", torch.__version__)'
+  "$DOCKER" run --rm -v "$PWD/tools/docker:/tools:ro" --entrypoint python "$openai_cpu" \
+    /tools/check_vllm_cpu.py vllm_ext
   # The image removes torchvision, torchaudio, torchcodec and triton on purpose (Dockerfile,
   # cpu-server-deps); any other missing or conflicting requirement fails.
   "$DOCKER" run --rm --entrypoint sh "$openai_cpu" -c 'pip check | grep -v -E "requires (torchvision|torchaudio|torchcodec|triton), which is not installed" || true' |
