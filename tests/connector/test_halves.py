@@ -1026,3 +1026,73 @@ def test_a_resumes_failed_load_is_unsafe_only_with_a_step_in_flight(async_schedu
         if client is not None:
             client.close()
         sched.shutdown()
+
+
+def test_a_trace_asked_with_the_resume_answers_once_the_load_before_its_first_step_ended(producer):
+    """migrate.trace with wait_s (the router asks it when it sends the resume): the answer waits
+    until the request is scheduled and its sync load's step has reported (real halves: the
+    destination's worker pulls from the producer); a failed load then answers unsafe; a request
+    that loads nothing settles when scheduled; a load that never reports answers unsettled."""
+    p_sched, p_worker = producer
+    caches = vllm_layers(seed=int(time.time()) % 1000 + 3)
+    dst = SchedulerHalf(is_producer=True, is_consumer=True, block_size=BLOCK_SIZE, lease_s=30.0,
+                        lease_host="127.0.0.1", lease_port=0, secret=SECRET, failure_policy="recompute",
+                        async_scheduling=True)
+    worker = WorkerHalf(is_producer=True, is_consumer=True, backend="gloo", endpoint_host="127.0.0.1",
+                        endpoint_options={}, secret=SECRET, pull_timeout_s=10.0, static_fields=dict(STATIC),
+                        connect_to=[], allowed_producers=["{}:{}".format(*p_sched.lease_address)])
+    worker.register_kv_caches(caches)
+    client = None
+    try:
+        dst.set_handshake({0: worker.handshake()})
+        client = lease_client(dst)
+
+        def ask(mid, wait_s):
+            answer = {}
+            t = threading.Thread(target=lambda: answer.update(reply=client.trace(mid, 5, wait_s)), daemon=True)
+            t.start()
+            return t, answer
+
+        def resume(mid, req_id, params, blocks):
+            req = make_request(range(40), dict(params, sync_load=True, migration_id=mid), req_id=req_id)
+            assert dst.get_num_new_matched_tokens(req, 0) == (40, False)
+            dst.update_state_after_alloc(req, blocks, 40)
+
+        def engine_step():  # the load runs in the worker before the forward; its report comes back
+            worker.start_load_kv(dst.build_connector_meta())
+            dst.update_connector_output(SimpleNamespace(invalid_block_ids=worker.take_failed_blocks()[1],
+                                                        kv_connector_worker_meta=worker.build_worker_meta()))
+
+        for case, mid in (("loaded", "1a" * 16), ("failed", "2b" * 16)):
+            _, params = finish_prefill(p_sched, list(range(40)), req_id=f"p-{case}")
+            step(p_sched, p_worker)
+            if case == "failed":  # the producer lets the lease go before the pull
+                assert LeaseClient(SECRET, *p_sched.lease_address).release(params["remote_lease"], 5)
+            t, answer = ask(mid, 10)
+            resume(mid, f"r-{case}", params, [4, 5, 6] if case == "loaded" else [7, 8, 9])
+            t.join(0.3)
+            assert t.is_alive(), "answered before the load's step reported"
+            engine_step()
+            t.join(10)
+            reply = answer["reply"]
+            assert reply.settled and reply.unsafe is (case == "failed") and reply.scheduled_s >= reply.seen_s
+            if case == "loaded":  # the pull did happen, before the answer
+                for mine, theirs in zip(caches.values(), p_worker.cache.layers):
+                    for src, dst_block in zip(params["remote_block_ids"], [4, 5, 6]):
+                        assert torch.equal(mine[dst_block], theirs[src])
+        # nothing to load: settled once scheduled
+        plain = make_request(range(40), {"migration_id": "3c" * 16}, req_id="plain")
+        dst.get_num_new_matched_tokens(plain, 0)
+        dst.update_state_after_alloc(plain, [10, 11, 12], 0)
+        assert client.trace("3c" * 16, 5, 10).settled
+        # a load whose step never reports: the answer comes at wait_s, unsettled
+        _, params = finish_prefill(p_sched, list(range(40)), req_id="p-silent")
+        step(p_sched, p_worker)
+        resume("4d" * 16, "r-silent", params, [13, 14, 15])
+        reply = client.trace("4d" * 16, 5, 0.2)
+        assert not reply.settled and not reply.unsafe
+    finally:
+        if client is not None:
+            client.close()
+        dst.shutdown()
+        worker.shutdown()

@@ -195,7 +195,8 @@ def test_agreed_tokens(theirs, ours, want):
 
 
 def test_resume_spans_split_the_resume_at_the_destinations_times():
-    trace = protocol.MigrateTraceReply(arrival_s=100.004, seen_s=100.010, scheduled_s=100.0105, unsafe=False)
+    trace = protocol.MigrateTraceReply(arrival_s=100.004, seen_s=100.010, scheduled_s=100.0105, unsafe=False,
+                                       settled=True)
     assert live.resume_spans(100.0, trace, 100.025) == {
         "to_api_server_ms": 4.0, "to_scheduler_ms": 6.0, "to_scheduled_ms": 0.5, "to_first_token_ms": 14.5}
     # a resume that loaded KV: its first token also waited for the trace that vouches for the load

@@ -82,14 +82,17 @@ if KVConnectorWorkerMetadata is not None:
     class VllmExtWorkerMetadata(KVConnectorWorkerMetadata):
         """Worker -> scheduler, per step: the leases (ids) whose blocks the worker's endpoint
         now serves (granted), so that the lease channel hands a lease out only once its blocks
-        can be pulled."""
+        can be pulled; and the requests whose loads before this step's forward (sync) ended,
+        failed or not (a failure's blocks are in the same output's invalid_block_ids)."""
 
         granted: List[str] = dataclasses.field(default_factory=list)
         # lease id -> one digest per block (verify_kv): what a consumer checks after its pull
         digests: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
+        loaded: List[str] = dataclasses.field(default_factory=list)
 
         def aggregate(self, other):
             return VllmExtWorkerMetadata(granted=list(self.granted) + list(getattr(other, "granted", [])),
-                                         digests={**self.digests, **(getattr(other, "digests", None) or {})})
+                                         digests={**self.digests, **(getattr(other, "digests", None) or {})},
+                                         loaded=list(self.loaded) + list(getattr(other, "loaded", [])))
 else:
     VllmExtWorkerMetadata = None

@@ -124,6 +124,7 @@ class SchedulerHalf:
         self.async_scheduling = async_scheduling
         self._lock = threading.Lock()  # leases and _finished_sending: engine thread + channel threads
         self._granted = threading.Condition(self._lock)
+        self._traced = threading.Condition(self._lock)  # a trace was scheduled, or its load ended
         self._leases: Dict[str, Lease] = {}
         self._by_req: Dict[str, str] = {}
         self._finished_sending: List[str] = []
@@ -139,6 +140,9 @@ class SchedulerHalf:
         # request id -> (migration id, blocks) of a load before a resumed request's first step
         # (sync): a failure shows as invalid blocks in that step's output
         self._sync_loads: Dict[str, Tuple[str, set]] = {}
+        # migration ids whose sync load's step has not reported yet (the worker's `loaded`): until
+        # then their traces are not settled
+        self._loading: set = set()
         self._recvs: List[RecvJob] = []
         self._releases: List[ReleaseJob] = []
         self._warned: set = set()
@@ -213,7 +217,12 @@ class SchedulerHalf:
         every request it schedules from the waiting queue, also when nothing is loaded (a full
         local hit, nothing beyond it, skip_reading_prefix_cache, refused params): then the
         lease is released at once, so the producer frees its blocks now and not at expiry."""
-        self._note_trace(request, scheduled=True)
+        try:
+            self._allocated(request, block_ids, num_external_tokens)
+        finally:  # after a sync load is registered: its trace settles only once that load ended
+            self._note_trace(request, scheduled=True)
+
+    def _allocated(self, request, block_ids: List[int], num_external_tokens: int) -> None:
         self._track(request, block_ids)
         remote, error = self._remote(request)
         if remote is None and error is None:
@@ -236,6 +245,7 @@ class SchedulerHalf:
         if remote.sync and mid is not None and self.is_producer:  # its trace (the lease channel's) says if it fails
             with self._lock:
                 self._sync_loads[request.request_id] = (mid, set(block_ids[first:last]))
+                self._loading.add(mid)
         self._recvs.append(RecvJob(
             req_id=request.request_id, lease=remote.lease, lease_host=remote.lease_host,
             lease_port=remote.lease_port, endpoint_id=remote.endpoint_id, fingerprint=remote.fingerprint,
@@ -279,6 +289,7 @@ class SchedulerHalf:
                     self._traces.popitem(last=False)
             if scheduled and not trace[2]:
                 trace[2] = now
+                self._traced.notify_all()
 
     def _release(self, req_id: str, params: Any) -> None:
         """A release-only job for the lease named by `params`, when its lease fields are well
@@ -303,7 +314,10 @@ class SchedulerHalf:
         params = request.kv_transfer_params
         if self._sync_loads:
             with self._lock:
-                self._sync_loads.pop(request.request_id, None)
+                ended = self._sync_loads.pop(request.request_id, None)
+                if ended is not None and ended[0] in self._loading:  # its step never reported
+                    self._loading.discard(ended[0])
+                    self._traced.notify_all()
         if self.is_consumer and isinstance(params, dict) and params.get("do_remote_prefill"):
             # never scheduled (aborted while waiting): nothing will pull its lease
             params["do_remote_prefill"] = False
@@ -410,12 +424,7 @@ class SchedulerHalf:
         if isinstance(request, (protocol.MigratePrecopy, protocol.MigrateEnd)):
             return self._serve_migration(request)
         if isinstance(request, protocol.MigrateTrace):
-            with self._lock:
-                trace = self._traces.get(request.migration_id)
-            if trace is None or not trace[2]:
-                raise ValueError(f"migration {request.migration_id[:8]}: no request here carried it lately, or it "
-                                 "is not scheduled yet")
-            return protocol.MigrateTraceReply(*trace[:3], unsafe=trace[3] and self.failed_load_is_unsafe()), b""
+            return self._trace(request.migration_id, request.wait_s), b""
         lease_id = request.lease
         self._reap_expired()
         with self._lock:
@@ -576,6 +585,23 @@ class SchedulerHalf:
         self._recvs, self._releases = [], []
         return meta
 
+    def _trace(self, mid: str, wait_s: float) -> protocol.MigrateTraceReply:
+        """The trace of the request carrying `mid`, once settled or after `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        with self._lock:
+            while True:
+                trace = self._traces.get(mid)
+                settled = trace is not None and bool(trace[2]) and mid not in self._loading
+                left = deadline - time.monotonic()
+                if settled or left <= 0 or (trace is not None and trace[2] and not self.wait_for_grant):
+                    break  # (the last: no worker metadata, no load reports, so a load never settles)
+                self._traced.wait(left)
+            if trace is None or not trace[2]:
+                raise ValueError(f"migration {mid[:8]}: no request here carried it lately, or it is not scheduled "
+                                 "yet")
+            return protocol.MigrateTraceReply(*trace[:3], unsafe=trace[3] and self.failed_load_is_unsafe(),
+                                              settled=settled)
+
     def failed_load_is_unsafe(self) -> bool:
         """Whether a resumed request whose first load failed may have had wrong tokens sent."""
         return self.async_scheduling
@@ -591,6 +617,14 @@ class SchedulerHalf:
                     if trace is not None and not blocks.isdisjoint(invalid):
                         trace[3] = True
         meta = getattr(output, "kv_connector_worker_meta", None)
+        loaded = getattr(meta, "loaded", None)
+        if loaded and self._sync_loads:
+            with self._lock:
+                for req_id in loaded:
+                    ended = self._sync_loads.get(req_id)
+                    if ended is not None:
+                        self._loading.discard(ended[0])
+                self._traced.notify_all()
         granted = getattr(meta, "granted", None)
         if not granted:
             return

@@ -150,6 +150,7 @@ class WorkerHalf:
         self.leased_blocks: Dict[str, List[int]] = {}  # producer: lease id -> blocks granted for it
         self._granted_now: List[str] = []  # producer: leases granted since the last worker metadata
         self._digests_now: Dict[str, List[int]] = {}  # producer: their digests (verify_kv)
+        self._loaded_now: List[str] = []  # requests whose sync loads ended since the last worker metadata
         self._grants = False  # the endpoint serves only granted blocks
         # seeded requests' random streams (set with the KV caches: connector/sampling.py)
         self.seeded: Optional[SeededStreams] = None
@@ -204,6 +205,7 @@ class WorkerHalf:
             if blocks is not None and self._grants:
                 self.endpoint.revoke(blocks)
         queued = time.monotonic()
+        self._loaded_now.extend(job.req_id for job in meta.recvs if job.sync)  # ended by the forward
         for job in meta.recvs:
             if job.error is not None:
                 self._finish(job, False, job.error)
@@ -219,14 +221,13 @@ class WorkerHalf:
                                "here: it restarts", req_id, n)
 
     def build_worker_meta(self):
-        """The leases granted since the last call (None when none, or on releases without worker
-        metadata)."""
-        if not self._granted_now or VllmExtWorkerMetadata is None:
-            self._granted_now, self._digests_now = [], {}
+        """The leases granted and the sync loads ended since the last call (None when none, or on
+        releases without worker metadata)."""
+        granted, digests, loaded = self._granted_now, self._digests_now, self._loaded_now
+        self._granted_now, self._digests_now, self._loaded_now = [], {}, []
+        if not (granted or loaded) or VllmExtWorkerMetadata is None:
             return None
-        granted, self._granted_now = self._granted_now, []
-        digests, self._digests_now = self._digests_now, {}
-        return VllmExtWorkerMetadata(granted=granted, digests=digests)
+        return VllmExtWorkerMetadata(granted=granted, digests=digests, loaded=loaded)
 
     def take_results(self, meta: Optional[VllmExtMetadata]) -> Tuple[Set[str], Set[str], Set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call; failed

@@ -159,9 +159,11 @@ class LeaseClient:
     def end(self, migration_id: str, timeout: float) -> None:
         self._request(protocol.MigrateEnd(migration_id), timeout)
 
-    def trace(self, migration_id: str, timeout: float) -> protocol.MigrateTraceReply:
-        """(A destination) when the request carrying `migration_id` reached it."""
-        return self._request(protocol.MigrateTrace(migration_id), timeout, protocol.MigrateTraceReply)[0]
+    def trace(self, migration_id: str, timeout: float, wait_s: float = 0.0) -> protocol.MigrateTraceReply:
+        """(A destination) when the request carrying `migration_id` reached it; `wait_s`: the
+        destination answers once the request's first step is settled, or after that long."""
+        return self._request(protocol.MigrateTrace(migration_id, float(wait_s)), timeout + wait_s,
+                             protocol.MigrateTraceReply)[0]
 
     def _lease(self, message: protocol.Message, timeout: float) -> "MigrationLease":
         reply, payload = self._request(message, timeout, protocol.MigrateLeaseReply)

@@ -194,6 +194,7 @@ class SourceControl:
     def __init__(self, secret: bytes, host: str, port: int, timeout_s: float = CONTROL_TIMEOUT_S):
         self.host, self.port = host, port
         self.timeout_s = timeout_s
+        self._secret = secret
         self._client = LeaseClient(secret, host, port)
 
     def precopy(self, migration_id: str) -> MigrationLease:
@@ -207,6 +208,15 @@ class SourceControl:
 
     def trace(self, migration_id: str) -> protocol.MigrateTraceReply:
         return self._client.trace(migration_id, self.timeout_s)
+
+    def settled_trace(self, migration_id: str, wait_s: float) -> protocol.MigrateTraceReply:
+        """The trace once the resume's first step is settled (at most `wait_s`), asked on a
+        connection of its own: the channel's stays free meanwhile."""
+        client = LeaseClient(self._secret, self.host, self.port)
+        try:
+            return client.trace(migration_id, self.timeout_s, wait_s)
+        finally:
+            client.close()
 
     def close(self) -> None:
         self._client.close()

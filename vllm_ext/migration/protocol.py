@@ -40,7 +40,9 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 # 11: lease.describe.reply says how the instance draws seeded requests' numbers (`sampler`);
 #     migrate.trace.reply says whether the resume's load failed with a later step already in
 #     flight (`unsafe`: the router discards that leg).
-PROTOCOL = 11
+# 12: migrate.trace may wait (`wait_s`) until the resume's first step is settled (scheduled, and
+#     the result of the KV load before it known); its reply says whether it is (`settled`).
+PROTOCOL = 12
 
 FRAME = struct.Struct("!II")
 MAX_HEADER_BYTES = 64 << 10  # a header is a small JSON object; refused past this, unread
@@ -67,6 +69,7 @@ MAX_DESCRIBE_BYTES = 16 << 10
 # The server id a lease server authenticates as (it serves no endpoint of its own).
 LEASE_SERVER_ID = "vllm-ext-lease"
 MAX_WALL_CLOCK_S = 1e11  # a time.time() in a message (migrate.trace.reply)
+MAX_TRACE_WAIT_S = 60.0  # how long a migrate.trace may wait for the resume's first step
 
 
 class ProtocolError(ValueError):
@@ -127,10 +130,11 @@ def _check_int(name: str, value, lo: int, hi: int) -> None:
         raise ProtocolError(f"{name}: expected an integer in [{lo}, {hi}], got {value!r}")
 
 
-def _check_number(name: str, value, lo: float, hi: float) -> None:
+def _check_number(name: str, value, lo: float, hi: float, zero: bool = False) -> None:
+    """A number in (lo, hi] (`zero`: or exactly 0)."""
     if (not isinstance(value, (int, float)) or isinstance(value, bool) or value != value
-            or not lo < value <= hi):
-        raise ProtocolError(f"{name}: expected a number in ({lo:g}, {hi:g}], got {value!r}")
+            or not (lo < value <= hi or (zero and value == 0))):
+        raise ProtocolError(f"{name}: expected {'0 or ' if zero else ''}a number in ({lo:g}, {hi:g}], got {value!r}")
 
 
 def _check_hex(name: str, value, nbytes: int) -> bytes:
@@ -205,7 +209,8 @@ _FIELD_CHECKS.update(geometry=_check_geometry, uids=_check_uids, handle=_check_h
                      fingerprint=lambda v: _check_hex("fingerprint", v, 16),
                      descriptor=_check_object("descriptor"), fingerprint_fields=_check_object("fingerprint_fields"),
                      intact=lambda v: _check_bool("intact", v), running=lambda v: _check_bool("running", v),
-                     unsafe=lambda v: _check_bool("unsafe", v),
+                     unsafe=lambda v: _check_bool("unsafe", v), settled=lambda v: _check_bool("settled", v),
+                     wait_s=lambda v: _check_number("wait_s", v, 0, MAX_TRACE_WAIT_S, zero=True),
                      migration_id=lambda v: _check_hex("migration_id", v, 16),
                      block_size=lambda v: _check_int("block_size", v, 1, 1 << 20),
                      n_digests=lambda v: _check_int("n_digests", v, 0, MAX_IDS_PER_PULL),
@@ -436,26 +441,31 @@ class MigrateEnd(Message):
 
 @dataclasses.dataclass(frozen=True)
 class MigrateTrace(Message):
-    """Asked of a destination after a resume: when the request carrying this migration id
-    reached it (MigrateTraceReply; refused when no request here carried it lately)."""
+    """Asked of a destination about a resume: when the request carrying this migration id
+    reached it (MigrateTraceReply). With `wait_s` > 0 the answer waits, at most that long, until
+    the request's first step is settled; refused when no request here carried it lately (or,
+    without waiting, when it is not scheduled yet)."""
 
     op: ClassVar[str] = "migrate.trace"
     migration_id: str
+    wait_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
 class MigrateTraceReply(Message):
     """Wall-clock times (time.time()) of the request's arrival at vLLM's API server, of the
-    scheduler's first look at it and of its first scheduling. `unsafe`: the load of its KV
-    before its first step failed while the engine had its next step in flight already
-    (asynchronous scheduling): vLLM recomputes the blocks, but that step ran on them, so the
-    request's first tokens may be wrong."""
+    scheduler's first look at it and of its first scheduling. `settled`: it is scheduled and, if
+    KV was loaded before its first step, the load's result is in, so `unsafe` is final. `unsafe`:
+    that load failed while the engine had its next step in flight already (asynchronous
+    scheduling): vLLM recomputes the blocks, but that step ran on them, so the request's first
+    tokens may be wrong."""
 
     op: ClassVar[str] = "migrate.trace.reply"
     arrival_s: float
     seen_s: float
     scheduled_s: float
     unsafe: bool
+    settled: bool
 
 
 @dataclasses.dataclass(frozen=True)

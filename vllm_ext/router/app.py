@@ -14,6 +14,7 @@ it is off. See docs/live-migration.md for every knob.
 
 import argparse
 import asyncio
+import concurrent.futures
 import dataclasses
 import hmac
 import inspect
@@ -45,6 +46,11 @@ _EVENT_READ = ({"max_size": MAX_EVENT_BYTES}
 ENV_TOKEN = "VLLM_EXT_ROUTER_TOKEN"
 # A migration's stop waits at most this long for the source's next token (it stops right after one)
 STOP_WAIT_MAX_S = 1.0
+# A resume that loads KV: the destination is asked, when the resume is sent, to answer once the
+# load's result is in; it answers by then or after this long (the router then asks again at the
+# first token). At most this many of those questions wait at once.
+RESUME_CHECK_WAIT_S = 5.0
+MAX_RESUME_CHECKS = 8
 POLICIES = ("round_robin", "least_loaded")
 
 
@@ -152,6 +158,8 @@ class Router:
         self._token = os.environ.get(ENV_TOKEN) or None
         self.session: Optional[aiohttp.ClientSession] = None
         self._tasks: List[asyncio.Task] = []
+        # the resumes' early load checks wait in threads of their own (not the loop's default pool)
+        self.checks = concurrent.futures.ThreadPoolExecutor(MAX_RESUME_CHECKS, "vllm-ext-resume-check")
 
     # ---- lifetime ------------------------------------------------------------------------
     async def start(self, app) -> None:
@@ -168,6 +176,7 @@ class Router:
         for inst in self.instances:
             if inst.control is not None:
                 inst.control.close()
+        self.checks.shutdown(wait=False)
 
     # ---- choosing ------------------------------------------------------------------------
     def _candidates(self, exclude=()) -> List[Instance]:
@@ -753,10 +762,16 @@ class _Driver:
     async def resume(self, destination: str, params: Optional[Dict[str, Any]]) -> bool:
         """A resume that loaded KV is trusted only once the destination's trace says its load did
         not fail under a step already in flight (vLLM then recomputes the blocks, but may have sent
-        a token computed on them): such a leg is dropped before its first token is relayed."""
+        a token computed on them): such a leg is dropped before its first token is relayed. That
+        trace is asked for with the resume and usually answers before the first token arrives."""
         routed = self.routed
         inst = self.router._by_url[destination]
         body = streams.resume_leg_body(routed.body, routed.chat, routed.tokens(), len(routed.client.token_ids), params)
+        early = None
+        if params is not None and "remote_lease" in params and inst.control is not None:
+            early = asyncio.get_running_loop().run_in_executor(self.router.checks, inst.control.settled_trace,
+                                                               self.next_mid, RESUME_CHECK_WAIT_S)
+            early.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure is only looked at below
         self.resume_sent_s = time.time()
         try:
             await self.router._open(routed, inst, inst.url + "/v1/completions", body, first_token=True)
@@ -765,7 +780,7 @@ class _Driver:
             return False
         self.resume_first_s = time.time()
         if params is not None and "remote_lease" in params:
-            self.trace = await self._trace(inst)
+            self.trace = await self._load_check(inst, early)
             self.check_s = time.time() - self.resume_first_s
             if self.trace is not None and self.trace.unsafe:
                 logger.warning("migration of %s: %s failed to load its KV with its next step in flight (its first "
@@ -776,6 +791,15 @@ class _Driver:
         routed.mid = self.next_mid
         routed.resumed.set()
         return True
+
+    async def _load_check(self, inst: Instance, early) -> Optional[protocol.MigrateTraceReply]:
+        """The trace that vouches for the resume's load, at its first token: the one asked with
+        the resume when it is in and settled (the load's step reports before its token leaves
+        the destination), else one asked now (settled by then)."""
+        if early is not None and early.done() and not early.cancelled() and early.exception() is None \
+                and early.result().settled:
+            return early.result()
+        return await self._trace(inst)
 
     async def _trace(self, inst: Instance) -> Optional[protocol.MigrateTraceReply]:
         if inst.control is None:
