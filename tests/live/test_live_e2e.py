@@ -225,6 +225,31 @@ def wait_idle(cluster, names="AB"):
             time.sleep(0.2)
 
 
+def moved_kv_is_not_shared(url, prompt):
+    """The KV a migration moved sits in the destination's prefix cache under the migration's own
+    salt (a failed resume may leave wrong KV there): another request with the same prompt does
+    not read it. Two plain requests: the second hits every complete block of the prompt (the
+    first's); the first hits fewer (at most what other plain requests left there)."""
+    def counters():
+        m = h.metrics(url)
+        return m.get("vllm:prefix_cache_queries_total", 0), m.get("vllm:prefix_cache_hits_total", 0)
+
+    complete = (len(prompt) - 1) // h.BLOCK_SIZE * h.BLOCK_SIZE  # the last token is always computed
+    if not complete:
+        return
+    queries, hits = counters()
+    for _ in range(2):
+        status, body = h.post(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1})
+        assert status == 200, body
+    deadline = time.monotonic() + 30  # the counters follow the engine's steps
+    while counters()[0] - queries < 2 * len(prompt) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    got_queries, got_hits = counters()
+    assert got_queries - queries == 2 * len(prompt)
+    first = got_hits - hits - complete
+    assert 0 <= first < complete, f"the first plain request hit {first} of {complete} tokens: the moved KV's blocks"
+
+
 # ---- tests ------------------------------------------------------------------------------------
 def test_migrated_requests_equal_unmigrated(cluster):
     """Requests moved at random points of their decode (pre-copy stages, then the stop) give the
@@ -256,6 +281,8 @@ def test_migrated_requests_equal_unmigrated(cluster):
                                   *(["load_check_ms"] if record["outcome"] == "moved" else [])}, record
             assert spans.get("load_check_ms", 0) >= 0, record
             assert spans["to_scheduled_ms"] >= 0 and spans["to_scheduler_ms"] >= 0, record
+        if record["outcome"] == "moved":
+            moved_kv_is_not_shared(record["destination"], prompt)
         want_ids, want_text = reference(cluster, prompt, MAX_TOKENS, url=record.get("source"))
         assert s.ids == want_ids and s.text == want_text
         assert s.usage == {"prompt_tokens": len(prompt), "completion_tokens": len(want_ids),

@@ -702,6 +702,12 @@ class _Driver:
     def __init__(self, router: Router, routed: Routed):
         self.router, self.routed = router, routed
         self.next_mid = live.new_migration_id()
+        # The KV this migration moves is cached on the destination under a salt of its own, so
+        # that no other request reads it: after a failed resume vLLM's recompute policy leaves
+        # the blocks in its prefix cache with whatever they hold (it recomputes them in place,
+        # and the router has dropped that leg first), and only this migration's requests (its
+        # pre-copies and its resume) could hit them.
+        self.cache_salt = secrets.token_hex(16)
         self.resume_sent_s = self.resume_first_s = 0.0  # time.time(): the resume's request, its first token
         self.check_s: Optional[float] = None  # the first token's wait for the trace (a resume that loaded KV)
         self.trace: Optional[protocol.MigrateTraceReply] = None  # the destination's, of a resume that loaded KV
@@ -730,7 +736,7 @@ class _Driver:
     async def load(self, destination: str, token_ids: List[int], params: Dict[str, Any]) -> bool:
         inst = self.router._by_url[destination]
         body = {"model": self.routed.body.get("model"), "prompt": token_ids, "max_tokens": 1, "temperature": 0,
-                "kv_transfer_params": params}
+                "kv_transfer_params": params, "cache_salt": self.cache_salt}
         try:
             async with self.router.session.post(inst.url + "/v1/completions", json=body) as r:
                 await r.read()
@@ -767,6 +773,8 @@ class _Driver:
         routed = self.routed
         inst = self.router._by_url[destination]
         body = streams.resume_leg_body(routed.body, routed.chat, routed.tokens(), len(routed.client.token_ids), params)
+        if params is not None:  # it loads KV: under the salt of the pre-copies' blocks
+            body["cache_salt"] = self.cache_salt
         early = None
         if params is not None and "remote_lease" in params and inst.control is not None:
             early = asyncio.get_running_loop().run_in_executor(self.router.checks, inst.control.settled_trace,
