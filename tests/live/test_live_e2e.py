@@ -542,6 +542,8 @@ def test_three_instances_drain_and_a_source_killed_mid_migration(cluster):
     c = cluster["start"]("C", "1")
     c.wait_healthy()
     cluster["C"] = c
+    # a fresh CPU server's first request takes seconds (lazy start-up): not in the first timed move
+    reference(cluster, prompts(99, (40,))[0], 16, url=c.url)
     urls = [cluster[n].url for n in "ABC"]
     router = start_router(cluster["work"], "router3", urls, [cluster["leases"][n] for n in "ABC"])
     try:
