@@ -775,8 +775,9 @@ class _Driver:
         body = streams.resume_leg_body(routed.body, routed.chat, routed.tokens(), len(routed.client.token_ids), params)
         if params is not None:  # it loads KV: under the salt of the pre-copies' blocks
             body["cache_salt"] = self.cache_salt
+        checked = params is not None and "remote_lease" in params  # its load is vouched for by the trace
         early = None
-        if params is not None and "remote_lease" in params and inst.control is not None:
+        if checked and inst.control is not None:
             early = asyncio.get_running_loop().run_in_executor(self.router.checks, inst.control.settled_trace,
                                                                self.next_mid, RESUME_CHECK_WAIT_S)
             early.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure is only looked at below
@@ -787,7 +788,7 @@ class _Driver:
             logger.warning("migration of %s: %s did not resume it: %s", routed.rid, destination, e)
             return False
         self.resume_first_s = time.time()
-        if params is not None and "remote_lease" in params:
+        if checked:
             self.trace = await self._load_check(inst, early)
             self.check_s = time.time() - self.resume_first_s
             if self.trace is not None and self.trace.unsafe:
