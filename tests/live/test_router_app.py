@@ -192,6 +192,46 @@ def test_a_late_token_does_not_hold_the_stop_past_twice_the_last_gap():
     assert took >= 0.2  # it waited for the token that did not come, as long as it may
 
 
+class _Buffered:
+    """A backend stream whose events all arrived already: like aiohttp's reader, a read returns
+    without yielding to the loop (b"" at the end)."""
+
+    def __init__(self, events):
+        self.events = list(events)
+
+    async def readuntil(self, sep, **_):
+        return self.events.pop(0) if self.events else b""
+
+
+def test_a_stream_that_arrives_faster_than_it_is_relayed_does_not_hold_the_loop():
+    """Other streams, migrations and the admin API run between a stream's events (a busy host
+    once held an admin call until a stream ended: the request had ended when it came)."""
+    from vllm_ext.router import app as router_app
+    from vllm_ext.router.streams import ClientStream
+
+    async def go():
+        router = router_app.Router(["http://127.0.0.1:9"], None, Settings())
+        client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
+        client.prompt_token_ids = [1, 2]
+        routed = router_app.Routed("c", {"model": "m"}, False, client, None)
+        routed.leg = _Leg()
+        routed.leg.content = _Buffered([_token_event(t) for t in range(100, 300)])
+        seen = []  # the client's token count each time the other task ran
+
+        async def other():
+            for _ in range(5):
+                seen.append(len(client.token_ids))
+                await asyncio.sleep(0)
+        pump = asyncio.ensure_future(router._pump(routed, _Out()))
+        others = asyncio.ensure_future(other())
+        assert await pump == "ended" and len(client.token_ids) == 200
+        await others
+        return seen
+
+    seen = asyncio.run(go())
+    assert len(set(seen)) == 5 and max(seen) < 200, seen
+
+
 def test_a_seeded_request_moves_only_between_instances_that_sample_alike(monkeypatch):
     """The router asks each instance's lease channel (real lease servers here) how it samples:
     a seeded request may go only where its random stream goes on; others go anywhere."""

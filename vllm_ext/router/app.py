@@ -379,6 +379,10 @@ class Router:
                 routed.stopped.set_result(True)
                 return "stopped"
             if not lines:
+                # the loop's other work (other streams, migrations, the admin API) runs between
+                # events: a read from a buffer that holds the next event returns without yielding,
+                # so a stream arriving faster than it is relayed would hold the loop to its end
+                await asyncio.sleep(0)
                 try:  # one event ("data: ...\n\n") at a time; a stop wakes it up (_Driver.stop)
                     event = await leg.content.readuntil(b"\n\n", **_EVENT_READ)
                 except _StopLeg:
