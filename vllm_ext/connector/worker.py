@@ -46,6 +46,8 @@ MAX_PRODUCERS = 64
 # A producer that could not be reached (or whose endpoint failed a pull) is not dialled again
 # for this long: jobs for it fail at once meanwhile.
 BACKOFF_S = 5.0
+# a load slower than this is logged with where its time went (queued, connect, lease, pull, release)
+SLOW_LOAD_S = 1.0
 # At start-up a consumer dials its connect_to producers until it is connected or this long has
 # passed (servers of a deployment start together: a producer may take minutes to be ready).
 CONNECT_AHEAD_S = 900.0
@@ -60,6 +62,16 @@ def _left(deadline: float, cap: Optional[float] = None) -> float:
     if left <= 0:
         raise TransferFailed("the pull's deadline passed")
     return left if cap is None else min(left, cap)
+
+
+def _log_if_slow(job: "RecvJob", marks: List[Tuple[str, float]]) -> None:
+    """One log line for a load slower than SLOW_LOAD_S, with where its time went. `marks`:
+    (the step just ended, monotonic time), the first being when the job was queued."""
+    total = marks[-1][1] - marks[0][1]
+    if total >= SLOW_LOAD_S:
+        split = ", ".join(f"{name} {1e3 * (t - before):.0f} ms" for (_, before), (name, t) in zip(marks, marks[1:]))
+        logger.info("request %s: loading %d blocks from %s:%d took %.2f s (%s)", job.req_id,
+                    len(job.dst_block_ids), job.lease_host, job.lease_port, total, split)
 
 
 class TransferFailed(RuntimeError):
@@ -362,14 +374,17 @@ class WorkerHalf:
     def _receive(self, job: RecvJob, deadline: float) -> None:
         """`deadline`: monotonic time by which the job is done, counted from when it was queued."""
         started = time.perf_counter()
+        marks = [("", deadline - self.pull_timeout_s), ("queued", time.monotonic())]
         client, acquired, pulling = None, False, False
         try:
             if time.monotonic() >= deadline:
                 raise TransferFailed(f"the pull's deadline ({self.pull_timeout_s:g} s) passed while it was queued")
             client = self._client(job.lease_host, job.lease_port)
             peer = self._peer(job.lease_host, job.lease_port, job.endpoint_id, deadline)
+            marks.append(("connect", time.monotonic()))
             lease_blocks, _, _, digests = client.acquire(job.lease, _left(deadline) + 5.0,
                                                          _left(deadline, CHANNEL_TIMEOUT_S))
+            marks.append(("lease", time.monotonic()))
             acquired = True
             expected = job.src_block_ids
             span = slice(job.first_block, job.first_block + len(expected))
@@ -390,11 +405,14 @@ class WorkerHalf:
                 if attempt == 2:
                     raise TransferFailed(f"lease {job.lease[:8]}: the pulled blocks differ from the producer's digests "
                                          "twice; not used")
+            marks.append(("pull", time.monotonic()))
             acquired = False
             if not self._release(client, job.lease):
                 raise TransferFailed(f"lease {job.lease[:8]}: the producer could not vouch for the blocks after the "
                                      "pull (its request was preempted meanwhile, or the release failed); not used")
+            marks.append(("release", time.monotonic()))
             self._finish(job, True, nbytes=stats.nbytes, seconds=time.perf_counter() - started)
+            _log_if_slow(job, marks)
         except BaseException as e:  # noqa: BLE001 - a receive must always be reported
             if pulling and self._stream is not None:
                 # nothing of this pull may still write into the blocks once vLLM reuses them: the
