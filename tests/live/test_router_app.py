@@ -204,8 +204,8 @@ class _Buffered:
 
 
 def test_a_stream_that_arrives_faster_than_it_is_relayed_does_not_hold_the_loop():
-    """Other streams, migrations and the admin API run between a stream's events (a busy host
-    once held an admin call until a stream ended: the request had ended when it came)."""
+    """Other streams, migrations and the admin API run between a stream's events, also while
+    the next event is already buffered (an aiohttp read then returns without yielding)."""
     from vllm_ext.router import app as router_app
     from vllm_ext.router.streams import ClientStream
 
