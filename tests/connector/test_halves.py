@@ -478,8 +478,11 @@ def block_bytes(kv_caches, block):
     return [t[block].clone() for t in kv_caches.values()]
 
 
-def test_pull_moves_the_leased_blocks_and_frees_the_lease(producer):
+def test_pull_moves_the_leased_blocks_and_frees_the_lease(producer, monkeypatch):
     sched, p_worker = producer
+    monkeypatch.setattr("vllm_ext.connector.worker.SLOW_LOAD_S", 0.0)  # every load counts as slow: its line
+    lines = []
+    monkeypatch.setattr("vllm_ext.connector.worker.logger.info", lambda fmt, *args: lines.append(fmt % args))
     consumer_caches = vllm_layers(seed=2)
     d_sched, d_worker = make_scheduler(False), make_worker(consumer_caches, producer=False, allowed=[sched])
     try:
@@ -507,6 +510,9 @@ def test_pull_moves_the_leased_blocks_and_frees_the_lease(producer):
         assert p_worker.leased_blocks == {}  # revoked with the lease
         stats = d_worker.get_stats().data
         assert stats["transfers"] == 1 and stats["bytes"] == 3 * p_worker.cache.block_nbytes
+        slow = [line for line in lines if line.startswith("request d-0: loading 3 blocks from")]
+        assert len(slow) == 1 and all(f"{part} " in slow[0] for part in ("queued", "connect", "lease", "pull",
+                                                                         "release")), lines
     finally:
         d_sched.shutdown()
         d_worker.shutdown()
