@@ -373,8 +373,7 @@ class WorkerHalf:
 
     def _receive(self, job: RecvJob, deadline: float) -> None:
         """`deadline`: monotonic time by which the job is done, counted from when it was queued."""
-        started = time.perf_counter()
-        marks = [("", deadline - self.pull_timeout_s), ("queued", time.monotonic())]
+        marks = [("", deadline - self.pull_timeout_s), ("queued", time.monotonic())]  # (step ended, when)
         client, acquired, pulling = None, False, False
         try:
             if time.monotonic() >= deadline:
@@ -411,7 +410,7 @@ class WorkerHalf:
                 raise TransferFailed(f"lease {job.lease[:8]}: the producer could not vouch for the blocks after the "
                                      "pull (its request was preempted meanwhile, or the release failed); not used")
             marks.append(("release", time.monotonic()))
-            self._finish(job, True, nbytes=stats.nbytes, seconds=time.perf_counter() - started)
+            self._finish(job, True, nbytes=stats.nbytes, seconds=marks[-1][1] - marks[1][1])
             _log_if_slow(job, marks)
         except BaseException as e:  # noqa: BLE001 - a receive must always be reported
             if pulling and self._stream is not None:
