@@ -41,8 +41,9 @@ import harness as h  # noqa: E402
 TOKEN = "live-tests-admin-token"
 LEASE_S = 10.0  # short: the expiry test waits it out (a loaded 2-core host can take seconds per step)
 # Long enough to be running when a migration starts (a tiny model decodes hundreds of tokens a
-# second here, and its stream arrives in bursts while the engine is busy)
-MAX_TOKENS = 1500
+# second here; moves start within a client's first 40 tokens)
+MAX_TOKENS = 1000
+STEP_PAUSE_S = "0.001"
 DRAIN_TIMEOUT_S = 15.0
 
 
@@ -63,7 +64,9 @@ def cluster(request, tmp_path_factory):
             extra_pythonpath=str(HERE),
             extra_env={"VLLM_EXT_TEST_CORRUPT": str(faults["corrupt"]),
                        "VLLM_EXT_TEST_PULL_DELAY": str(faults["delay"]),
-                       "VLLM_EXT_TEST_UNSAFE_LOADS": str(faults["unsafe"])},
+                       "VLLM_EXT_TEST_UNSAFE_LOADS": str(faults["unsafe"]),
+                       # vLLM CPU's spinning engine would starve its API server (live_faults.py)
+                       "VLLM_EXT_TEST_STEP_PAUSE_S": STEP_PAUSE_S if device.name == "cpu" else "0"},
             kv_config={"kv_connector": "LiveFaultConnector", "kv_connector_module_path": "live_faults",
                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                        "kv_connector_extra_config": {"lease_port": ports[name], "connect_to": others,
