@@ -77,8 +77,20 @@ def test_the_admin_api_is_off_without_a_token_and_needs_it_with_one(monkeypatch)
             out.append((r.status, await r.json()))
         async with session.post(url + "/drain", json={}, headers={"Authorization": "Bearer s3cret"}) as r:
             out.append((r.status, await r.json()))
+        instance = out[2][1][0]["url"]
+        for timeout_s in ("soon", -1, None):
+            async with session.post(url + "/drain", json={"instance": instance, "timeout_s": timeout_s},
+                                    headers={"Authorization": "Bearer s3cret"}) as r:
+                out.append((r.status, await r.json()))
+        async with session.get(url + "/instances", headers={"Authorization": "Bearer s3cret"}) as r:
+            out.append((r.status, await r.json()))
         return out
-    (s1, _), (s2, _), (s3, instances), (s4, missing), (s5, bad) = run(with_token, "s3cret", monkeypatch)
+    (s1, _), (s2, _), (s3, instances), (s4, missing), (s5, bad), *timeouts, (s6, after) = run(
+        with_token, "s3cret", monkeypatch)
+    for (status, body), value in zip(timeouts, ("'soon'", "-1", "None")):
+        assert status == 400 and f"timeout_s: expected a number of seconds in [0, 86400], got {value}" in \
+            body["error"]["message"], body
+    assert s6 == 200 and not any(i["draining"] for i in after), after  # refused: nothing changed
     assert (s1, s2, s3) == (401, 401, 200) and instances[0]["load"] == 0
     assert s4 == 404 and "no running request 'nope'" in missing["error"]["message"]
     assert s5 == 400 and "instance" in bad["error"]["message"]

@@ -649,16 +649,21 @@ class Router:
         return web.json_response(record.as_dict())
 
     async def admin_drain(self, request: web.Request) -> web.Response:
-        """POST /drain {"instance"}: no new requests go there; its running requests move to the
-        others (one at a time); those that cannot move finish in place. Answers when it is empty."""
+        """POST /drain {"instance", optional "timeout_s"}: no new requests go there; its running
+        requests move to the others (one at a time); those that cannot move finish in place.
+        Answers when it is empty, or with what is left after timeout_s (0: only marks it)."""
         denied = self._authorized(request)
         if denied:
             return denied
         body = await self._admin_body(request, ("instance",))
+        timeout_s = body.get("timeout_s", self.settings.timeout_s)
+        if type(timeout_s) not in (int, float) or not 0 <= timeout_s <= 86400:
+            return error(400, f"timeout_s: expected a number of seconds in [0, 86400], got {timeout_s!r}",
+                         "BadRequestError")
         inst = self._instance(body["instance"])
         inst.draining = True
         moved, stayed = [], set()
-        deadline = time.monotonic() + float(body.get("timeout_s", self.settings.timeout_s))
+        deadline = time.monotonic() + timeout_s
         while inst.requests and time.monotonic() < deadline:
             candidates = [r for r in inst.requests.values()
                           if r is not None and not r.not_migratable and r.migration is None and r.leg is not None
