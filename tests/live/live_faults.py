@@ -5,7 +5,8 @@ while the file an environment variable names exists:
   overwritten after the pull, before the digests are checked); the source's KV, which its
   request still decodes from until the switch, is left alone;
 - VLLM_EXT_TEST_PULL_DELAY: a destination that waits that file's number of seconds before each
-  pull (a slow destination: its source's lease expires meanwhile);
+  pull (a slow destination: its source's lease expires meanwhile, or it is killed meanwhile:
+  while it waits, the file's name plus "." and VLLM_EXT_TEST_SERVER plus ".waiting" exists);
 - VLLM_EXT_TEST_UNSAFE_LOADS: a destination that reports a resume's failed load as unsafe, as an
   engine that schedules asynchronously does (a GPU's default; the CPU's engine does not): the
   router drops that leg and recomputes.
@@ -50,7 +51,12 @@ class LiveFaultConnector(VllmExtConnector):
             path = os.environ.get("VLLM_EXT_TEST_PULL_DELAY", "")
             if path and os.path.exists(path):
                 delay = float(open(path).read() or "0")
-                time.sleep(delay)
+                waiting = f"{path}.{os.environ.get('VLLM_EXT_TEST_SERVER', '')}.waiting"
+                open(waiting, "w").close()
+                try:
+                    time.sleep(delay)
+                finally:
+                    os.unlink(waiting)
                 deadline += delay
             receive(job, deadline)
 

@@ -65,6 +65,7 @@ def cluster(request, tmp_path_factory):
             extra_env={"VLLM_EXT_TEST_CORRUPT": str(faults["corrupt"]),
                        "VLLM_EXT_TEST_PULL_DELAY": str(faults["delay"]),
                        "VLLM_EXT_TEST_UNSAFE_LOADS": str(faults["unsafe"]),
+                       "VLLM_EXT_TEST_SERVER": name,
                        # vLLM CPU's spinning engine would starve its API server (live_faults.py)
                        "VLLM_EXT_TEST_STEP_PAUSE_S": STEP_PAUSE_S if device.name == "cpu" else "0"},
             kv_config={"kv_connector": "LiveFaultConnector", "kv_connector_module_path": "live_faults",
@@ -177,13 +178,14 @@ class Stream(threading.Thread):
             self.first.set()
 
 
-def migrate_async(cluster, to=None, results=None, **extra):
-    """A hook that moves the request to `to` (default: the router's choice, another instance)."""
+def migrate_async(cluster, to=None, results=None, router=None, **extra):
+    """A hook that moves the request to `to` (default: the router's choice, another instance)
+    through `router` (default: the cluster's)."""
 
     def hook(rid):
         def go():
             body = dict(extra, request_id=rid, **({"to": to} if to else {}))
-            results.append(admin(cluster["router"], "/migrate", body))
+            results.append(admin(router or cluster["router"], "/migrate", body))
         t = threading.Thread(target=go, daemon=True)
         t.start()
         results.append(t)
@@ -495,10 +497,10 @@ def start_streams(router, prompts_, max_tokens=MAX_TOKENS):
 
 def pin_to(cluster, router, name, fn, urls):
     """Runs fn() while every other instance of `router` (`urls`) is draining: new requests go
-    to `name`."""
+    to `name`. (A drain with no time to move anything: their running requests stay.)"""
     others = [u for u in urls if u != cluster[name].url]
     for url in others:
-        assert admin(router, "/drain", {"instance": url})[0] == 200
+        assert admin(router, "/drain", {"instance": url, "timeout_s": 0})[0] in (200, 504)
     try:
         return fn()
     finally:
@@ -550,10 +552,12 @@ def test_the_balancer_moves_load_off_the_busiest_instance(cluster):
     wait_idle(cluster)
 
 
-def test_three_instances_drain_and_a_source_killed_mid_migration(cluster):
+def test_three_instances_drain_and_instances_killed_mid_migration(cluster):
     """A third instance, C, and a router over all three: a drain of A spreads its requests over
-    B and C; then two requests on C, one being moved when C is killed, the other only streaming
-    from it: both finish elsewhere with the unmigrated tokens, none lost or doubled."""
+    B and C; then C is killed while it is the destination of a move from A (A has stopped the
+    request, C waits to pull its KV) and the source of another, a third request only streaming
+    from it: all three finish elsewhere with the unmigrated tokens, none lost or doubled, and
+    A's lease on the first one's blocks is let go."""
     c = cluster["start"]("C", "1")
     c.wait_healthy()
     cluster["C"] = c
@@ -576,14 +580,31 @@ def test_three_instances_drain_and_a_source_killed_mid_migration(cluster):
         assert [s.ids for s in drained] == refs and all(s.error is None for s in drained)
 
         streams_ = pin_to(cluster, router, "C", lambda: start_streams(router, ps[:2], n), urls)
-        assert all(s.is_alive() for s in streams_)
-        results = []
-        migrate_async(cluster, to=cluster["A"].url, results=results)(streams_[0].rid)
-        time.sleep(0.01)
-        c.kill()
-        finish(streams_, results)
-        assert all(s.error is None for s in streams_), [s.error for s in streams_]
-        assert [s.ids for s in streams_] == refs[:2]
+        incoming = pin_to(cluster, router, "A", lambda: start_streams(router, ps[2:3], n), urls)
+        assert all(s.is_alive() for s in streams_ + incoming)
+        results, into_c = [], []
+        waiting = Path(f"{cluster['delay']}.C.waiting")
+        cluster["delay"].write_text("5")  # C waits before its pull: killed then
+        try:
+            migrate_async(cluster, to=c.url, results=into_c, router=router, stages=0)(incoming[0].rid)
+            deadline = time.monotonic() + 60
+            while not waiting.exists():
+                assert time.monotonic() < deadline and incoming[0].is_alive(), (
+                    "C did not start to pull", incoming[0].error, len(incoming[0].ids), into_c)
+                time.sleep(0.01)
+            migrate_async(cluster, to=cluster["A"].url, results=results, router=router)(streams_[0].rid)
+            time.sleep(0.01)
+            c.kill()
+            finish(streams_ + incoming)
+            (out_status, out_record), = finish([], results)
+            (status, record), = finish([], into_c)
+        finally:
+            cluster["delay"].unlink(missing_ok=True)
+        assert all(s.error is None for s in streams_ + incoming), [s.error for s in streams_ + incoming]
+        assert [s.ids for s in streams_ + incoming] == refs[:3]
+        # the stop came, C never resumed it: continued (recomputed) where it was
+        assert status == 200 and record["outcome"] == "failed" and record["destination"] == c.url, record
+        assert out_status == 200 and out_record["source"] == c.url, out_record  # that move was under way
     finally:
         router.stop()
     wait_idle(cluster, "AB")
