@@ -6,9 +6,9 @@ one GPU (ipc; the harness's DEVICES).
 
 Every migrated request's greedy output equals a single instance's token for token (and its
 text, and usage counts the prompt once); so does a seeded sampled one's. Faults: a dead
-destination, a source killed during the migration and a stream broken under a request, a lease
-that expires before a slow destination pulls, corrupted KV caught by the block digests; drain
-and the balancer; at the end every live instance's KV usage is back to zero.
+destination, a source and a destination killed during a migration and a stream broken under a
+request, a lease that expires before a slow destination pulls, corrupted KV caught by the block
+digests; drain and the balancer; at the end every live instance's KV usage is back to zero.
 
 Deadlines (generous on purpose, never assertions on speed): start-up 420 s per server, each
 request 120 s. The module's tests share the servers, in order; the last ones kill C.
