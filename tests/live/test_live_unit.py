@@ -209,3 +209,11 @@ def test_a_destination_the_driver_refuses_leaves_the_request_where_it_is():
     rec = run(src, drv)
     assert rec.outcome == live.Outcome.STAYED and rec.reason == "its random stream would not go on there"
     assert src.calls == [] and drv.loads == [] and drv.stops == 0 and drv.resumed == []
+
+
+def test_a_failed_precopy_leaves_the_request_where_it_is():
+    src = FakeSource(list(range(3, 40)), per_stage=12)
+    drv = FakeDriver(src, load_ok=False)
+    rec = run(src, drv, max_stages=3, last_stage_max_blocks=2)
+    assert rec.outcome == live.Outcome.STAYED and rec.reason == "a pre-copy to the destination failed"
+    assert len(drv.loads) == 1 and drv.stops == 0 and drv.resumed == [] and src.ended == 1

@@ -19,12 +19,12 @@ whatever backend the instances use: ipc, nccl or gloo alike).
 The client waits only for the resume: the source decodes until the final lease exists. Every
 step is keyed by the migration id and safe to repeat. Failure before the switch leaves the
 request running on the source (the pre-copy only cost the destination a cache fill): a source
-whose lease channel does not answer keeps it. A source that refuses the final lease (the request
-has no complete block yet, or is preempted) lets it go all the same, and the destination
-recomputes it from the tokens the router holds; a destination that fails to resume hands the
-request back to the driver, which resumes it elsewhere (the source first) by recomputing. The
-driver (the router) owns the HTTP side: the streams, what the client saw, and the choice of
-where to go on failure.
+whose lease channel does not answer keeps it, and so does a destination whose pre-copy load
+fails. A source that refuses the final lease (the request has no complete block yet, or is
+preempted) lets it go all the same, and the destination recomputes it from the tokens the
+router holds; a destination that fails to resume hands the request back to the driver, which
+resumes it elsewhere (the source first) by recomputing. The driver (the router) owns the HTTP
+side: the streams, what the client saw, and the choice of where to go on failure.
 """
 
 import asyncio
@@ -285,8 +285,8 @@ async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_
         ok = await driver.load(record.destination, prompt, lease_params(lease, source.host, source.port,
                                                                         lease.num_tokens))
         record.stages.append(Stage(lease.n, new, _ms(leased - started), _ms(time.perf_counter() - leased)))
-        if not ok:
-            break
+        if not ok:  # the destination is in trouble: the request stays (its pre-copied blocks, salted, go unread)
+            return await _ends_early(record, source, Outcome.STAYED, "a pre-copy to the destination failed")
         moved = lease.n
     if driver.finished():
         return await _ends_early(record, source, Outcome.FINISHED)
