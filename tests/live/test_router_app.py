@@ -25,11 +25,31 @@ def dead_url():
     ([], None, Settings(), "--instance: at least one URL"),
     (["a:1"], None, Settings(), "is not an http"),
     (["http://a", "http://b"], ["h:1"], Settings(), "--lease: 1 addresses for 2 instances"),
-    (["http://a"], None, Settings(policy="random"), "policy: 'random'"),
 ])
 def test_bad_arguments_are_refused(urls, leases, settings, match):
     with pytest.raises(ValueError, match=match):
         build_app(urls, leases, settings)
+
+
+@pytest.mark.parametrize("knobs,match", [
+    ({"policy": "random"}, "policy: 'random'"),
+    ({"timeout_s": 0}, "timeout_s: expected a positive"),
+    ({"balance_interval_s": 0.0}, "balance_interval_s: expected a positive"),
+    ({"health_interval_s": -1.0}, "health_interval_s: expected a positive"),
+    ({"balance_threshold": 0}, "balance_threshold: expected at least 1"),
+    ({"max_stages": 17}, r"max_stages: expected an integer in \[0, 16\]"),
+    ({"min_remaining_tokens": -1}, "min_remaining_tokens: expected 0 or more"),
+])
+def test_bad_settings_are_refused(knobs, match):
+    with pytest.raises(ValueError, match=match):
+        Settings(**knobs)
+
+
+def test_the_command_line_refuses_a_bad_setting(capsys):
+    from vllm_ext.router import app as router_app
+    with pytest.raises(SystemExit):
+        router_app.main(["--instance", "http://a", "--balance-interval-s", "0"])
+    assert "balance_interval_s: expected a positive number of seconds, got 0.0" in capsys.readouterr().err
 
 
 def test_a_lease_channel_needs_the_deployment_secret(monkeypatch):
@@ -288,3 +308,217 @@ def test_a_seeded_request_moves_only_between_instances_that_sample_alike(monkeyp
             s.close()
         for inst in router.instances:
             inst.control.close()
+
+
+class _StuckOut:
+    """A client that stopped reading: its third write never completes."""
+
+    def __init__(self):
+        self.writes = 0
+
+    async def write(self, data):
+        self.writes += 1
+        if self.writes >= 3:
+            await asyncio.Event().wait()
+
+
+def test_a_client_that_stopped_reading_does_not_hold_a_migrations_stop():
+    """The pump's write to the client has the timeout setting's deadline (the client is then
+    gone), and the stop waits for the pump at most that long (plus STOP_WAIT_MAX_S)."""
+    from vllm_ext.router import app as router_app
+    from vllm_ext.router.streams import ClientStream
+
+    async def go():
+        router = router_app.Router(["http://127.0.0.1:9"], None, Settings(timeout_s=0.2))
+        client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
+        client.prompt_token_ids = [1, 2]
+        routed = router_app.Routed("c", {"model": "m"}, False, client, None)
+        leg = routed.leg = _Leg()
+        for t in (10, 11, 12):
+            await leg.content.events.put(_token_event(t))
+        pump = asyncio.ensure_future(router._pump(routed, _StuckOut()))
+        while len(client.token_ids) < 3:
+            await asyncio.sleep(0.01)
+        driver = router_app._Driver(router, routed)
+        stopped = await asyncio.wait_for(driver.stop(), 60)
+        with pytest.raises(router_app._ClientGone, match="the client took nothing for 0.2 s"):
+            await pump
+        return stopped, driver.late_stop
+
+    stopped, late = asyncio.run(go())
+    assert stopped is False and late == "the stream did not stop within 1.2 s"
+
+
+async def _empty(request):
+    return web.Response(text="")
+
+
+async def _backend(handler, metrics=_empty):
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", _empty)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_whose_instance_dies_before_its_first_token_is_sent_again(stream):
+    """Nothing reached the client yet: the router sends the request, as it came, to another
+    instance (no resume: there is nothing to continue from)."""
+    got = []
+
+    async def dies(request):  # accepts the request, then its connection drops
+        got.append(("A", await request.json()))
+        r = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        request.transport.close()
+        return r
+
+    async def answers(request):
+        got.append(("B", await request.json()))
+        r = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        chunk = {"id": "x", "choices": [{"index": 0, "text": " hi", "token_ids": [7], "prompt_token_ids": [1, 2],
+                                         "finish_reason": "length"}]}
+        await r.write(b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n")
+        return r
+
+    async def go():
+        (ra, a), (rb, b) = await _backend(dies), await _backend(answers)
+        runner = web.AppRunner(build_app([a, b], None, Settings(policy="round_robin", health_interval_s=60)))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1/completions"
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url, json={"model": "m", "prompt": [1, 2], "max_tokens": 1, "stream": stream,
+                                             "return_token_ids": True}) as r:
+                    return r.status, await r.text()
+        finally:
+            for x in (runner, ra, rb):
+                await x.cleanup()
+
+    status, text = asyncio.run(go())
+    assert status == 200 and [who for who, _ in got] == ["A", "B"], (status, text, got)
+    assert got[1][1]["prompt"] == [1, 2] == got[0][1]["prompt"] and got[1][1]["max_tokens"] == 1
+    assert got[1][1]["kv_transfer_params"]["migration_id"] != got[0][1]["kv_transfer_params"]["migration_id"]
+    if stream:
+        assert '"token_ids": [7]' in text and text.endswith("data: [DONE]\n\n")
+    else:
+        assert json.loads(text)["choices"][0]["token_ids"] == [7]
+
+
+def _routed_on(router, inst, tokens=(5, 6)):
+    from vllm_ext.router import app as router_app
+    from vllm_ext.router.streams import ClientStream
+
+    client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
+    client.prompt_token_ids = [1, 2]
+    client.token_ids = list(tokens)
+    routed = router_app.Routed("c", {"model": "m", "prompt": [1, 2], "max_tokens": 9}, False, client, None)
+    routed.instance = inst
+    return routed
+
+
+def test_only_a_resume_that_loads_kv_reads_the_migrations_salted_blocks():
+    """The moved KV is cached under the migration's salt; a recompute resume has none, so it
+    reads the destination's prefix cache like any request (a prefix it holds is not recomputed)."""
+    from vllm_ext.router import app as router_app
+
+    async def go():
+        router = router_app.Router(["http://127.0.0.1:9", "http://127.0.0.1:10"], None, Settings())
+        a, b = router.instances
+        sent = []
+
+        async def fake_open(routed, inst, url, body, first_token=False):
+            sent.append((inst, url, body, first_token))
+            routed.instance, routed.leg = inst, _Leg()
+        router._open = fake_open
+        driver = router_app._Driver(router, _routed_on(router, a))
+        await driver.resume(b.url, {"migration_id": driver.next_mid})
+        lease = {"migration_id": driver.next_mid, "remote_lease": "l", "do_remote_prefill": True}
+        await driver.resume(b.url, lease)
+        return driver, sent
+
+    driver, sent = asyncio.run(go())
+    (_, url, recompute, first), (_, _, loads, _) = sent
+    assert url.endswith("/v1/completions") and first and recompute["prompt"] == [1, 2, 5, 6]
+    assert "cache_salt" not in recompute and loads["cache_salt"] == driver.cache_salt
+    assert recompute["max_tokens"] == 7 and recompute["kv_transfer_params"] == {"migration_id": driver.next_mid}
+
+
+def test_a_recovery_after_a_failed_move_prefers_the_source_unless_it_drains():
+    from vllm_ext.router import app as router_app
+
+    async def go(draining):
+        router = router_app.Router(["http://127.0.0.1:9", "http://127.0.0.1:10"], None, Settings())
+        a, b = router.instances
+        a.draining = draining
+        tried = []
+
+        async def fake_open(routed, inst, url, body, first_token=False):
+            tried.append(inst)
+            raise router_app._LegFailed("no")
+        router._open = fake_open
+        with pytest.raises(router_app._LegFailed, match="no instance could continue it"):
+            await router._recover(_routed_on(router, a), prefer_source=True)
+        return [router.instances.index(i) for i in tried]
+
+    assert asyncio.run(go(False)) == [0, 1]
+    assert asyncio.run(go(True)) == [1, 0]  # a draining source last: the move was to take it off there
+
+
+def test_migrate_refuses_a_destination_that_is_down_or_draining_and_undrain_ends_a_drain(monkeypatch):
+    monkeypatch.setenv(ENV_TOKEN, "t")
+    auth = {"Authorization": "Bearer t"}
+
+    polled = []
+
+    async def go():
+        async def metrics(request):
+            polled.append(1)
+            return web.Response(text="")
+        rb, up = await _backend(_empty, metrics)  # B is up until the test marks it down
+        app = build_app([dead_url(), up], None, Settings(health_interval_s=60))
+        router = next(h.__self__ for r in app.router.routes() for h in [r.handler]
+                      if getattr(h, "__name__", "") == "admin_migrate")
+        a, b = router.instances
+        routed = _routed_on(router, a)
+        routed.leg = _Leg()
+        router.requests["c"] = a.requests["c"] = routed
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        out = []
+        try:
+            async with aiohttp.ClientSession(headers=auth) as s:
+                while not polled:  # the router's first poll of B is over: the test marks it now
+                    await asyncio.sleep(0.01)
+                for mark in ("draining", "down"):
+                    b.draining, b.healthy = mark == "draining", mark != "down"
+                    async with s.post(url + "/migrate", json={"request_id": "c", "to": b.url}) as r:
+                        out.append((r.status, (await r.json())["error"]["message"]))
+                b.draining, b.healthy = False, False  # nowhere to go: the drain waits
+                drain = asyncio.ensure_future(s.post(url + "/drain", json={"instance": a.url, "timeout_s": 60}))
+                while not a.draining:
+                    await asyncio.sleep(0.01)
+                async with s.post(url + "/undrain", json={"instance": a.url}) as r:
+                    assert r.status == 200
+                r = await asyncio.wait_for(drain, 10)
+                out.append((r.status, await r.json()))
+                r.release()
+        finally:
+            await runner.cleanup()
+            await rb.cleanup()
+        return out
+
+    (s1, m1), (s2, m2), (s3, drained) = asyncio.run(go())
+    assert (s1, s2) == (409, 409) and m1.endswith("is draining") and m2.endswith("is down"), (m1, m2)
+    assert s3 == 409 and drained["undrained"] is True and drained["left"] == ["c"]

@@ -52,6 +52,7 @@ STOP_WAIT_MAX_S = 1.0
 RESUME_CHECK_WAIT_S = 5.0
 MAX_RESUME_CHECKS = 8
 POLICIES = ("round_robin", "least_loaded")
+MAX_STAGES_LIMIT = 16  # pre-copy stages of one migration (the setting and /migrate's "stages")
 
 
 @dataclasses.dataclass
@@ -68,6 +69,21 @@ class Settings:
     max_stages: int = live.MAX_STAGES
     last_stage_max_blocks: int = live.LAST_STAGE_MAX_BLOCKS
     health_interval_s: float = 2.0  # /health and /metrics of every instance
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
+        for name in ("timeout_s", "balance_interval_s", "health_interval_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
+        if self.balance_threshold < 1:
+            raise ValueError(f"balance_threshold: expected at least 1, got {self.balance_threshold!r}")
+        if not 0 <= self.max_stages <= MAX_STAGES_LIMIT:
+            raise ValueError(f"max_stages: expected an integer in [0, {MAX_STAGES_LIMIT}], got {self.max_stages!r}")
+        for name in ("max_migrations_per_request", "min_remaining_tokens", "last_stage_max_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected 0 or more, got {getattr(self, name)!r}")
 
 
 class Instance:
@@ -208,6 +224,7 @@ class Router:
         body.pop("kv_transfer_params", None)  # a client's own never reach an instance
         reason = streams.not_migratable(body, chat)
         if reason is not None:
+            logger.info("a request that cannot move (%s): relayed as is", reason)
             return await self._relay(request, body)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(16)
         opts = body.get("stream_options") or {}
@@ -223,6 +240,8 @@ class Router:
             # a migration in flight notices (driver.finished) and ends on its own; a leg still
             # open is closed, so that its instance aborts what nobody reads
             routed.gone = True
+            if routed.stopped is not None and not routed.stopped.done():  # the pump is gone: not stopped
+                routed.stopped.set_result(False)
             self.requests.pop(rid, None)
             if routed.instance is not None:
                 routed.instance.requests.pop(rid, None)
@@ -231,7 +250,7 @@ class Router:
                 routed.leg = None
 
     async def _relay(self, request: web.Request, body: Dict[str, Any]) -> web.StreamResponse:
-        """A request that cannot move: relayed as is (its reason was logged at debug level)."""
+        """A request that cannot move: relayed as is (its reason was logged)."""
         for inst in self._candidates():
             key = "relay-" + secrets.token_hex(8)
             inst.requests[key] = None
@@ -245,7 +264,7 @@ class Router:
                                                                   "Cache-Control": "no-cache"})
                     await out.prepare(request)
                     async for chunk in r.content.iter_any():
-                        await out.write(chunk)
+                        await self._write(out, chunk)
                     await out.write_eof()
                     return out
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
@@ -293,11 +312,14 @@ class Router:
         await out.write_eof()
         return out
 
-    @staticmethod
-    async def _write(out, data: bytes) -> None:
+    async def _write(self, out, data: bytes) -> None:
+        """To the client: one that takes nothing for the timeout setting is gone (the stream's
+        pump, and so a migration's stop, never waits on it longer)."""
         if out is not None and data:
             try:
-                await out.write(data)
+                await _within(out.write(data), self.settings.timeout_s)
+            except asyncio.TimeoutError as e:
+                raise _ClientGone(f"the client took nothing for {self.settings.timeout_s:g} s") from e
             except (ConnectionError, RuntimeError) as e:
                 raise _ClientGone(str(e)) from e
 
@@ -376,7 +398,8 @@ class Router:
             if routed.stop_now:
                 leg.close()  # the instance aborts the request (its blocks stay under the final lease)
                 routed.leg = None
-                routed.stopped.set_result(True)
+                if not routed.stopped.done():  # else the migration stopped waiting (a late stop)
+                    routed.stopped.set_result(True)
                 return "stopped"
             if not lines:
                 # the loop's other work (other streams, migrations, the admin API) runs between
@@ -427,25 +450,38 @@ class Router:
 
     async def _recover(self, routed: Routed, prefer_source: bool = False) -> None:
         """The request's leg is gone (instance dead, stream broken, migration failed after the
-        stop): it continues elsewhere, recomputed from the tokens the client got."""
+        stop): it continues elsewhere, recomputed from the tokens the client got; one whose client
+        got nothing yet is sent again as it came. `prefer_source`: its instance first, unless
+        that one is draining."""
         routed.recoveries += 1
         if routed.recoveries > len(self.instances) + 1:
             raise _LegFailed("no instance could continue it")
-        if routed.client.prompt_token_ids is None:
-            raise _LegFailed("the instance failed before the first token")
+        client = routed.client
+        again = client.prompt_token_ids is None and not client.token_ids and not client.text
+        if client.prompt_token_ids is None and not again:
+            raise _LegFailed("the instance failed before the prompt's token ids reached the router")
         prev = routed.instance
         others = self._candidates(exclude=(prev,))
         others += [i for i in self.instances if i.draining and i.healthy and i is not prev and i not in others]
-        order = ([prev] if prev and prev.healthy else []) + others if prefer_source else \
-            others + ([prev] if prev and prev.healthy else [])
+        source = [prev] if prev is not None and prev.healthy else []
+        order = source + others if prefer_source and source and not prev.draining else others + source
         for inst in order:
             routed.mid = live.new_migration_id()
-            body = streams.resume_leg_body(routed.body, routed.chat, routed.tokens(), len(routed.client.token_ids),
-                                           {"migration_id": routed.mid})
+            if again:
+                url = inst.url + ("/v1/chat/completions" if routed.chat else "/v1/completions")
+                body = streams.first_leg_body(routed.body, {"migration_id": routed.mid})
+            else:
+                url = inst.url + "/v1/completions"
+                body = streams.resume_leg_body(routed.body, routed.chat, routed.tokens(), len(client.token_ids),
+                                               {"migration_id": routed.mid})
             try:
-                await self._open(routed, inst, inst.url + "/v1/completions", body, first_token=True)
-                logger.info("request %s: continues on %s, recomputed from %d tokens", routed.rid, inst.url,
-                            len(routed.tokens()))
+                await self._open(routed, inst, url, body, first_token=not again)
+                if again:
+                    logger.info("request %s: sent again to %s (its instance failed before its first token)",
+                                routed.rid, inst.url)
+                else:
+                    logger.info("request %s: continues on %s, recomputed from %d tokens", routed.rid, inst.url,
+                                len(routed.tokens()))
                 return
             except (_LegFailed, _Refused) as e:
                 logger.warning("request %s: %s cannot continue it: %s", routed.rid, inst.url, e)
@@ -505,6 +541,8 @@ class Router:
                 if routed.stopped is not None and not routed.stopped.done():
                     routed.stopped.set_result(False)
             finally:
+                if driver.late_stop:
+                    record.outcome, record.reason = live.Outcome.FAILED, driver.late_stop
                 if routed.gone and routed.leg is not None:  # resumed for a client that left meanwhile
                     routed.leg.close()
                     routed.leg = None
@@ -631,6 +669,8 @@ class Router:
             return error(404, f"no running request {body['request_id']!r}", "NotFoundError")
         if body.get("to") is not None:
             dst = self._instance(str(body["to"]))
+            if not dst.healthy or dst.draining:
+                return error(409, f"to: {dst.url} is {'draining' if dst.healthy else 'down'}", "ConflictError")
         else:
             targets = [i for i in self._candidates(exclude=(routed.instance,)) if i.healthy]
             if not targets:
@@ -639,8 +679,9 @@ class Router:
                 return error(409, "no other healthy instance to move it to", "ConflictError")
             dst = min(targets, key=lambda i: i.load)
         stages = body.get("stages")
-        if stages is not None and (type(stages) is not int or not 0 <= stages <= 16):
-            return error(400, f"stages: expected an integer in [0, 16], got {stages!r}", "BadRequestError")
+        if stages is not None and (type(stages) is not int or not 0 <= stages <= MAX_STAGES_LIMIT):
+            return error(400, f"stages: expected an integer in [0, {MAX_STAGES_LIMIT}], got {stages!r}",
+                         "BadRequestError")
         try:
             task = self.start_migration(routed, dst, stages, recompute=bool(body.get("recompute")))
         except ValueError as e:
@@ -664,7 +705,7 @@ class Router:
         inst.draining = True
         moved, stayed = [], set()
         deadline = time.monotonic() + timeout_s
-        while inst.requests and time.monotonic() < deadline:
+        while inst.requests and inst.draining and time.monotonic() < deadline:
             candidates = [r for r in inst.requests.values()
                           if r is not None and not r.not_migratable and r.migration is None and r.leg is not None
                           and r.client.prompt_token_ids is not None and r.rid not in stayed]
@@ -676,10 +717,13 @@ class Router:
             try:
                 record = await asyncio.shield(self.start_migration(routed, targets[0]))
                 moved.append(record.as_dict())
-                if record.outcome in (live.Outcome.STAYED, live.Outcome.FINISHED):  # not tried again:
-                    stayed.add(routed.rid)  # one that ended leaves by itself
+                if record.outcome not in (live.Outcome.MOVED, live.Outcome.RECOMPUTED):  # not tried again:
+                    stayed.add(routed.rid)  # one that ended leaves by itself, a failed one went elsewhere
             except ValueError:
                 stayed.add(routed.rid)
+        if not inst.draining:  # /undrain came meanwhile
+            return web.json_response({"instance": inst.url, "migrations": moved, "left": sorted(inst.requests),
+                                      "undrained": True}, status=409)
         return web.json_response({"instance": inst.url, "migrations": moved, "left": sorted(inst.requests)},
                                  status=200 if not inst.requests else 504)
 
@@ -701,6 +745,15 @@ class _Refused(Exception):
         self.status, self.body, self.content_type = status, body, content_type or "application/json"
 
 
+async def _within(awaitable, seconds: float):
+    """`awaitable` with a deadline (asyncio.TimeoutError), without a task of its own where the
+    Python has asyncio.timeout (one write per token)."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, seconds)
+
+
 class _ClientGone(Exception):
     """The client closed its connection."""
 
@@ -720,6 +773,7 @@ class _Driver:
         self.resume_sent_s = self.resume_first_s = 0.0  # time.time(): the resume's request, its first token
         self.check_s: Optional[float] = None  # the first token's wait for the trace (a resume that loaded KV)
         self.trace: Optional[protocol.MigrateTraceReply] = None  # the destination's, of a resume that loaded KV
+        self.late_stop: Optional[str] = None  # why the stop was given up
 
     def finished(self) -> bool:
         return self.routed.client.finished or self.routed.gone
@@ -772,7 +826,14 @@ class _Driver:
         routed.stop_now = True
         if routed.leg is not None:
             routed.leg.content.set_exception(_StopLeg())  # a pump waiting for the next event wakes up
-        return await routed.stopped
+        # the pump stops at its next step: at once, or after a write to a slow client (at most the
+        # timeout setting, then the client is gone)
+        wait_s = self.router.settings.timeout_s + STOP_WAIT_MAX_S
+        try:
+            return await asyncio.wait_for(asyncio.shield(routed.stopped), wait_s)
+        except asyncio.TimeoutError:  # the pump stops it later, and the request is recomputed where it was
+            self.late_stop = f"the stream did not stop within {wait_s:g} s"
+            return False
 
     async def resume(self, destination: str, params: Optional[Dict[str, Any]]) -> bool:
         """A resume that loaded KV is trusted only once the destination's trace says its load did
@@ -782,9 +843,9 @@ class _Driver:
         routed = self.routed
         inst = self.router._by_url[destination]
         body = streams.resume_leg_body(routed.body, routed.chat, routed.tokens(), len(routed.client.token_ids), params)
-        if params is not None:  # it loads KV: under the salt of the pre-copies' blocks
+        checked = params is not None and "remote_lease" in params  # it loads KV, vouched for by the trace
+        if checked:  # under the salt of the pre-copies' blocks (a recompute reads the prefix cache as any request)
             body["cache_salt"] = self.cache_salt
-        checked = params is not None and "remote_lease" in params  # its load is vouched for by the trace
         early = None
         if checked and inst.control is not None:
             early = asyncio.get_running_loop().run_in_executor(self.router.checks, inst.control.settled_trace,
@@ -850,8 +911,6 @@ async def _errors(request: web.Request, handler):
 def build_app(urls: List[str], leases: Optional[List[Optional[str]]] = None,
               settings: Optional[Settings] = None) -> web.Application:
     settings = settings or Settings()
-    if settings.policy not in POLICIES:
-        raise ValueError(f"policy: {settings.policy!r} is not one of {', '.join(POLICIES)}")
     router = Router(urls, leases, settings)
     app = openai_app(router, middlewares=[_errors])
     app.router.add_get("/instances", router.admin_instances)
@@ -880,12 +939,12 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     leases = None if args.lease is None else [None if a == "-" else a for a in args.lease]
-    settings = Settings(policy=args.policy, timeout_s=args.timeout, balance=args.balance,
-                        **{f: getattr(args, f) for f in ("balance_interval_s", "balance_threshold",
-                                                         "max_migrations_per_request", "min_remaining_tokens",
-                                                         "max_stages", "last_stage_max_blocks",
-                                                         "health_interval_s")})
     try:
+        settings = Settings(policy=args.policy, timeout_s=args.timeout, balance=args.balance,
+                            **{f: getattr(args, f) for f in ("balance_interval_s", "balance_threshold",
+                                                             "max_migrations_per_request", "min_remaining_tokens",
+                                                             "max_stages", "last_stage_max_blocks",
+                                                             "health_interval_s")})
         app = build_app(args.instance, leases, settings)
     except ValueError as e:
         parser.error(str(e))
