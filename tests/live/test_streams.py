@@ -27,9 +27,25 @@ def events(data: bytes):
     ({"prompt": [1, 2], "response_format": {"type": "json_object"}}, "'response_format' is not carried"),
     ({"prompt": [[1, 2], [3]]}, "one prompt"),
     ({"prompt": [1, 2], "stop": 7}, "stop: expected"),
+    ({"prompt": [1, 2], "max_tokens": "5"}, "max_tokens: expected an integer"),
+    ({"messages": [], "min_tokens": 2.0}, "min_tokens: expected an integer"),
+    ({"prompt": [1, 2], "echo": True}, "echo"),
+    ({"messages": [], "echo": True}, "echo"),
+    ({"prompt": [1, 2], "stream": True, "stream_options": "yes"}, "stream_options: expected an object"),
+    ({"prompt": [1, 2], "stream": True, "stream_options": ["include_usage"]}, "stream_options: expected an object"),
+    ({"prompt": [1, 2], "stream_options": {"include_usage": True}}, "stream_options without stream"),
+    ({"prompt": [1, 2], "stream": True, "stream_options": {"include_usage": "no"}}, "expected booleans"),
+    ({"prompt": [1, 2], "stream": True, "stream_options": {"continuous_usage_stats": True}}, "usage once"),
 ])
 def test_requests_that_cannot_move_say_why(body, why):
-    assert why in streams.not_migratable(body, chat=False)
+    assert why in streams.not_migratable(body, chat="messages" in body)
+
+
+def test_requests_with_harmless_echo_or_stream_options_move():
+    for body in ({"prompt": [1], "echo": False}, {"prompt": [1], "stream": True, "stream_options": None},
+                 {"prompt": [1], "stream": True, "stream_options": {"include_usage": True}},
+                 {"prompt": [1], "stream_options": {}}):
+        assert streams.not_migratable(body, chat=False) is None
 
 
 def test_chat_logprobs_cannot_move_but_completion_logprobs_can():
@@ -60,10 +76,29 @@ def test_resumed_leg_continues_from_the_tokens_with_the_remaining_budget():
     assert leg["top_k"] == 5 and leg["temperature"] == 0 and leg["return_token_ids"] is True and leg["stream"]
     assert "stop" not in leg and "echo" not in leg and "prompt_logprobs" not in leg and "messages" not in leg
     assert leg["kv_transfer_params"] == {"migration_id": "ab" * 16}
-    # completions without max_tokens: vLLM's default of 16 counts the tokens already given
+    # completions without max_tokens, or null: vLLM's default of 16 counts the tokens already given
     assert streams.resume_leg_body({"prompt": [1]}, False, [1, 9, 9], 2, None)["max_tokens"] == 14
+    assert streams.resume_leg_body({"prompt": [1], "max_tokens": None}, False, [1, 9, 9], 2, None)["max_tokens"] == 14
+    # chat: a null max_completion_tokens falls back to max_tokens
+    assert streams.max_new_tokens({"max_completion_tokens": None, "max_tokens": 20}, True) == 20
     first = streams.first_leg_body({"prompt": [1], "stop": ["x"], "request_id": "r"}, {"migration_id": "cd" * 16})
     assert "stop" not in first and "request_id" not in first and first["stream_options"] == {"include_usage": True}
+
+
+def test_a_resumed_leg_of_a_request_without_a_limit_goes_on_to_the_models_length():
+    # vLLM's /v1/completions reads a missing or null max_tokens as 16: the leg asks for the
+    # destination's max_model_len, which vLLM clamps to what the prompt leaves
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": None}
+    assert streams.max_new_tokens(chat, True) is None
+    leg = streams.resume_leg_body(chat, True, [1, 2, 3, 4, 5], 4, None, max_model_len=4096)
+    assert leg["max_tokens"] == 4096 and "min_tokens" not in leg
+    models = {"object": "list", "data": [{"id": "m", "object": "model", "max_model_len": 4096}]}
+    assert streams.max_model_len(models, "m") == streams.max_model_len(models) == 4096
+    assert streams.max_model_len(models, "other") is None and streams.max_model_len({"data": "x"}) is None
+    # max_model_len unknown: the most any instance that can run the leg accepts
+    assert streams.resume_leg_body(chat, True, [1, 2, 3, 4, 5], 4, None)["max_tokens"] == 5
+    leg = streams.resume_leg_body(dict(chat, min_tokens=14), True, [1, 2, 3, 4, 5], 4, None)
+    assert leg["max_tokens"] == 10 and leg["min_tokens"] == 10
 
 
 def test_stop_string_across_pieces_is_cut_and_never_sent_in_part():
@@ -106,15 +141,91 @@ def test_chat_chunks_have_one_role_the_routers_id_and_usage_once():
     assert answer["choices"][0]["message"]["content"] == " a b" and answer["object"] == "chat.completion"
 
 
+def logprobs(tokens, first_offset=0):
+    """A completions stream chunk's logprobs as vLLM writes them: text_offset goes on within
+    the stream by each token's string."""
+    offsets = []
+    for token in tokens:
+        offsets.append(first_offset)
+        first_offset += len(token)
+    return {"text_offset": offsets, "token_logprobs": [-1.0] * len(tokens), "tokens": list(tokens),
+            "top_logprobs": [None] * len(tokens)}
+
+
 def test_completion_answer_merges_logprobs_with_offsets():
     c = ClientStream("cmpl-3", False, "m", want_ids=False, want_usage=True)
     a, b = piece("xy", [1]), piece("z", [2], finish="length")
-    a.logprobs = {"text_offset": [0], "token_logprobs": [-1.0], "tokens": ["xy"], "top_logprobs": [None]}
-    b.logprobs = {"text_offset": [0], "token_logprobs": [-2.0], "tokens": ["z"], "top_logprobs": [None]}
+    a.logprobs, b.logprobs = logprobs(["xy"]), logprobs(["z"], 2)
+    b.logprobs["token_logprobs"] = [-2.0]
+    c.begin_leg()
     c.add(a)
     c.add(b)
     lp = c.answer()["choices"][0]["logprobs"]
     assert lp["text_offset"] == [0, 2] and lp["token_logprobs"] == [-1.0, -2.0]
+
+
+def test_logprobs_offsets_go_on_across_legs_streamed_and_in_the_answer():
+    # each leg's offsets start at 0; the client's go on from where the last token's string ended
+    # (a special token's string counts, though the text skips it: as one vLLM stream's would)
+    c = ClientStream("cmpl-4", False, "m", want_ids=False, want_usage=True, stops=["QQQ"])
+    c.begin_leg()
+    first = [piece("ab", [1]), piece(" c", [2]), piece("", [3])]
+    for p, lp in zip(first, (logprobs(["ab"]), logprobs([" c"], 2), logprobs(["<x>"], 4))):
+        p.logprobs = lp
+    out = b"".join(c.add(p) for p in first)
+    c.begin_leg()  # a hand-off: the resumed leg's stream starts again at 0
+    second = [piece("de", [4, 5]), piece("f", [6], finish="length")]
+    second[0].logprobs, second[1].logprobs = logprobs(["d", "e"]), logprobs(["f"], 2)
+    out += b"".join(c.add(p) for p in second) + c.end()
+    streamed = [o for e in events(out) if e["choices"] and e["choices"][0]["logprobs"]
+                for o in e["choices"][0]["logprobs"]["text_offset"]]
+    assert streamed == [0, 2, 4, 7, 8, 9]
+    assert c.answer()["choices"][0]["logprobs"]["text_offset"] == [0, 2, 4, 7, 8, 9]
+    assert c.text == "ab cdef"
+
+
+def test_a_stop_string_counts_only_past_min_tokens():
+    c = ClientStream("cmpl-5", False, "m", want_ids=True, want_usage=False, stops=["ab"], min_tokens=2)
+    for text, ids in (("ab", [1]), ("c", [2]), ("ab", [3]), ("z", [4])):
+        c.add(piece(text, ids))
+    assert c.text == "abc" and c.token_ids == [1, 2, 3] and c.stop_reason == "ab"
+    # one that ends in the min_tokens-th token's text does not count, one that ends after does
+    # (the text searched starts in the earlier tokens', as vLLM's does)
+    c = ClientStream("cmpl-6", False, "m", want_ids=False, want_usage=False, stops=["ab"], min_tokens=1)
+    c.add(piece("ab", [1]))
+    c.add(piece("xa", [2]))
+    assert not c.finished
+    c.add(piece("b", [3]))
+    assert c.text == "abx" and c.finish_reason == "stop"
+    # the min_tokens-th token inside a piece of several: its logprobs' tokens say where it ends
+    c = ClientStream("cmpl-7", False, "m", want_ids=True, want_usage=False, stops=["ab"], min_tokens=2)
+    p = piece("abab", [1, 2, 3])
+    p.logprobs = logprobs(["a", "b", "ab"])
+    c.add(p)
+    assert c.text == "ab" and c.token_ids == [1, 2, 3] and c.finish_reason == "stop"
+    assert streams.ClientStream("x", False, "m", False, False).min_tokens == 0
+
+
+def test_tokens_after_the_one_that_completes_a_stop_string_are_dropped():
+    c = ClientStream("cmpl-8", False, "m", want_ids=True, want_usage=True, stops=["STOP"])
+    p = piece("abSTOPcd", [1, 2, 3, 4])
+    p.logprobs = logprobs(["ab", "ST", "OP", "cd"])
+    evs = events(c.add(p))
+    assert c.text == "ab" and c.token_ids == [1, 2, 3] and c.usage()["completion_tokens"] == 3
+    assert evs[-1]["choices"][0]["token_ids"] == [1, 2, 3]
+    assert evs[-1]["choices"][0]["logprobs"]["tokens"] == ["ab", "ST", "OP"]
+    assert c.answer()["choices"][0]["logprobs"]["text_offset"] == [0, 2, 4]
+    # without each token's text (no logprobs) the tokens of the piece stay: which one completed
+    # the stop string is unknown
+    c = ClientStream("cmpl-9", False, "m", want_ids=True, want_usage=True, stops=["STOP"])
+    c.add(piece("abSTOPcd", [1, 2, 3, 4]))
+    assert c.text == "ab" and c.token_ids == [1, 2, 3, 4]
+
+
+def test_of_two_stop_strings_the_one_that_ends_first_stops():
+    c = ClientStream("cmpl-10", False, "m", want_ids=False, want_usage=False, stops=["abc", "b"])
+    c.add(piece("abc", [1]))
+    assert c.text == "a" and c.stop_reason == "b"
 
 
 def test_backend_chunks_of_both_apis_parse():

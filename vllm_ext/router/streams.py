@@ -9,13 +9,16 @@ format: the router's request id, one role chunk (chat), token ids only if it ask
 
 Stop strings are the router's, not the backends' (they are not sent to them): a stop string
 may straddle a hand-off, and a backend holds back the text that might begin one, which an
-abort would lose. The router applies them as vLLM does: the text ends before the stop string
-(or after it, with include_stop_str_in_output), finish_reason "stop", stop_reason the string,
-and text that may begin a stop string is held back until it cannot.
+abort would lose. The router applies them as vLLM does: once past min_tokens tokens, the text
+ends before the stop string (or after it, with include_stop_str_in_output), finish_reason
+"stop", stop_reason the string, no token after the one that completes it (where the router can
+tell which: ClientStream._find_stop), and text that may begin a stop string is held back until
+it cannot.
 """
 
 import json
 import time
+from bisect import bisect_left
 from typing import Any, Dict, List, Optional
 
 # Sampling fields a resumed leg carries over unchanged (they mean the same on the destination,
@@ -33,7 +36,24 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's default for /v1/completions
 
 
 def not_migratable(body: Dict[str, Any], chat: bool) -> Optional[str]:
-    """Why a request cannot move between instances (None: it can)."""
+    """Why a request cannot move between instances (None: it can). It is then relayed as is, and
+    its instance answers a malformed one."""
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        return "stream_options: expected an object"
+    if opts and not body.get("stream"):
+        return "stream_options without stream"
+    if opts and any(opts.get(name) not in (None, True, False) for name in ("include_usage", "continuous_usage_stats")):
+        return "stream_options: expected booleans"
+    if opts and opts.get("continuous_usage_stats"):
+        return "stream_options.continuous_usage_stats: the router sends usage once"
+    for name in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        if body.get(name) is not None and (not isinstance(body[name], int) or isinstance(body[name], bool)):
+            return f"{name}: expected an integer"
+    if body.get("echo"):
+        # vLLM blanks an echoed prompt under return_token_ids (which every leg has) and counts its
+        # tokens as output; a resumed leg's prompt is another
+        return "echo is not carried across a hand-off"
     if body.get("n", 1) not in (1, None):
         return "n > 1"
     if body.get("best_of") not in (None, 1) or body.get("use_beam_search"):
@@ -65,12 +85,28 @@ def seeded_random(body: Dict[str, Any]) -> bool:
 
 
 def max_new_tokens(body: Dict[str, Any], chat: bool) -> Optional[int]:
-    """The client's output limit (None: up to the model's length)."""
+    """The client's output limit (None: up to the model's length). As in vLLM, a null limit is
+    an absent one: chat's max_completion_tokens falls back to max_tokens, completions' to 16."""
     if chat:
-        value = body.get("max_completion_tokens", body.get("max_tokens"))
+        value = body.get("max_completion_tokens")
+        if value is None:
+            value = body.get("max_tokens")
     else:
-        value = body.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+        value = body.get("max_tokens")
+        if value is None:
+            value = DEFAULT_COMPLETION_MAX_TOKENS
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def max_model_len(models: Any, model: Optional[str] = None) -> Optional[int]:
+    """The max_model_len of `model` (None: the first model) in an instance's /v1/models answer
+    (None when it does not say)."""
+    data = models.get("data") if isinstance(models, dict) else None
+    for card in data if isinstance(data, list) else []:
+        if isinstance(card, dict) and (model is None or card.get("id") == model):
+            value = card.get("max_model_len")
+            return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    return None
 
 
 def first_leg_body(body: Dict[str, Any], params: Dict[str, Any]) -> Dict[str, Any]:
@@ -82,17 +118,26 @@ def first_leg_body(body: Dict[str, Any], params: Dict[str, Any]) -> Dict[str, An
 
 
 def resume_leg_body(body: Dict[str, Any], chat: bool, token_ids: List[int], generated: int,
-                    params: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+                    params: Optional[Dict[str, Any]], max_model_len: Optional[int] = None) -> Dict[str, Any]:
     """A /v1/completions body that continues the request from `token_ids` (prompt + the
-    `generated` tokens the client got)."""
+    `generated` tokens the client got).
+
+    A client without a limit goes on up to the model's length. vLLM's /v1/completions reads a
+    missing or null max_tokens as 16 and refuses one above max_model_len, and clamps one up to it
+    to what the prompt leaves: the leg asks for `max_model_len` (the destination's, from its
+    /v1/models); without it, for len(token_ids), the most that every instance able to run the
+    leg accepts (the leg may then end "length" before the model's length)."""
     leg = {name: body[name] for name in CARRIED if name in body}
     leg.update(model=body.get("model"), prompt=list(token_ids), stream=True,
                stream_options={"include_usage": True}, return_token_ids=True)
     limit = max_new_tokens(body, chat)
+    min_left = max(body["min_tokens"] - generated, 0) if body.get("min_tokens") else 0
     if limit is not None:
         leg["max_tokens"] = max(limit - generated, 1)
+    else:
+        leg["max_tokens"] = max(max_model_len or len(token_ids), min_left, 1)
     if body.get("min_tokens"):
-        leg["min_tokens"] = max(body["min_tokens"] - generated, 0)
+        leg["min_tokens"] = min_left
     if params is not None and seeded_random(body):
         params = dict(params, sampled_tokens=generated)  # the destination's stream skips their draws
     if params is not None:
@@ -140,15 +185,33 @@ def parse_chunk(data: Dict[str, Any]) -> Piece:
     return piece
 
 
-def _merge_logprobs(into: Optional[Dict[str, list]], more: Optional[Dict[str, list]], offset: int):
+LOGPROBS_KEYS = ("text_offset", "token_logprobs", "tokens", "top_logprobs")
+
+
+def _merge_logprobs(into: Optional[Dict[str, list]], more: Optional[Dict[str, list]]):
     if more is None:
         return into
     if into is None:
-        into = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
-    into["text_offset"].extend(o + offset for o in more.get("text_offset") or [])
-    for key in ("token_logprobs", "tokens", "top_logprobs"):
+        into = {key: [] for key in LOGPROBS_KEYS}
+    for key in LOGPROBS_KEYS:
         into[key].extend(more.get(key) or [])
     return into
+
+
+def _token_ends(piece: Piece, start: int) -> Optional[List[int]]:
+    """Where each of `piece`'s tokens ends in the client's text (its text starts at `start`):
+    known for one token, or for several when its logprobs' tokens spell its text; else None."""
+    if len(piece.token_ids) == 1:
+        return [start + len(piece.text)]
+    tokens = piece.logprobs.get("tokens") if isinstance(piece.logprobs, dict) else None
+    if not piece.token_ids or not isinstance(tokens, list) or len(tokens) != len(piece.token_ids) \
+            or not all(isinstance(t, str) for t in tokens) or "".join(tokens) != piece.text:
+        return None
+    ends = []
+    for token in tokens:
+        start += len(token)
+        ends.append(start)
+    return ends
 
 
 def stop_strings(body: Dict[str, Any]) -> List[str]:
@@ -162,11 +225,12 @@ class ClientStream:
     """The client's view of one request: what it got so far, and its chunks in its format."""
 
     def __init__(self, request_id: str, chat: bool, model: str, want_ids: bool, want_usage: bool,
-                 stops: Optional[List[str]] = None, include_stop: bool = False):
+                 stops: Optional[List[str]] = None, include_stop: bool = False, min_tokens: int = 0):
         self.request_id, self.chat, self.model = request_id, chat, model
         self.want_ids, self.want_usage = want_ids, want_usage
         self.stops = list(stops or [])
         self.include_stop = include_stop
+        self.min_tokens = min_tokens or 0  # stop strings count only once past this many tokens
         # text that may begin a stop string is held back (as vLLM's detokenizer does)
         self._hold = 0 if include_stop or not self.stops else max(len(x) for x in self.stops) - 1
         self.created = int(time.time())
@@ -180,6 +244,15 @@ class ClientStream:
         self.finish_reason = None
         self.stop_reason = None
         self._started = False
+        self._leg_offset = 0  # added to the current leg's text_offset (begin_leg)
+        self._next_offset = 0  # the text_offset that follows the last token's
+
+    def begin_leg(self) -> None:
+        """A new leg starts: its text_offset (from 0, as each vLLM stream's) go on from the
+        previous legs'. vLLM advances them by each token's string, not by the text: the base is
+        where the last token's string ends (len(self.text) unless a token's string is not its
+        text: a special token skipped, a character in several tokens)."""
+        self._leg_offset = self._next_offset
 
     @property
     def finished(self) -> bool:
@@ -201,51 +274,75 @@ class ClientStream:
         return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}, extra)
 
-    def _find_stop(self, searched_from: int) -> None:
+    def _find_stop(self, piece: Piece, before: int, count: int) -> Optional[int]:
+        """Applies a stop string that `piece` (its text from `before`, after `count` tokens)
+        completes, as vLLM's detokenizer does: only one that ends past the text of the
+        min_tokens-th token, the one that ends first. How many of its tokens the client keeps:
+        up to the one whose text completes the stop string; None (all of them) when its tokens'
+        texts are unknown (several tokens, no logprobs that spell the text)."""
+        if count + len(piece.token_ids) <= self.min_tokens:
+            return None
+        ends = _token_ends(piece, before)
+        searched_from = before
+        if count < self.min_tokens and ends is not None:
+            searched_from = ends[self.min_tokens - count - 1]
+        # the min_tokens-th token's end unknown: the whole piece is searched (the client then gets
+        # all its tokens, more than min_tokens)
         best = None
         for stop in self.stops:
             at = self.text.find(stop, max(0, searched_from - len(stop) + 1))
-            if at != -1 and (best is None or at < best[0]):
+            if at != -1 and (best is None or at + len(stop) < best[0] + len(best[1])):
                 best = (at, stop)
-        if best is not None:
-            at, stop = best
-            self.text = self.text[:at + len(stop) if self.include_stop else at]
-            self.finish_reason, self.stop_reason = "stop", stop
+        if best is None:
+            return None
+        at, stop = best
+        self.text = self.text[:at + len(stop) if self.include_stop else at]
+        self.finish_reason, self.stop_reason = "stop", stop
+        return None if ends is None else bisect_left(ends, at + len(stop)) + 1
 
     def add(self, piece: Piece) -> bytes:
         """Records what the client gets of `piece`; its chunk (b"" when nothing to send). After
         a finish (the backend's or a stop string's) nothing more is taken."""
         if self.finished:
             return b""
-        before = len(self.text)
+        before, count = len(self.text), len(self.token_ids)
         self.text += piece.text
-        self.token_ids.extend(piece.token_ids)
-        if piece.token_ids:
+        token_ids, logprobs = piece.token_ids, piece.logprobs
+        if not self.chat and isinstance(logprobs, dict):
+            logprobs = dict(logprobs, text_offset=[o + self._leg_offset for o in logprobs.get("text_offset") or []])
+        kept = self._find_stop(piece, before, count) if self.stops and piece.text else None
+        if kept is not None:
+            token_ids = token_ids[:kept]
+            if isinstance(logprobs, dict):
+                logprobs = {key: value[:kept] if isinstance(value, list) else value for key, value in logprobs.items()}
+        self.token_ids.extend(token_ids)
+        if token_ids:
             now = time.monotonic()
             if self.last_token_at is not None:
                 self.last_gap_s = now - self.last_token_at
             self.last_token_at = now
-        if not self.chat:
-            self.logprobs = _merge_logprobs(self.logprobs, piece.logprobs, before)
-        if self.stops and piece.text:
-            self._find_stop(before)
+        if not self.chat and isinstance(logprobs, dict):
+            self.logprobs = _merge_logprobs(self.logprobs, logprobs)
+            offsets, tokens = logprobs["text_offset"], logprobs.get("tokens")
+            if offsets and isinstance(tokens, list) and len(tokens) == len(offsets) and isinstance(tokens[-1], str):
+                self._next_offset = offsets[-1] + len(tokens[-1])
         if not self.finished and piece.finish_reason is not None:
             self.finish_reason, self.stop_reason = piece.finish_reason, piece.stop_reason
         upto = len(self.text) if self.finished else max(self._sent, len(self.text) - self._hold)
         text, self._sent = self.text[self._sent:upto], max(self._sent, upto)
-        if not text and not piece.token_ids and not self.finished:
+        if not text and not token_ids and not self.finished:
             return b""
         out = self.start()
         if self.chat:
             choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": self.finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": piece.logprobs, "finish_reason": self.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
             if self.want_ids:
                 choice["prompt_token_ids"] = None if self._started else self.prompt_token_ids
         if self.finished:
             choice["stop_reason"] = self.stop_reason
         if self.want_ids:
-            choice["token_ids"] = piece.token_ids
+            choice["token_ids"] = token_ids
         self._started = True
         return out + self._chunk(choice)
 
