@@ -522,3 +522,34 @@ def test_migrate_refuses_a_destination_that_is_down_or_draining_and_undrain_ends
     (s1, m1), (s2, m2), (s3, drained) = asyncio.run(go())
     assert (s1, s2) == (409, 409) and m1.endswith("is draining") and m2.endswith("is down"), (m1, m2)
     assert s3 == 409 and drained["undrained"] is True and drained["left"] == ["c"]
+
+
+def test_a_request_without_a_limit_resumes_up_to_the_destinations_model_length():
+    """A chat request without max_tokens: its resumed leg (a /v1/completions request, whose
+    default is 16 tokens) asks for the destination's max_model_len, from its /v1/models."""
+    from vllm_ext.router import app as router_app
+    from vllm_ext.router.streams import ClientStream
+
+    async def go():
+        router = router_app.Router(["http://127.0.0.1:9", "http://127.0.0.1:10"], None, Settings())
+        a, b = router.instances
+        b.models = {"object": "list", "data": [{"id": "other", "max_model_len": 64},
+                                               {"id": "m", "max_model_len": 4096}]}
+        sent = []
+
+        async def fake_open(routed, inst, url, body, first_token=False):
+            sent.append(body)
+            routed.instance, routed.leg = inst, _Leg()
+        router._open = fake_open
+        client = ClientStream("c", True, "m", want_ids=False, want_usage=False)
+        client.prompt_token_ids, client.token_ids = [1, 2, 3], [4]
+        routed = router_app.Routed("c", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, True,
+                                   client, None)
+        routed.instance = a
+        await router_app._Driver(router, routed).resume(b.url, None)
+        await router._recover(routed, prefer_source=True)  # where it is, B, first
+        return sent
+
+    resumed, recovered = asyncio.run(go())
+    assert resumed["prompt"] == [1, 2, 3, 4] and resumed["max_tokens"] == 4096
+    assert recovered["max_tokens"] == 4096

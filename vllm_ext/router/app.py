@@ -102,10 +102,15 @@ class Instance:
         self.migrating_out = 0
         self.metrics: Dict[str, float] = {}
         self.sampler: Optional[str] = None  # its lease channel's answer, until it is marked down
+        self.models: Optional[Dict[str, Any]] = None  # its /v1/models answer, until it is marked down
 
     @property
     def load(self) -> int:
         return len(self.requests)
+
+    def max_model_len(self, body: Dict[str, Any]) -> Optional[int]:
+        """The model length it serves `body`'s model with (None: not known yet)."""
+        return streams.max_model_len(self.models, body.get("model")) if self.models is not None else None
 
     def describe(self) -> Dict[str, Any]:
         return {"url": self.url, "lease": self.lease, "healthy": self.healthy, "draining": self.draining,
@@ -231,7 +236,8 @@ class Router:
         client = ClientStream(rid, chat, str(body.get("model", "")), bool(body.get("return_token_ids")),
                               want_usage=not body.get("stream") or bool(opts.get("include_usage")),
                               stops=streams.stop_strings(body),
-                              include_stop=bool(body.get("include_stop_str_in_output")))
+                              include_stop=bool(body.get("include_stop_str_in_output")),
+                              min_tokens=body.get("min_tokens") or 0)
         routed = Routed(rid, body, chat, client, None)
         self.requests[rid] = routed
         try:
@@ -360,6 +366,7 @@ class Router:
         if routed.instance is not None:
             routed.instance.requests.pop(routed.rid, None)
         routed.instance, routed.leg, routed.pushback = inst, r, pushback
+        routed.client.begin_leg()
         inst.requests[routed.rid] = routed
         routed.stop_now = routed.stop_after_token = False
 
@@ -473,7 +480,7 @@ class Router:
             else:
                 url = inst.url + "/v1/completions"
                 body = streams.resume_leg_body(routed.body, routed.chat, routed.tokens(), len(client.token_ids),
-                                               {"migration_id": routed.mid})
+                                               {"migration_id": routed.mid}, inst.max_model_len(routed.body))
             try:
                 await self._open(routed, inst, url, body, first_token=not again)
                 if again:
@@ -491,7 +498,7 @@ class Router:
         if inst.healthy:
             logger.warning("instance %s is down (%s: %s)", inst.url, type(e).__name__, e)
         inst.healthy = False
-        inst.sampler = None  # it may come back with another configuration
+        inst.sampler = inst.models = None  # it may come back with another configuration
 
     async def _sampler(self, inst: Instance) -> str:
         """How `inst` draws seeded requests' numbers ("" when it cannot say)."""
@@ -612,6 +619,10 @@ class Router:
                                 metrics[name.split(":")[1]] = metrics.get(name.split(":")[1], 0.0) + float(
                                     line.rsplit(" ", 1)[1])
                     inst.metrics = metrics
+                    if inst.models is None:  # what a resumed leg of a request without a limit may ask
+                        async with self.session.get(inst.url + "/v1/models",
+                                                    timeout=aiohttp.ClientTimeout(total=5)) as r:
+                            inst.models = await r.json() if r.status == 200 else None
                     if not inst.healthy:
                         logger.info("instance %s is back", inst.url)
                     inst.healthy, inst.failed_polls = True, 0
@@ -842,7 +853,8 @@ class _Driver:
         trace is asked for with the resume and usually answers before the first token arrives."""
         routed = self.routed
         inst = self.router._by_url[destination]
-        body = streams.resume_leg_body(routed.body, routed.chat, routed.tokens(), len(routed.client.token_ids), params)
+        body = streams.resume_leg_body(routed.body, routed.chat, routed.tokens(), len(routed.client.token_ids), params,
+                                       inst.max_model_len(routed.body))
         checked = params is not None and "remote_lease" in params  # it loads KV, vouched for by the trace
         if checked:  # under the salt of the pre-copies' blocks (a recompute reads the prefix cache as any request)
             body["cache_salt"] = self.cache_salt
