@@ -1026,8 +1026,9 @@ def test_a_resumes_failed_load_is_unsafe_only_with_a_step_in_flight(async_schedu
             sched.update_state_after_alloc(req, dst, 40)
         sched.build_connector_meta()
         sched.update_connector_output(SimpleNamespace(invalid_block_ids={5, 30}, kv_connector_worker_meta=None))
-        assert client.trace(resumed, 5).unsafe is async_scheduling
-        assert client.trace(other, 5).unsafe is False
+        reply = client.trace(resumed, 5)
+        assert reply.unsafe is async_scheduling and reply.load_failed is True
+        assert client.trace(other, 5).unsafe is False and client.trace(other, 5).load_failed is False
     finally:
         if client is not None:
             client.close()
@@ -1081,7 +1082,8 @@ def test_a_trace_asked_with_the_resume_answers_once_the_load_before_its_first_st
             engine_step()
             t.join(10)
             reply = answer["reply"]
-            assert reply.settled and reply.unsafe is (case == "failed") and reply.scheduled_s >= reply.seen_s
+            assert reply.settled and reply.unsafe is reply.load_failed is (case == "failed"), reply
+            assert reply.scheduled_s >= reply.seen_s
             if case == "loaded":  # the pull did happen, before the answer
                 for mine, theirs in zip(caches.values(), p_worker.cache.layers):
                     for src, dst_block in zip(params["remote_block_ids"], [4, 5, 6]):

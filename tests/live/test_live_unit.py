@@ -49,8 +49,10 @@ class FakeSource:
 
 
 class FakeDriver:
-    def __init__(self, source, seen=None, resume_ok=True, load_ok=True, running=True, refusal=None):
+    def __init__(self, source, seen=None, resume_ok=True, load_ok=True, running=True, refusal=None,
+                 load_failed=False):
         self.source, self.seen, self.resume_ok, self.load_ok = source, seen, resume_ok, load_ok
+        self.resume_load_failed = load_failed
         self.running, self.refusal = running, refusal
         self.loads, self.resumed, self.stops, self.done = [], [], 0, False
         self.last_token = None
@@ -84,6 +86,9 @@ class FakeDriver:
     async def resume_trace(self, destination):
         self.traced = destination
         return {"to_first_token_ms": 1.0}
+
+    def load_failed(self):
+        return self.resume_load_failed
 
 
 def run(source, driver, **kw):
@@ -188,6 +193,17 @@ def test_a_destination_that_does_not_resume_fails_the_migration():
     assert drv.traced is None and rec.resume_spans is None  # no resume to trace
 
 
+def test_a_resume_whose_load_failed_is_recorded_as_recomputed():
+    """The destination recomputed the final lease's blocks in place (its trace said the load
+    failed): the request did resume, but nothing moved; the record says so."""
+    src = FakeSource(list(range(3, 40)), per_stage=12)
+    drv = FakeDriver(src, load_failed=True)
+    rec = run(src, drv)
+    assert "remote_lease" in drv.resumed[0]
+    assert rec.outcome == live.Outcome.RECOMPUTED and rec.moved_tokens == 0 and "load of the final lease" in rec.reason
+    assert rec.recomputed_tokens == rec.stop_tokens and src.ended == 1
+
+
 @pytest.mark.parametrize("theirs,ours,want", [([1, 2, 3, 4], [1, 2, 3, 4, 5], 4), ([1, 2, 9, 4], [1, 2, 3, 4], 2),
                                               ([1, 2, 3, 4, 5], [1, 2], 2)])
 def test_agreed_tokens(theirs, ours, want):
@@ -196,7 +212,7 @@ def test_agreed_tokens(theirs, ours, want):
 
 def test_resume_spans_split_the_resume_at_the_destinations_times():
     trace = protocol.MigrateTraceReply(arrival_s=100.004, seen_s=100.010, scheduled_s=100.0105, unsafe=False,
-                                       settled=True)
+                                       settled=True, load_failed=False)
     assert live.resume_spans(100.0, trace, 100.025) == {
         "to_api_server_ms": 4.0, "to_scheduler_ms": 6.0, "to_scheduled_ms": 0.5, "to_first_token_ms": 14.5}
     # a resume that loaded KV: its first token also waited for the trace that vouches for the load

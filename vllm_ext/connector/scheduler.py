@@ -600,7 +600,7 @@ class SchedulerHalf:
                 raise ValueError(f"migration {mid[:8]}: no request here carried it lately, or it is not scheduled "
                                  "yet")
             return protocol.MigrateTraceReply(*trace[:3], unsafe=trace[3] and self.failed_load_is_unsafe(),
-                                              settled=settled)
+                                              settled=settled, load_failed=trace[3])
 
     def failed_load_is_unsafe(self) -> bool:
         """Whether a resumed request whose first load failed may have had wrong tokens sent."""

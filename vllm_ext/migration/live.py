@@ -136,6 +136,10 @@ class Driver(Protocol):
     async def resume_trace(self, destination: str) -> Optional[Dict[str, float]]:
         """After a resume: resume_spans() of it (None when the destination cannot say)."""
 
+    def load_failed(self) -> bool:
+        """After a resume that loaded a lease: the destination said the load failed and it
+        recomputed those blocks in place (False when it cannot say)."""
+
 
 def lease_params(lease: MigrationLease, lease_host: str, lease_port: int, num_tokens: int,
                  migration_id: Optional[str] = None) -> Dict[str, Any]:
@@ -329,6 +333,9 @@ async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_
     record.state = "done"
     if ok:
         record.outcome = Outcome.MOVED if params and "remote_lease" in params else Outcome.RECOMPUTED
+        if record.outcome is Outcome.MOVED and driver.load_failed():
+            record.outcome, record.moved_tokens = Outcome.RECOMPUTED, 0
+            record.reason = "the destination's load of the final lease failed: it recomputed the KV in place"
     else:
         record.outcome, record.reason = Outcome.FAILED, record.reason or "the destination did not resume it"
     await _end(source, mid, record)

@@ -210,6 +210,7 @@ _FIELD_CHECKS.update(geometry=_check_geometry, uids=_check_uids, handle=_check_h
                      descriptor=_check_object("descriptor"), fingerprint_fields=_check_object("fingerprint_fields"),
                      intact=lambda v: _check_bool("intact", v), running=lambda v: _check_bool("running", v),
                      unsafe=lambda v: _check_bool("unsafe", v), settled=lambda v: _check_bool("settled", v),
+                     load_failed=lambda v: _check_bool("load_failed", v),
                      wait_s=lambda v: _check_number("wait_s", v, 0, MAX_TRACE_WAIT_S, zero=True),
                      migration_id=lambda v: _check_hex("migration_id", v, 16),
                      block_size=lambda v: _check_int("block_size", v, 1, 1 << 20),
@@ -455,10 +456,10 @@ class MigrateTrace(Message):
 class MigrateTraceReply(Message):
     """Wall-clock times (time.time()) of the request's arrival at vLLM's API server, of the
     scheduler's first look at it and of its first scheduling. `settled`: it is scheduled and, if
-    KV was loaded before its first step, the load's result is in, so `unsafe` is final. `unsafe`:
-    that load failed while the engine had its next step in flight already (asynchronous
-    scheduling): vLLM recomputes the blocks, but that step ran on them, so the request's first
-    tokens may be wrong."""
+    KV was loaded before its first step, the load's result is in, so `load_failed` and `unsafe`
+    are final. `load_failed`: that load failed (vLLM recomputes the blocks in place). `unsafe`:
+    it failed while the engine had its next step in flight already (asynchronous scheduling):
+    that step ran on the bad blocks, so the request's first tokens may be wrong."""
 
     op: ClassVar[str] = "migrate.trace.reply"
     arrival_s: float
@@ -466,6 +467,7 @@ class MigrateTraceReply(Message):
     scheduled_s: float
     unsafe: bool
     settled: bool
+    load_failed: bool
 
 
 @dataclasses.dataclass(frozen=True)

@@ -883,6 +883,9 @@ class _Driver:
         routed.resumed.set()
         return True
 
+    def load_failed(self) -> bool:
+        return self.trace is not None and self.trace.load_failed
+
     async def _load_check(self, inst: Instance, early) -> Optional[protocol.MigrateTraceReply]:
         """The trace that vouches for the resume's load, at its first token: the one asked with
         the resume when it is in and settled (the load's step reports before its token leaves
