@@ -553,3 +553,49 @@ def test_a_request_without_a_limit_resumes_up_to_the_destinations_model_length()
     resumed, recovered = asyncio.run(go())
     assert resumed["prompt"] == [1, 2, 3, 4] and resumed["max_tokens"] == 4096
     assert recovered["max_tokens"] == 4096
+
+
+def test_a_request_that_cannot_move_is_listed_with_its_reason_while_it_runs(monkeypatch):
+    """n > 1 is relayed as is; GET /requests lists it, unmovable and why, until it ends."""
+    monkeypatch.setenv(ENV_TOKEN, "s3cret")
+    admin = {"Authorization": "Bearer s3cret"}
+    release = asyncio.Event()
+    got = []
+
+    async def slow(request):
+        got.append(await request.json())
+        await release.wait()
+        return web.json_response({"id": "x", "choices": [{"index": i, "text": "a"} for i in range(2)]})
+
+    async def go():
+        rb, b = await _backend(slow)
+        runner = web.AppRunner(build_app([b], None, Settings(health_interval_s=60)))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                call = asyncio.ensure_future(s.post(url + "/v1/completions",
+                                                    json={"model": "m", "prompt": "hi", "n": 2, "max_tokens": 1}))
+                while not got:
+                    await asyncio.sleep(0.01)
+                async with s.get(url + "/requests", headers=admin) as r:
+                    during = await r.json()
+                async with s.get(url + "/instances", headers=admin) as r:
+                    load = (await r.json())[0]["load"]
+                release.set()
+                async with await call as r:
+                    answer = r.status, await r.json()
+                async with s.get(url + "/requests", headers=admin) as r:
+                    after = await r.json()
+                return during, load, answer, after
+        finally:
+            for x in (runner, rb):
+                await x.cleanup()
+
+    during, load, (status, body), after = asyncio.run(go())
+    (listed,) = during["running"]
+    assert listed["migratable"] is False and listed["why_not"] == "n > 1", listed
+    assert load == 1 and status == 200 and len(body["choices"]) == 2 and "kv_transfer_params" not in got[0]
+    assert after["running"] == [], after

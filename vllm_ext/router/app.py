@@ -175,6 +175,7 @@ class Router:
         self._by_url = {i.url: i for i in self.instances}
         self.requests: Dict[str, Routed] = {}
         self.history: List[Dict[str, Any]] = []  # finished migrations (the last 1000)
+        self.relayed: Dict[str, Dict[str, Any]] = {}  # requests that cannot move, by their key in Instance.requests
         self._next = itertools.count()
         self._token = os.environ.get(ENV_TOKEN) or None
         self.session: Optional[aiohttp.ClientSession] = None
@@ -230,7 +231,7 @@ class Router:
         reason = streams.not_migratable(body, chat)
         if reason is not None:
             logger.info("a request that cannot move (%s): relayed as is", reason)
-            return await self._relay(request, body)
+            return await self._relay(request, body, reason)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(16)
         opts = body.get("stream_options") or {}
         client = ClientStream(rid, chat, str(body.get("model", "")), bool(body.get("return_token_ids")),
@@ -255,11 +256,12 @@ class Router:
                 routed.leg.close()
                 routed.leg = None
 
-    async def _relay(self, request: web.Request, body: Dict[str, Any]) -> web.StreamResponse:
-        """A request that cannot move: relayed as is (its reason was logged)."""
+    async def _relay(self, request: web.Request, body: Dict[str, Any], reason: str) -> web.StreamResponse:
+        """A request that cannot move: relayed as is (listed by GET /requests with `reason`)."""
         for inst in self._candidates():
             key = "relay-" + secrets.token_hex(8)
             inst.requests[key] = None
+            self.relayed[key] = {"id": key, "instance": inst.url, "migratable": False, "why_not": reason}
             out = None
             try:
                 async with self.session.post(inst.url + request.path, json=body) as r:
@@ -279,6 +281,7 @@ class Router:
                 self._mark_down(inst, e)
             finally:
                 inst.requests.pop(key, None)
+                self.relayed.pop(key, None)
         return error(503, "no instance is reachable", "ServiceUnavailableError")
 
     async def _serve(self, request: web.Request, routed: Routed) -> web.StreamResponse:
@@ -648,7 +651,8 @@ class Router:
 
     async def admin_requests(self, request: web.Request) -> web.Response:
         return self._authorized(request) or web.json_response(
-            {"running": [r.describe() for r in self.requests.values()], "migrations": self.history[-100:]})
+            {"running": [r.describe() for r in self.requests.values()] + list(self.relayed.values()),
+             "migrations": self.history[-100:]})
 
     async def _admin_body(self, request: web.Request, fields):
         try:
