@@ -163,6 +163,30 @@ def downtime(stream, stop_tokens):
     return times[at + 1] - times[at] - itl, itl, around
 
 
+def plot_downtime(path, rows, modes, lengths) -> bool:
+    """The downtime per sequence length and way of moving (log-log, labelled ticks)."""
+    plt = report.pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ys = []
+    for mode in modes:
+        rs = [x for x in rows if x["mode"] == mode]
+        ys += [1e3 * max(x["downtime_s"], 1e-3) for x in rs]
+        ax.plot([x["tokens"] for x in rs], ys[len(ys) - len(rs):], "o-", label=mode)
+    ax.set(xscale="log", yscale="log", xlabel="tokens in the sequence", ylabel="downtime ms",
+           title="Live migration downtime (client side)")
+    ax.set_xticks(lengths, [str(v) for v in lengths])
+    ax.minorticks_off()
+    if ys:  # within a decade a log axis has no labelled tick of its own
+        lo, hi = min(ys) / 1.3, max(ys) * 1.3
+        ticks = [m * 10.0 ** e for e in range(-3, 7) for m in (1, 1.5, 2, 3, 5, 7) if lo <= m * 10.0 ** e <= hi]
+        ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+    ax.legend()
+    report.save_figure(plt, fig, path)
+    return True
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=report.DEFAULT_OUT)
@@ -403,20 +427,7 @@ def write_results(args, backend, cpu, result):
     print(markdown)
 
     def plot(path):
-        plt = report.pyplot()
-        if plt is None:
-            return False
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for mode in modes:
-            rs = [x for x in rows if x["mode"] == mode]
-            ax.plot([x["tokens"] for x in rs], [1e3 * max(x["downtime_s"], 1e-3) for x in rs], "o-", label=mode)
-        ax.set(xscale="log", yscale="log", xlabel="tokens in the sequence", ylabel="downtime ms",
-               title="Live migration downtime (client side)")
-        ax.set_xticks(args.lengths, [str(v) for v in args.lengths])
-        ax.minorticks_off()
-        ax.legend()
-        report.save_figure(plt, fig, path)
-        return True
+        return plot_downtime(path, rows, modes, args.lengths)
 
     report.write(args.out, report.stem("live-migration", cpu),
                  {"backend": backend, "device": args.device, "args": {k: str(v) for k, v in vars(args).items()},
