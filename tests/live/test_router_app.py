@@ -599,3 +599,47 @@ def test_a_request_that_cannot_move_is_listed_with_its_reason_while_it_runs(monk
     assert listed["migratable"] is False and listed["why_not"] == "n > 1", listed
     assert load == 1 and status == 200 and len(body["choices"]) == 2 and "kv_transfer_params" not in got[0]
     assert after["running"] == [], after
+
+
+def test_a_drain_moves_each_request_to_the_least_loaded_instance_with_no_migration_coming_in(monkeypatch):
+    """B is the least loaded but has a migration coming in: A's request goes to C."""
+    from vllm_ext.migration import live
+
+    monkeypatch.setenv(ENV_TOKEN, "t")
+    chosen = []
+
+    async def go():
+        backends = [await _backend(_empty) for _ in range(3)]  # up: the router's polls find them
+        app = build_app([url for _, url in backends], None, Settings(health_interval_s=60))
+        router = next(h.__self__ for r in app.router.routes() for h in [r.handler]
+                      if getattr(h, "__name__", "") == "admin_drain")
+        a, b, c = router.instances
+        b.migrating_in = 1
+        c.requests.update({"x": None, "y": None})
+        routed = _routed_on(router, a)
+        routed.leg = _Leg()
+        router.requests["c"] = a.requests["c"] = routed
+
+        def start_migration(routed_, dst, stages=None, recompute=False):
+            chosen.append(dst.url)
+            a.requests.pop(routed_.rid)
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(live.Record("ab" * 16, routed_.rid, a.url, dst.url, outcome=live.Outcome.MOVED))
+            return done
+        router.start_migration = start_migration
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            async with aiohttp.ClientSession(headers={"Authorization": "Bearer t"}) as s:
+                url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+                async with s.post(url + "/drain", json={"instance": a.url, "timeout_s": 10}) as r:
+                    return r.status, await r.json(), c.url
+        finally:
+            await runner.cleanup()
+            for r, _ in backends:
+                await r.cleanup()
+
+    status, body, c_url = asyncio.run(go())
+    assert status == 200 and body["left"] == [] and chosen == [c_url], (status, body, chosen)

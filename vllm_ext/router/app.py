@@ -706,7 +706,8 @@ class Router:
 
     async def admin_drain(self, request: web.Request) -> web.Response:
         """POST /drain {"instance", optional "timeout_s"}: no new requests go there; its running
-        requests move to the others (one at a time); those that cannot move finish in place.
+        requests move to the others (one at a time, each to the least loaded instance that has no
+        migration coming in); those that cannot move finish in place.
         Answers when it is empty, or with what is left after timeout_s (0: only marks it)."""
         denied = self._authorized(request)
         if denied:
@@ -724,13 +725,14 @@ class Router:
             candidates = [r for r in inst.requests.values()
                           if r is not None and not r.not_migratable and r.migration is None and r.leg is not None
                           and r.client.prompt_token_ids is not None and r.rid not in stayed]
-            targets = [i for i in self._candidates(exclude=(inst,)) if i.healthy]
+            # one migration in per destination at a time, as the balancer: a busy one is waited for
+            targets = [i for i in self._candidates(exclude=(inst,)) if i.healthy and not i.migrating_in]
             if not candidates or not targets:
                 await asyncio.sleep(0.05)
                 continue
             routed = candidates[0]
             try:
-                record = await asyncio.shield(self.start_migration(routed, targets[0]))
+                record = await asyncio.shield(self.start_migration(routed, min(targets, key=lambda i: i.load)))
                 moved.append(record.as_dict())
                 if record.outcome not in (live.Outcome.MOVED, live.Outcome.RECOMPUTED):  # not tried again:
                     stayed.add(routed.rid)  # one that ended leaves by itself, a failed one went elsewhere
