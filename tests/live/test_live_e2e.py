@@ -1,14 +1,15 @@
 """Live migration end to end, with real servers on 127.0.0.1: vLLM instances A and B (and C,
 started by the three-instance test; kv_both, kv_load_failure_policy "recompute", a small seeded
 random Llama with a word-level tokenizer, written by the test) behind the router, plus an
-instance address where nothing listens (a dead destination). On CPU (gloo) and, marked gpu, on
-one GPU (ipc; the harness's DEVICES).
+instance address where nothing listens (a dead instance, refused as a destination). On CPU
+(gloo) and, marked gpu, on one GPU (ipc; the harness's DEVICES).
 
 Every migrated request's greedy output equals a single instance's token for token (and its
-text, and usage counts the prompt once); so does a seeded sampled one's. Faults: a dead
-destination, a source and a destination killed during a migration and a stream broken under a
-request, a lease that expires before a slow destination pulls, corrupted KV caught by the block
-digests; drain and the balancer; at the end every live instance's KV usage is back to zero.
+text, and usage counts the prompt once); so does a seeded sampled one's. Faults: a destination
+known to be down, a source and a destination killed during a migration and a stream broken
+under a request, a lease that expires before a slow destination pulls, corrupted KV caught by
+the block digests; drain and the balancer; at the end every live instance's KV usage is back
+to zero.
 
 Deadlines (generous on purpose, never assertions on speed): start-up 420 s per server, each
 request 120 s. The module's tests share the servers, in order; the last ones kill C.
@@ -401,12 +402,25 @@ def test_requests_that_cannot_move_are_refused_by_name(cluster):
     s.first.wait(60)
     status, running = admin(cluster["router"], "/requests")
     finish([s])
-    # relayed as is (not held by the router): it never appears among the movable requests
+    # relayed as is (not held by the router): never among the movable requests (an unmovable one
+    # is listed under the router's relay key, with its reason)
     assert status == 200 and all(r["id"] != s.rid for r in running["running"]) and s.error is None
+    assert all(not r["migratable"] and r["why_not"] for r in running["running"] if r["id"].startswith("relay-"))
     assert s.rid.startswith("cmpl-") and len(s.ids) == 0  # the instance's own stream, untouched
 
 
 def test_migration_to_a_dead_destination_keeps_the_request(cluster):
+    """The router has marked the dead instance down: /migrate refuses it (409, naming `to`) and the
+    request goes on, unmoved, on its instance. (A destination that dies during a move is the
+    three-instance test's.)"""
+    deadline = time.monotonic() + 30
+    while True:  # the router's watch marks it down at its first failed poll
+        status, listed = admin(cluster["router"], "/instances")
+        assert status == 200, listed
+        if not next(i for i in listed if i["url"] == cluster["dead"])["healthy"]:
+            break
+        assert time.monotonic() < deadline, listed
+        time.sleep(0.2)
     prompt = prompts(19, (50,))[0]
     want_ids, _ = reference(cluster, prompt)
     results = []
@@ -414,9 +428,11 @@ def test_migration_to_a_dead_destination_keeps_the_request(cluster):
                                        "temperature": 0, "return_token_ids": True})
     s.at(5, migrate_async(cluster, to=cluster["dead"], results=results))
     s.start()
-    (status, record), = finish([s], results)
-    assert status == 200 and record["outcome"] == "failed", record
-    assert s.error is None and s.ids == want_ids  # resumed where it can be (recomputed)
+    (status, body), = finish([s], results)
+    assert status == 409 and "to" in body["error"]["message"] and "down" in body["error"]["message"], body
+    assert s.error is None and s.ids == want_ids
+    _, listed = admin(cluster["router"], "/requests")
+    assert not any(m["request_id"] == s.rid for m in listed["migrations"]), listed
     wait_idle(cluster)
 
 
@@ -442,6 +458,9 @@ def test_corrupted_kv_is_caught_and_recomputed(cluster):
     assert status == 200 and s.error is None and s.ids == want_ids, (record, s.error, divergence(s.ids, want_ids))
     after = {n: h.metrics(cluster[n].url).get("vllm:vllm_ext_digest_mismatches_total", 0) for n in "AB"}
     assert sum(after.values()) - sum(before.values()) == 2
+    # nothing moved: recomputed in place (one step at a time, CPU), or dropped and recomputed
+    # (a step in flight, GPU)
+    assert record["outcome"] == "failed" or (record["outcome"] == "recomputed" and record["moved_tokens"] == 0), record
     wait_idle(cluster)
 
 
@@ -542,11 +561,11 @@ def test_the_balancer_moves_load_off_the_busiest_instance(cluster):
 
 def test_three_instances_drain_and_instances_killed_mid_migration(cluster):
     """A third instance, C, and a router over all three: a drain of A spreads its requests over
-    B and C; then C is killed while it is the destination of a move from A (A has stopped the
-    request, C waits to pull its KV) and the source of another, a third request only streaming
-    from it: all three finish elsewhere with the unmigrated tokens, none lost or doubled, and
-    A's lease on the first one's blocks is let go."""
-    c = cluster["start"]("C", "1")
+    B and C; then C is killed while it is the source of a move to A (C has stopped the request,
+    A waits to pull it) and the destination of one from B (B has stopped it, C waits to pull
+    it), with a third request only streaming from it: all three finish elsewhere with the
+    unmigrated tokens, none lost or doubled, and B's lease on its blocks is let go."""
+    c = cluster["start"]("C", "0")  # the core of A, whose engine waits when B must step (below)
     c.wait_healthy()
     cluster["C"] = c
     # a fresh CPU server's first request takes seconds (lazy start-up): not in the first timed move
@@ -567,31 +586,46 @@ def test_three_instances_drain_and_instances_killed_mid_migration(cluster):
         finish(drained)
         assert [s.ids for s in drained] == refs and all(s.error is None for s in drained)
 
-        streams_ = pin_to(cluster, router, "C", lambda: start_streams(router, ps[:2], n), urls)
-        incoming = pin_to(cluster, router, "A", lambda: start_streams(router, ps[2:3], n), urls)
-        assert all(s.is_alive() for s in streams_ + incoming)
-        results, into_c = [], []
-        waiting = Path(f"{cluster['delay']}.C.waiting")
-        cluster["delay"].write_text("5")  # C waits before its pull: killed then
-        try:
-            migrate_async(cluster, to=c.url, results=into_c, router=router, stages=0)(incoming[0].rid)
-            deadline = time.monotonic() + 60
+        out_of = pin_to(cluster, router, "C", lambda: start_streams(router, ps[:1], n), urls)
+        incoming = pin_to(cluster, router, "B", lambda: start_streams(router, ps[2:3], n), urls)
+        assert all(s.is_alive() for s in out_of + incoming)
+        out_of_c, into_c = [], []
+
+        def held(name, stream):  # the pull of `name` waits (the delay fault): the move is under way
+            waiting, deadline = Path(f"{cluster['delay']}.{name}.waiting"), time.monotonic() + 60
             while not waiting.exists():
-                assert time.monotonic() < deadline and incoming[0].is_alive(), (
-                    "C did not start to pull", incoming[0].error, len(incoming[0].ids), into_c)
+                assert time.monotonic() < deadline and stream.is_alive(), (
+                    f"{name} did not start to pull", stream.error, len(stream.ids), into_c, out_of_c)
                 time.sleep(0.01)
-            migrate_async(cluster, to=cluster["A"].url, results=results, router=router)(streams_[0].rid)
-            time.sleep(0.01)
+
+        # each destination waits before its pull, its engine with it (C is killed then); a source
+        # must step within 2 s to grant its lease, so each move has a source that is not held, and
+        # B (the second source) has a core of its own while A's engine spins on its held worker
+        cluster["delay"].write_text("15")
+        try:
+            # C as the source: it has stopped its request, A waits to pull it from C
+            migrate_async(cluster, to=cluster["A"].url, results=out_of_c, router=router, stages=0)(out_of[0].rid)
+            held("A", out_of[0])
+            # a request only streaming from C (started now: it runs when C is killed)
+            streams_ = out_of + pin_to(cluster, router, "C", lambda: start_streams(router, ps[1:2], n), urls)
+            # C as the destination: B has stopped the request, C waits to pull it
+            migrate_async(cluster, to=c.url, results=into_c, router=router, stages=0)(incoming[0].rid)
+            held("C", incoming[0])
+            assert streams_[1].is_alive()
             c.kill()
-            (out_status, out_record), = finish(streams_ + incoming, results)
-            (status, record), = finish([], into_c)
+            (status, record), = finish(streams_ + incoming, into_c)
+            (out_status, out_record), = finish([], out_of_c)
         finally:
             cluster["delay"].unlink(missing_ok=True)
         assert all(s.error is None for s in streams_ + incoming), [s.error for s in streams_ + incoming]
         assert [s.ids for s in streams_ + incoming] == refs[:3]
         # the stop came, C never resumed it: continued (recomputed) where it was
         assert status == 200 and record["outcome"] == "failed" and record["destination"] == c.url, record
-        assert out_status == 200 and out_record["source"] == c.url, out_record  # that move was under way
+        # A's pull from the dead C failed: A recomputed it in place (an engine that schedules one
+        # step at a time; A's trace says the load failed), or the router dropped that leg and
+        # recomputed it (asynchronous scheduling); never recorded as moved
+        assert out_status == 200 and out_record["source"] == c.url and out_record["outcome"] in (
+            "recomputed", "failed") and out_record["stop_tokens"] > 0, out_record
     finally:
         router.stop()
     wait_idle(cluster, "AB")
