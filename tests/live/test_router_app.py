@@ -67,14 +67,10 @@ def run(calls, token=None, monkeypatch=None):
 
     async def main():
         app = build_app([dead_url()], None, Settings(health_interval_s=0.1))
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        runner, url = await _serving(app)
         try:
             async with aiohttp.ClientSession() as session:
-                return await calls(session, f"http://127.0.0.1:{port}")
+                return await calls(session, url)
         finally:
             await runner.cleanup()
     return asyncio.run(main())
@@ -353,16 +349,21 @@ async def _empty(request):
     return web.Response(text="")
 
 
-async def _backend(handler, metrics=_empty):
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/health", _empty)
+async def _serving(app):
+    """`app` served on a free port of 127.0.0.1: (its runner, to clean up; its URL)."""
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
+async def _backend(handler, metrics=_empty):
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", _empty)
+    return await _serving(app)
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -389,11 +390,8 @@ def test_a_request_whose_instance_dies_before_its_first_token_is_sent_again(stre
 
     async def go():
         (ra, a), (rb, b) = await _backend(dies), await _backend(answers)
-        runner = web.AppRunner(build_app([a, b], None, Settings(policy="round_robin", health_interval_s=60)))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1/completions"
+        runner, url = await _serving(build_app([a, b], None, Settings(policy="round_robin", health_interval_s=60)))
+        url += "/v1/completions"
         try:
             async with aiohttp.ClientSession() as s:
                 async with s.post(url, json={"model": "m", "prompt": [1, 2], "max_tokens": 1, "stream": stream,
@@ -491,11 +489,7 @@ def test_migrate_refuses_a_destination_that_is_down_or_draining_and_undrain_ends
         routed = _routed_on(router, a)
         routed.leg = _Leg()
         router.requests["c"] = a.requests["c"] = routed
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        runner, url = await _serving(app)
         out = []
         try:
             async with aiohttp.ClientSession(headers=auth) as s:
@@ -569,11 +563,7 @@ def test_a_request_that_cannot_move_is_listed_with_its_reason_while_it_runs(monk
 
     async def go():
         rb, b = await _backend(slow)
-        runner = web.AppRunner(build_app([b], None, Settings(health_interval_s=60)))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        runner, url = await _serving(build_app([b], None, Settings(health_interval_s=60)))
         try:
             async with aiohttp.ClientSession() as s:
                 call = asyncio.ensure_future(s.post(url + "/v1/completions",
@@ -627,13 +617,9 @@ def test_a_drain_moves_each_request_to_the_least_loaded_instance_with_no_migrati
             done.set_result(live.Record("ab" * 16, routed_.rid, a.url, dst.url, outcome=live.Outcome.MOVED))
             return done
         router.start_migration = start_migration
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
+        runner, url = await _serving(app)
         try:
             async with aiohttp.ClientSession(headers={"Authorization": "Bearer t"}) as s:
-                url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
                 async with s.post(url + "/drain", json={"instance": a.url, "timeout_s": 10}) as r:
                     return r.status, await r.json(), c.url
         finally:
