@@ -154,10 +154,13 @@ class _Content:
 
 class _Leg:
     def __init__(self):
-        self.content, self.closed = _Content(), False
+        self.content, self.closed, self.released = _Content(), False, False
 
     def close(self):
         self.closed = True
+
+    def release(self):
+        self.released = True
 
 
 class _Out:
@@ -629,3 +632,28 @@ def test_a_drain_moves_each_request_to_the_least_loaded_instance_with_no_migrati
 
     status, body, c_url = asyncio.run(go())
     assert status == 200 and body["left"] == [] and chosen == [c_url], (status, body, chosen)
+
+
+def test_a_broken_leg_is_closed_and_an_ended_one_released():
+    """The pump lets go of a leg's connection either way (a broken one left open stays in
+    aiohttp's hands, unclosed)."""
+    from vllm_ext.router import app as router_app
+    from vllm_ext.router.streams import ClientStream
+
+    async def pump(end):
+        router = router_app.Router(["http://127.0.0.1:9"], None, Settings())
+        client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
+        client.prompt_token_ids = [1, 2]
+        routed = router_app.Routed("c", {"model": "m"}, False, client, None)
+        leg = routed.leg = _Leg()
+        routed.instance = router.instances[0]
+        await leg.content.events.put(_token_event(7))
+        if end == "broken":
+            leg.content.set_exception(aiohttp.ClientPayloadError("cut"))
+        else:
+            await leg.content.events.put(b"")
+        how = await router._pump(routed, _Out())
+        return how, leg.closed, leg.released, client.token_ids, routed.leg
+
+    assert asyncio.run(pump("broken")) == ("broken", True, False, [], None)  # (the error comes first)
+    assert asyncio.run(pump("ended")) == ("ended", False, True, [7], None)

@@ -422,9 +422,11 @@ class Router:
                     continue
                 except (aiohttp.ClientError, aiohttp.http_exceptions.HttpProcessingError, asyncio.TimeoutError,
                         ConnectionError) as e:
+                    leg.close()  # its connection goes (aiohttp would keep it, unclosed)
                     self._mark_down(inst, e)
                     return self._pump_ended(routed, "broken")
                 if not event:  # EOF
+                    leg.release()
                     return self._pump_ended(routed, "ended")
                 lines = event.split(b"\n")
             line = lines.pop(0).strip()
