@@ -6,10 +6,10 @@ instance address where nothing listens (a dead instance, refused as a destinatio
 
 Every migrated request's greedy output equals a single instance's token for token (and its
 text, and usage counts the prompt once); so does a seeded sampled one's. Faults: a destination
-known to be down, a source and a destination killed during a migration and a stream broken
-under a request, a lease that expires before a slow destination pulls, corrupted KV caught by
-the block digests; drain and the balancer; at the end every live instance's KV usage is back
-to zero.
+known to be down, a source and a destination killed during a migration, a stream broken under
+a request, the router's connections to a live instance cut, a lease that expires before a slow
+destination pulls, corrupted KV caught by the block digests; drain and the balancer; at the end
+every live instance's KV usage is back to zero.
 
 Deadlines (generous on purpose, never assertions on speed): start-up 420 s per server, each
 request 120 s. The module's tests share the servers, in order; the last ones kill C.
@@ -18,6 +18,7 @@ request 120 s. The module's tests share the servers, in order; the last ones kil
 import json
 import os
 import random
+import socket
 import sys
 import threading
 import time
@@ -557,6 +558,114 @@ def test_the_balancer_moves_load_off_the_busiest_instance(cluster):
     moved = [m for m in history if m["outcome"] == "moved"]
     assert moved and moved[0]["source"] == cluster["A"].url, history
     wait_idle(cluster)
+
+
+class Cuttable(threading.Thread):
+    """A TCP proxy to a port of 127.0.0.1 whose connections can be cut, both ways at once, and
+    which refuses new ones until restored: the router loses its connection to a live instance."""
+
+    def __init__(self, port):
+        super().__init__(daemon=True)
+        self.target = port
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.lock = threading.Lock()
+        self.conns, self.down = [], False
+
+    def run(self):
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            with self.lock:
+                try:
+                    if self.down:
+                        raise OSError("cut")
+                    upstream = socket.create_connection(("127.0.0.1", self.target))
+                except OSError:
+                    client.close()
+                    continue
+                self.conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a, b):
+        try:
+            while True:
+                data = a.recv(65536)
+                if not data:
+                    break
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (a, b):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def cut(self):
+        with self.lock:
+            self.down = True
+            for sock in self.conns:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+            self.conns = []
+
+    def restore(self):
+        with self.lock:
+            self.down = False
+
+    def close(self):
+        self.server.close()
+        self.cut()
+
+
+def test_a_connection_the_router_loses_is_continued_elsewhere(cluster):
+    """The router reaches A through a proxy, which cuts every connection while A streams a
+    request and refuses new ones: the request continues on B (recomputed from the router's
+    tokens) with the unmigrated output; A, alive all along, aborts the request it can no longer
+    send (its KV usage goes back to zero); the router marks A down, and back up once the proxy
+    lets it through again."""
+    a_port = int(cluster["A"].url.rsplit(":", 1)[1])
+    proxy = Cuttable(a_port)
+    proxy.start()
+    router = start_router(cluster["work"], "cut", [proxy.url, cluster["B"].url],
+                          [cluster["leases"][n] for n in "AB"])
+    try:
+        prompt = prompts(26, (64,))[0]
+        want_ids, _ = reference(cluster, prompt)
+        admin(router, "/drain", {"instance": cluster["B"].url, "timeout_s": 0})  # it goes to A
+        s = Stream(router.url, {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                "return_token_ids": True})
+        s.at(10, lambda rid: proxy.cut())
+        s.start()
+        s.first.wait(60)
+        admin(router, "/undrain", {"instance": cluster["B"].url})
+        finish([s])
+        assert s.error is None and s.ids == want_ids, (s.error, divergence(s.ids, want_ids))
+        wait_idle(cluster, "AB")  # A aborted the request whose connection was cut
+
+        def until(healthy):  # the router's view of A (through the proxy) and B, polled each 0.5 s
+            deadline = time.monotonic() + 30
+            while True:
+                listed = admin(router, "/instances")[1]
+                if [i["healthy"] for i in listed] == [healthy, True]:
+                    return
+                assert time.monotonic() < deadline, listed
+                time.sleep(0.2)
+        until(False)
+        proxy.restore()
+        until(True)
+    finally:
+        router.stop()
+        proxy.close()
 
 
 def test_three_instances_drain_and_instances_killed_mid_migration(cluster):
