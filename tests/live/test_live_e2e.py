@@ -710,6 +710,12 @@ def test_three_instances_drain_and_instances_killed_mid_migration(cluster):
         # each destination waits before its pull, its engine with it (C is killed then); a source
         # must step within 2 s to grant its lease, so each move has a source that is not held, and
         # B (the second source) has a core of its own while A's engine spins on its held worker
+        # C's request has complete blocks to lease (its prompt is under one block: a move right
+        # after its first token would have nothing to pull, and recompute)
+        deadline = time.monotonic() + 60
+        while len(out_of[0].ids) < 2 * h.BLOCK_SIZE:
+            assert time.monotonic() < deadline and out_of[0].is_alive(), (out_of[0].error, len(out_of[0].ids))
+            time.sleep(0.01)
         cluster["delay"].write_text("15")
         try:
             # C as the source: it has stopped its request, A waits to pull it from C
