@@ -186,7 +186,7 @@ def _switch(gap_s, tokens_after_stop):
         router = router_app.Router(["http://127.0.0.1:9"], None, Settings())
         client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
         client.prompt_token_ids = [1, 2]
-        routed = router_app.Routed("c", {"model": "m"}, False, client, None)
+        routed = router_app.Routed("c", {"model": "m"}, False, client)
         leg = routed.leg = _Leg()
         out = _Out()
         for t in (10, 11):  # two tokens: the client's last gap between tokens is known
@@ -244,7 +244,7 @@ def test_a_stream_that_arrives_faster_than_it_is_relayed_does_not_hold_the_loop(
         router = router_app.Router(["http://127.0.0.1:9"], None, Settings())
         client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
         client.prompt_token_ids = [1, 2]
-        routed = router_app.Routed("c", {"model": "m"}, False, client, None)
+        routed = router_app.Routed("c", {"model": "m"}, False, client)
         routed.leg = _Leg()
         routed.leg.content = _Buffered([_token_event(t) for t in range(100, 300)])
         seen = []  # the client's token count each time the other task ran
@@ -288,7 +288,7 @@ def test_a_seeded_request_moves_only_between_instances_that_sample_alike(monkeyp
         router = Router(list(urls.values()), [f"127.0.0.1:{s.port}" for s in servers.values()], Settings())
 
         def refusal(body, to):
-            routed = Routed("cmpl-1", body, False, ClientStream("cmpl-1", False, "m", False, want_usage=False), None)
+            routed = Routed("cmpl-1", body, False, ClientStream("cmpl-1", False, "m", False, want_usage=False))
             routed.instance = router.instances[0]
             return asyncio.run(_Driver(router, routed).refuse(urls[to]))
 
@@ -331,7 +331,7 @@ def test_a_client_that_stopped_reading_does_not_hold_a_migrations_stop():
         router = router_app.Router(["http://127.0.0.1:9"], None, Settings(timeout_s=0.2))
         client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
         client.prompt_token_ids = [1, 2]
-        routed = router_app.Routed("c", {"model": "m"}, False, client, None)
+        routed = router_app.Routed("c", {"model": "m"}, False, client)
         leg = routed.leg = _Leg()
         for t in (10, 11, 12):
             await leg.content.events.put(_token_event(t))
@@ -421,7 +421,7 @@ def _routed_on(router, inst, tokens=(5, 6)):
     client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
     client.prompt_token_ids = [1, 2]
     client.token_ids = list(tokens)
-    routed = router_app.Routed("c", {"model": "m", "prompt": [1, 2], "max_tokens": 9}, False, client, None)
+    routed = router_app.Routed("c", {"model": "m", "prompt": [1, 2], "max_tokens": 9}, False, client)
     routed.instance = inst
     return routed
 
@@ -541,7 +541,7 @@ def test_a_request_without_a_limit_resumes_up_to_the_destinations_model_length()
         client = ClientStream("c", True, "m", want_ids=False, want_usage=False)
         client.prompt_token_ids, client.token_ids = [1, 2, 3], [4]
         routed = router_app.Routed("c", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, True,
-                                   client, None)
+                                   client)
         routed.instance = a
         await router_app._Driver(router, routed).resume(b.url, None)
         await router._recover(routed, prefer_source=True)  # where it is, B, first
@@ -644,7 +644,7 @@ def test_a_broken_leg_is_closed_and_an_ended_one_released():
         router = router_app.Router(["http://127.0.0.1:9"], None, Settings())
         client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
         client.prompt_token_ids = [1, 2]
-        routed = router_app.Routed("c", {"model": "m"}, False, client, None)
+        routed = router_app.Routed("c", {"model": "m"}, False, client)
         leg = routed.leg = _Leg()
         routed.instance = router.instances[0]
         await leg.content.events.put(_token_event(7))

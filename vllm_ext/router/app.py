@@ -121,9 +121,8 @@ class Instance:
 class Routed:
     """One client request, across its legs."""
 
-    def __init__(self, rid: str, body: Dict[str, Any], chat: bool, client: ClientStream, reason: Optional[str]):
+    def __init__(self, rid: str, body: Dict[str, Any], chat: bool, client: ClientStream):
         self.rid, self.body, self.chat, self.client = rid, body, chat, client
-        self.not_migratable = reason
         self.instance: Optional[Instance] = None
         self.mid = live.new_migration_id()  # the current leg's migration id
         self.leg: Optional[aiohttp.ClientResponse] = None
@@ -142,8 +141,8 @@ class Routed:
 
     def describe(self) -> Dict[str, Any]:
         return {"id": self.rid, "instance": self.instance.url if self.instance else None,
-                "generated": len(self.client.token_ids), "migratable": self.not_migratable is None,
-                "why_not": self.not_migratable, "migrating": self.migration is not None,
+                "generated": len(self.client.token_ids), "migratable": True,
+                "why_not": None, "migrating": self.migration is not None,
                 "migrations": len(self.migrations)}
 
 
@@ -239,7 +238,7 @@ class Router:
                               stops=streams.stop_strings(body),
                               include_stop=bool(body.get("include_stop_str_in_output")),
                               min_tokens=body.get("min_tokens") or 0)
-        routed = Routed(rid, body, chat, client, None)
+        routed = Routed(rid, body, chat, client)  # one that cannot move is relayed (Router.relayed)
         self.requests[rid] = routed
         try:
             return await self._serve(request, routed)
@@ -522,8 +521,6 @@ class Router:
         """Starts moving `routed` to `dst` (ValueError when it cannot move now); `stages`: at
         most this many pre-copy stages (default: the max_stages setting; 0: stop and copy)."""
         src = routed.instance
-        if routed.not_migratable:
-            raise ValueError(f"request {routed.rid} cannot move: {routed.not_migratable}")
         if routed.migration is not None:
             raise ValueError(f"request {routed.rid} is moving already")
         if src is None or routed.leg is None or routed.client.prompt_token_ids is None:
@@ -576,7 +573,7 @@ class Router:
         generated) of those that may move."""
         best = None
         for routed in inst.requests.values():
-            if routed is None or routed.not_migratable or routed.migration is not None or routed.leg is None:
+            if routed is None or routed.migration is not None or routed.leg is None:
                 continue
             if (routed.client.prompt_token_ids is None
                     or len(routed.migrations) >= self.settings.max_migrations_per_request):
@@ -725,7 +722,7 @@ class Router:
         deadline = time.monotonic() + timeout_s
         while inst.requests and inst.draining and time.monotonic() < deadline:
             candidates = [r for r in inst.requests.values()
-                          if r is not None and not r.not_migratable and r.migration is None and r.leg is not None
+                          if r is not None and r.migration is None and r.leg is not None
                           and r.client.prompt_token_ids is not None and r.rid not in stayed]
             # one migration in per destination at a time, as the balancer: a busy one is waited for
             targets = [i for i in self._candidates(exclude=(inst,)) if i.healthy and not i.migrating_in]
