@@ -503,6 +503,15 @@ def start_streams(router, prompts_, max_tokens=MAX_TOKENS):
     return out
 
 
+def until_generated(streams_, k):
+    """Waits until each of `streams_` has k tokens (within a minute, all still running)."""
+    deadline = time.monotonic() + 60
+    for s in streams_:
+        while len(s.ids) < k:
+            assert time.monotonic() < deadline and s.is_alive(), (s.error, len(s.ids))
+            time.sleep(0.01)
+
+
 def pin_to(cluster, router, name, fn, urls):
     """Runs fn() while every other instance of `router` (`urls`) is draining: new requests go
     to `name`. (A drain with no time to move anything: their running requests stay.)"""
@@ -687,11 +696,15 @@ def test_three_instances_drain_and_instances_killed_mid_migration(cluster):
         # move from a busy source over gloo can take seconds on 2 cores)
         refs = [reference(cluster, p, n)[0] for p in ps]
         drained = pin_to(cluster, router, "A", lambda: start_streams(router, ps, n), urls)
+        # each has complete blocks to lease (the first prompt is under one block: moved at once it
+        # would be recomputed, with nothing to move)
+        until_generated(drained, 2 * h.BLOCK_SIZE)
         status, report = admin(router, "/drain", {"instance": cluster["A"].url})
         admin(router, "/undrain", {"instance": cluster["A"].url})
         assert status == 200 and report["left"] == [], report
         assert {m["destination"] for m in report["migrations"] if m["outcome"] == "moved"} == {
-            cluster["B"].url, c.url}, report
+            cluster["B"].url, c.url}, [(m["destination"], m["outcome"], m["reason"], m["state"], m["stages"])
+                                       for m in report["migrations"]]
         finish(drained)
         assert [s.ids for s in drained] == refs and all(s.error is None for s in drained)
 
@@ -712,10 +725,7 @@ def test_three_instances_drain_and_instances_killed_mid_migration(cluster):
         # B (the second source) has a core of its own while A's engine spins on its held worker
         # C's request has complete blocks to lease (its prompt is under one block: a move right
         # after its first token would have nothing to pull, and recompute)
-        deadline = time.monotonic() + 60
-        while len(out_of[0].ids) < 2 * h.BLOCK_SIZE:
-            assert time.monotonic() < deadline and out_of[0].is_alive(), (out_of[0].error, len(out_of[0].ids))
-            time.sleep(0.01)
+        until_generated(out_of, 2 * h.BLOCK_SIZE)
         cluster["delay"].write_text("15")
         try:
             # C as the source: it has stopped its request, A waits to pull it from C
