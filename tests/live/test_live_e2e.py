@@ -571,7 +571,9 @@ def test_the_balancer_moves_load_off_the_busiest_instance(cluster):
 
 class Cuttable(threading.Thread):
     """A TCP proxy to a port of 127.0.0.1 whose connections can be cut, both ways at once, and
-    which refuses new ones until restored: the router loses its connection to a live instance."""
+    which refuses new ones until restored: the router loses its connection to a live instance.
+    Frozen, it passes nothing and accepts connections it never serves (a partition that sends
+    no FIN or RST), until cut."""
 
     def __init__(self, port):
         super().__init__(daemon=True)
@@ -579,7 +581,7 @@ class Cuttable(threading.Thread):
         self.server = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
         self.lock = threading.Lock()
-        self.conns, self.down = [], False
+        self.conns, self.down, self.frozen = [], False, False
 
     def run(self):
         while True:
@@ -591,6 +593,9 @@ class Cuttable(threading.Thread):
                 try:
                     if self.down:
                         raise OSError("cut")
+                    if self.frozen:
+                        self.conns.append(client)
+                        continue
                     upstream = socket.create_connection(("127.0.0.1", self.target))
                 except OSError:
                     client.close()
@@ -599,13 +604,14 @@ class Cuttable(threading.Thread):
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pipe(a, b):
+    def _pipe(self, a, b):
         try:
             while True:
                 data = a.recv(65536)
                 if not data:
                     break
+                while self.frozen:
+                    time.sleep(0.05)
                 b.sendall(data)
         except OSError:
             pass
@@ -616,9 +622,12 @@ class Cuttable(threading.Thread):
                 except OSError:
                     pass
 
+    def freeze(self):
+        self.frozen = True
+
     def cut(self):
         with self.lock:
-            self.down = True
+            self.down, self.frozen = True, False
             for sock in self.conns:
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
@@ -636,29 +645,32 @@ class Cuttable(threading.Thread):
         self.cut()
 
 
-def test_a_connection_the_router_loses_is_continued_elsewhere(cluster):
+@pytest.mark.parametrize("how", ["cut", "frozen"])
+def test_a_connection_the_router_loses_is_continued_elsewhere(cluster, how):
     """The router reaches A through a proxy, which cuts every connection while A streams a
-    request and refuses new ones: the request continues on B (recomputed from the router's
-    tokens) with the unmigrated output; A, alive all along, aborts the request it can no longer
-    send (its KV usage goes back to zero); the router marks A down, and back up once the proxy
-    lets it through again."""
+    request and refuses new ones ("cut"), or passes nothing and sends no FIN or RST ("frozen":
+    the router finds it by its failing polls, after --silent-s): the request continues on B
+    (recomputed from the router's tokens) with the unmigrated output; A, alive all along, aborts
+    the request it can no longer send once its connections are cut (its KV usage goes back to
+    zero); the router marks A down, and back up once the proxy lets it through again."""
     a_port = int(cluster["A"].url.rsplit(":", 1)[1])
     proxy = Cuttable(a_port)
     proxy.start()
     router = start_router(cluster["work"], "cut", [proxy.url, cluster["B"].url],
-                          [cluster["leases"][n] for n in "AB"])
+                          [cluster["leases"][n] for n in "AB"], "--health-timeout-s", "2", "--silent-s", "5")
     try:
         prompt = prompts(26, (64,))[0]
         want_ids, _ = reference(cluster, prompt)
         admin(router, "/drain", {"instance": cluster["B"].url, "timeout_s": 0})  # it goes to A
         s = Stream(router.url, {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
                                 "return_token_ids": True})
-        s.at(10, lambda rid: proxy.cut())
+        s.at(10, lambda rid: proxy.cut() if how == "cut" else proxy.freeze())
         s.start()
         s.first.wait(60)
         admin(router, "/undrain", {"instance": cluster["B"].url})
         finish([s])
         assert s.error is None and s.ids == want_ids, (s.error, divergence(s.ids, want_ids))
+        proxy.cut()  # (frozen: the partition ends with its connections reset)
         wait_idle(cluster, "AB")  # A aborted the request whose connection was cut
 
         def until(healthy):  # the router's view of A (through the proxy) and B, polled each 0.5 s

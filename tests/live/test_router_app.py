@@ -36,6 +36,8 @@ def test_bad_arguments_are_refused(urls, leases, settings, match):
     ({"timeout_s": 0}, "timeout_s: expected a positive"),
     ({"balance_interval_s": 0.0}, "balance_interval_s: expected a positive"),
     ({"health_interval_s": -1.0}, "health_interval_s: expected a positive"),
+    ({"health_timeout_s": 0.0}, "health_timeout_s: expected a positive"),
+    ({"silent_s": float("nan")}, "silent_s: expected a positive"),
     ({"balance_threshold": 0}, "balance_threshold: expected at least 1"),
     ({"max_stages": 17}, r"max_stages: expected an integer in \[0, 16\]"),
     ({"min_remaining_tokens": -1}, "min_remaining_tokens: expected 0 or more"),
@@ -657,3 +659,85 @@ def test_a_broken_leg_is_closed_and_an_ended_one_released():
 
     assert asyncio.run(pump("broken")) == ("broken", True, False, [], None)  # (the error comes first)
     assert asyncio.run(pump("ended")) == ("ended", False, True, [7], None)
+
+
+def _chunk(token_id, prompt=None, finish=None):
+    choice = {"index": 0, "text": f" t{token_id}", "token_ids": [token_id], "finish_reason": finish}
+    if prompt is not None:
+        choice["prompt_token_ids"] = prompt
+    return b"data: " + json.dumps({"id": "x", "choices": [choice]}).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize("case", ["stream", "answer", "relayed", "busy"])
+def test_the_streams_and_waits_of_a_silent_instance_are_cut_and_continued_elsewhere(case):
+    """A goes silent (a partition with no FIN or RST): its polls fail and, once silent_s passed,
+    a stream of it that sent nothing as long continues on B from the router's tokens ("stream"),
+    a request A never answered goes to B ("answer", and "relayed": one that cannot move). "busy":
+    A's stream pauses for four times silent_s, but A answers its polls: nothing is cut."""
+    silent, release, got = asyncio.Event(), asyncio.Event(), []
+
+    async def metrics(request):
+        if silent.is_set() and case != "busy":
+            await release.wait()
+        return web.Response(text="")
+
+    async def a(request):
+        got.append(("A", await request.json()))
+        if case in ("answer", "relayed"):
+            silent.set()
+            await release.wait()
+        r = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        await r.write(_chunk(7, prompt=[1, 2]))
+        silent.set()
+        if case == "busy":
+            await asyncio.sleep(2.0)
+            await r.write(_chunk(8, finish="length") + b"data: [DONE]\n\n")
+        else:
+            await release.wait()
+        return r
+
+    async def b(request):
+        body = await request.json()
+        got.append(("B", body))
+        if case == "relayed":
+            return web.json_response({"id": "x", "choices": [{"index": i, "text": "b"} for i in range(2)]})
+        r = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        if case == "answer":  # the request as it came
+            await r.write(_chunk(7, prompt=body["prompt"]))
+        await r.write(_chunk(8, finish="length") + b"data: [DONE]\n\n")
+        return r
+
+    async def go():
+        (ra, a_url), (rb, b_url) = await _backend(a, metrics), await _backend(b)
+        settings = Settings(policy="round_robin", health_interval_s=0.05, health_timeout_s=0.2, silent_s=0.5)
+        runner, url = await _serving(build_app([a_url, b_url], None, settings))
+        body = {"model": "m", "prompt": [1, 2], "max_tokens": 2, "stream": True, "return_token_ids": True}
+        if case == "relayed":
+            body.update(n=2, stream=False)
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/completions", json=body) as r:
+                    return r.status, await r.text()
+        finally:
+            release.set()
+            for x in (runner, ra, rb):
+                await x.cleanup()
+
+    status, text = asyncio.run(go())
+    assert status == 200, (status, text)
+    if case == "busy":
+        assert [who for who, _ in got] == ["A"], got
+    else:
+        assert [who for who, _ in got] == ["A", "B"], got
+    if case == "stream":
+        assert got[1][1]["prompt"] == [1, 2, 7] and got[1][1]["max_tokens"] == 1, got[1][1]
+    elif case == "answer":
+        assert got[1][1]["prompt"] == [1, 2] and got[1][1]["max_tokens"] == 2, got[1][1]
+    if case == "relayed":
+        assert [c["text"] for c in json.loads(text)["choices"]] == ["b", "b"], text
+    else:
+        events = [json.loads(line[6:]) for line in text.split("\n\n") if line.startswith("data: {")]
+        ids = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+        assert ids == [7, 8] and text.endswith("data: [DONE]\n\n"), text

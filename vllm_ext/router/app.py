@@ -68,12 +68,15 @@ class Settings:
     min_remaining_tokens: int = 8  # a request this close to its max_tokens is left where it is
     max_stages: int = live.MAX_STAGES
     last_stage_max_blocks: int = live.LAST_STAGE_MAX_BLOCKS
-    health_interval_s: float = 2.0  # /health and /metrics of every instance
+    health_interval_s: float = 2.0  # /metrics of every instance (its health and load)
+    health_timeout_s: float = 5.0  # one poll's; an instance is down after three failed polls in a row
+    silent_s: float = 30.0  # an instance that answers no poll, and a stream of it that sends nothing, this
+    # long (a partition that sends no FIN or RST): the stream is continued elsewhere
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
-        for name in ("timeout_s", "balance_interval_s", "health_interval_s"):
+        for name in ("timeout_s", "balance_interval_s", "health_interval_s", "health_timeout_s", "silent_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
@@ -96,6 +99,8 @@ class Instance:
             self.control = live.SourceControl(secret, host, int(port))
         self.healthy = True
         self.failed_polls = 0  # consecutive /metrics polls that failed
+        self.silent_since: Optional[float] = None  # monotonic: the first of them began
+        self.waits: Dict[asyncio.Future, float] = {}  # the router's waits for its answers (_answer): their start
         self.draining = False
         self.requests: Dict[str, Routed] = {}
         self.migrating_in = 0
@@ -126,6 +131,7 @@ class Routed:
         self.instance: Optional[Instance] = None
         self.mid = live.new_migration_id()  # the current leg's migration id
         self.leg: Optional[aiohttp.ClientResponse] = None
+        self.heard_at = 0.0  # monotonic: the leg's last event (or its start)
         self.pushback: List[bytes] = []  # lines of the leg read before the pump took it
         self.stop_now = False  # the pump closes the leg at its next chance
         self.stop_after_token = False  # the pump closes the leg once it relayed the next token
@@ -152,6 +158,10 @@ class _StopLeg(Exception):
     """Wakes a pump waiting on its leg: the router stops relaying it (a migration's switch)."""
 
 
+class _Silent(aiohttp.ClientConnectionError):
+    """Breaks a leg whose instance, and the leg itself, have been silent for the silent_s setting."""
+
+
 class _LegFailed(Exception):
     """A backend could not be reached, or broke the stream."""
 
@@ -175,6 +185,7 @@ class Router:
         self.requests: Dict[str, Routed] = {}
         self.history: List[Dict[str, Any]] = []  # finished migrations (the last 1000)
         self.relayed: Dict[str, Dict[str, Any]] = {}  # requests that cannot move, by their key in Instance.requests
+        self._relay_legs: Dict[str, List[Any]] = {}  # their [response, monotonic of its last bytes], by that key
         self._next = itertools.count()
         self._token = os.environ.get(ENV_TOKEN) or None
         self.session: Optional[aiohttp.ClientSession] = None
@@ -263,7 +274,8 @@ class Router:
             self.relayed[key] = {"id": key, "instance": inst.url, "migratable": False, "why_not": reason}
             out = None
             try:
-                async with self.session.post(inst.url + request.path, json=body) as r:
+                async with await self._answer(inst, self.session.post(inst.url + request.path, json=body)) as r:
+                    heard = self._relay_legs[key] = [r, time.monotonic()]
                     if not body.get("stream") or r.status != 200:
                         return web.Response(status=r.status, body=await r.read(),
                                             content_type=r.content_type or "application/json")
@@ -271,6 +283,7 @@ class Router:
                                                                   "Cache-Control": "no-cache"})
                     await out.prepare(request)
                     async for chunk in r.content.iter_any():
+                        heard[1] = time.monotonic()
                         await self._write(out, chunk)
                     await out.write_eof()
                     return out
@@ -281,6 +294,7 @@ class Router:
             finally:
                 inst.requests.pop(key, None)
                 self.relayed.pop(key, None)
+                self._relay_legs.pop(key, None)
         return error(503, "no instance is reachable", "ServiceUnavailableError")
 
     async def _serve(self, request: web.Request, routed: Routed) -> web.StreamResponse:
@@ -338,7 +352,7 @@ class Router:
         instance's answer when it refuses the request. `first_token`: return only once the
         leg's first data line arrived (a resumed leg: its KV load is then done)."""
         try:
-            r = await self.session.post(url, json=body)
+            r = await self._answer(inst, self.session.post(url, json=body))
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self._mark_down(inst, e)
             raise _LegFailed(f"{inst.url}: {type(e).__name__}: {e}") from e
@@ -348,16 +362,20 @@ class Router:
             if r.status >= 500:
                 raise _LegFailed(f"{inst.url} answered {r.status}: {raw[:300]!r}")
             raise _Refused(r.status, raw, r.content_type)
-        pushback = []
+        pushback: List[bytes] = []
+
+        async def first_event():
+            while True:
+                line = await r.content.readline()
+                if not line:
+                    raise _LegFailed(f"{inst.url}: the stream ended before its first token")
+                pushback.append(line)
+                if line.startswith(b"data:"):
+                    return
+
         if first_token:
             try:
-                while True:
-                    line = await r.content.readline()
-                    if not line:
-                        raise _LegFailed(f"{inst.url}: the stream ended before its first token")
-                    pushback.append(line)
-                    if line.startswith(b"data:"):
-                        break
+                await self._answer(inst, first_event())
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 r.close()
                 self._mark_down(inst, e)
@@ -368,6 +386,7 @@ class Router:
         if routed.instance is not None:
             routed.instance.requests.pop(routed.rid, None)
         routed.instance, routed.leg, routed.pushback = inst, r, pushback
+        routed.heard_at = time.monotonic()
         routed.client.begin_leg()
         inst.requests[routed.rid] = routed
         routed.stop_now = routed.stop_after_token = False
@@ -427,6 +446,7 @@ class Router:
                 if not event:  # EOF
                     leg.release()
                     return self._pump_ended(routed, "ended")
+                routed.heard_at = time.monotonic()
                 lines = event.split(b"\n")
             line = lines.pop(0).strip()
             if not line.startswith(b"data:"):
@@ -497,6 +517,21 @@ class Router:
             except (_LegFailed, _Refused) as e:
                 logger.warning("request %s: %s cannot continue it: %s", routed.rid, inst.url, e)
         raise _LegFailed("no instance could continue it")
+
+    async def _answer(self, inst: Instance, request):
+        """Awaits `request` (an answer of `inst`); _Silent once _cut_silent gives up on it."""
+        task = asyncio.ensure_future(request)
+        cut = asyncio.get_running_loop().create_future()
+        inst.waits[cut] = time.monotonic()
+        try:
+            await asyncio.wait({task, cut}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                raise _Silent(f"{inst.url} sent nothing for {self.settings.silent_s:g} s")
+            return task.result()
+        finally:
+            inst.waits.pop(cut, None)
+            if not task.done():
+                task.cancel()
 
     def _mark_down(self, inst: Instance, e: BaseException) -> None:
         if inst.healthy:
@@ -607,12 +642,14 @@ class Router:
                     logger.debug("balancer: %s", e)
 
     async def _watch(self) -> None:
-        """Health and load of every instance (its /health and /metrics)."""
+        """Health and load of every instance (its /metrics); streams of a silent one are cut."""
         names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+        poll = aiohttp.ClientTimeout(total=self.settings.health_timeout_s)
         while True:
             for inst in self.instances:
+                began = time.monotonic()
                 try:
-                    async with self.session.get(inst.url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    async with self.session.get(inst.url + "/metrics", timeout=poll) as r:
                         text = await r.text()
                     metrics = {}
                     for line in text.splitlines():
@@ -623,18 +660,45 @@ class Router:
                     inst.metrics = metrics
                     if inst.models is None:  # what a resumed leg of a request without a limit may ask
                         async with self.session.get(inst.url + "/v1/models",
-                                                    timeout=aiohttp.ClientTimeout(total=5)) as r:
+                                                    timeout=poll) as r:
                             inst.models = await r.json() if r.status == 200 else None
                     if not inst.healthy:
                         logger.info("instance %s is back", inst.url)
-                    inst.healthy, inst.failed_polls = True, 0
+                    inst.healthy, inst.failed_polls, inst.silent_since = True, 0, None
                 except aiohttp.ClientConnectorError as e:  # nothing listens: down now
+                    inst.silent_since = inst.silent_since or began
                     self._mark_down(inst, e)
                 except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                    inst.silent_since = inst.silent_since or began
                     inst.failed_polls += 1  # slow (a busy host): down only after three in a row
                     if inst.failed_polls >= 3:
                         self._mark_down(inst, e)
+                self._cut_silent(inst)
             await asyncio.sleep(self.settings.health_interval_s)
+
+    def _cut_silent(self, inst: Instance) -> None:
+        """Breaks each stream of `inst` that has sent nothing since its polls began to fail, once
+        that is silent_s ago (a partition that sends no FIN or RST): a movable request continues
+        elsewhere, a relayed one ends (or, before its answer began, is sent elsewhere)."""
+        since = inst.silent_since
+        if since is None or time.monotonic() - since < self.settings.silent_s:
+            return
+        for cut, began in list(inst.waits.items()):
+            if began < since and not cut.done():
+                logger.warning("%s answered nothing for %.0f s and answers no poll: the wait is cut", inst.url,
+                               time.monotonic() - began)
+                cut.set_result(None)
+        for key, routed in list(inst.requests.items()):
+            if routed is None:
+                leg, heard_at = self._relay_legs.get(key, (None, 0.0))
+            elif routed.migration is None:  # a migration has deadlines of its own
+                leg, heard_at = routed.leg, routed.heard_at
+            else:
+                continue
+            if leg is not None and heard_at < since and leg.content.exception() is None:
+                logger.warning("request %s: %s sent nothing for %.0f s and answers no poll: its stream is cut",
+                               key, inst.url, time.monotonic() - heard_at)
+                leg.content.set_exception(_Silent(f"{inst.url} sent nothing for {self.settings.silent_s:g} s"))
 
     # ---- admin routes --------------------------------------------------------------------
     def _authorized(self, request: web.Request) -> Optional[web.Response]:
@@ -817,7 +881,8 @@ class _Driver:
         body = {"model": self.routed.body.get("model"), "prompt": token_ids, "max_tokens": 1, "temperature": 0,
                 "kv_transfer_params": params, "cache_salt": self.cache_salt}
         try:
-            async with self.router.session.post(inst.url + "/v1/completions", json=body) as r:
+            async with await self.router._answer(inst, self.router.session.post(inst.url + "/v1/completions",
+                                                                                 json=body)) as r:
                 await r.read()
                 return r.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -953,7 +1018,7 @@ def main(argv=None) -> None:
     parser.add_argument("--timeout", type=float, default=defaults.timeout_s, help="seconds a backend may stay silent")
     parser.add_argument("--balance", action="store_true", help="migrate requests to balance load")
     for field in ("balance_interval_s", "balance_threshold", "max_migrations_per_request", "min_remaining_tokens",
-                  "max_stages", "last_stage_max_blocks", "health_interval_s"):
+                  "max_stages", "last_stage_max_blocks", "health_interval_s", "health_timeout_s", "silent_s"):
         value = getattr(defaults, field)
         parser.add_argument("--" + field.replace("_", "-"), type=type(value), default=value)
     args = parser.parse_args(argv)
@@ -964,7 +1029,7 @@ def main(argv=None) -> None:
                             **{f: getattr(args, f) for f in ("balance_interval_s", "balance_threshold",
                                                              "max_migrations_per_request", "min_remaining_tokens",
                                                              "max_stages", "last_stage_max_blocks",
-                                                             "health_interval_s")})
+                                                             "health_interval_s", "health_timeout_s", "silent_s")})
         app = build_app(args.instance, leases, settings)
     except ValueError as e:
         parser.error(str(e))
