@@ -476,7 +476,7 @@ def test_a_recovery_after_a_failed_move_prefers_the_source_unless_it_drains():
     assert asyncio.run(go(True)) == [1, 0]  # a draining source last: the move was to take it off there
 
 
-def test_migrate_refuses_a_destination_that_is_down_or_draining_and_undrain_ends_a_drain(monkeypatch):
+def test_migrate_refuses_a_destination_that_is_down_draining_or_busy_and_undrain_ends_a_drain(monkeypatch):
     monkeypatch.setenv(ENV_TOKEN, "t")
     auth = {"Authorization": "Bearer t"}
 
@@ -500,10 +500,14 @@ def test_migrate_refuses_a_destination_that_is_down_or_draining_and_undrain_ends
             async with aiohttp.ClientSession(headers=auth) as s:
                 while not polled:  # the router's first poll of B is over: the test marks it now
                     await asyncio.sleep(0.01)
-                for mark in ("draining", "down"):
+                for mark in ("draining", "down", "in", "out"):  # "in": B has a migration in; "out": A one out
                     b.draining, b.healthy = mark == "draining", mark != "down"
+                    b.migrating_in, a.migrating_out = int(mark == "in"), int(mark == "out")
                     async with s.post(url + "/migrate", json={"request_id": "c", "to": b.url}) as r:
                         out.append((r.status, (await r.json())["error"]["message"]))
+                    async with s.post(url + "/migrate", json={"request_id": "c"}) as r:  # B: the only other one
+                        out.append((r.status, (await r.json())["error"]["message"]))
+                b.migrating_in = a.migrating_out = 0
                 b.draining, b.healthy = False, False  # nowhere to go: the drain waits
                 drain = asyncio.ensure_future(s.post(url + "/drain", json={"instance": a.url, "timeout_s": 60}))
                 while not a.draining:
@@ -518,8 +522,13 @@ def test_migrate_refuses_a_destination_that_is_down_or_draining_and_undrain_ends
             await rb.cleanup()
         return out
 
-    (s1, m1), (s2, m2), (s3, drained) = asyncio.run(go())
-    assert (s1, s2) == (409, 409) and m1.endswith("is draining") and m2.endswith("is down"), (m1, m2)
+    *refused, (s3, drained) = asyncio.run(go())
+    (draining, _), (down, _), (busy_in, busy_in_any), (busy_out, busy_out_any) = zip(refused[::2], refused[1::2])
+    assert {s for s, _ in refused} == {409}, refused
+    assert draining[1].endswith("is draining") and down[1].endswith("is down"), refused
+    assert all("has a migration in already" in m for _, m in (busy_in, busy_in_any)), refused
+    assert all(m.startswith("request c: its instance") and "has a migration out already" in m
+               for _, m in (busy_out, busy_out_any)), refused
     assert s3 == 409 and drained["undrained"] is True and drained["left"] == ["c"]
 
 

@@ -737,7 +737,7 @@ class Router:
     async def admin_migrate(self, request: web.Request) -> web.Response:
         """POST /migrate {"request_id", optional "to", "stages", "recompute"}: moves one
         request (by default to the least loaded other instance); answers when it is done, with
-        the migration's record."""
+        the migration's record. One migration out of and one into each instance at a time (409)."""
         denied = self._authorized(request)
         if denied:
             return denied
@@ -745,17 +745,24 @@ class Router:
         routed = self.requests.get(body["request_id"])
         if routed is None:
             return error(404, f"no running request {body['request_id']!r}", "NotFoundError")
+        src = routed.instance
+        if src is not None and src.migrating_out:
+            return error(409, f"request {routed.rid}: its instance {src.url} has a migration out already (one at "
+                              "a time: try again once it ended)", "ConflictError")
         if body.get("to") is not None:
             dst = self._instance(str(body["to"]))
             if not dst.healthy or dst.draining:
                 return error(409, f"to: {dst.url} is {'draining' if dst.healthy else 'down'}", "ConflictError")
         else:
-            targets = [i for i in self._candidates(exclude=(routed.instance,)) if i.healthy]
+            targets = [i for i in self._candidates(exclude=(src,)) if i.healthy]
             if not targets:
-                targets = self._candidates(exclude=(routed.instance,))  # none known healthy: try the others
+                targets = self._candidates(exclude=(src,))  # none known healthy: try the others
             if not targets:
                 return error(409, "no other healthy instance to move it to", "ConflictError")
-            dst = min(targets, key=lambda i: i.load)
+            dst = min(targets, key=lambda i: (i.migrating_in > 0, i.load))
+        if dst.migrating_in:
+            return error(409, f"to: {dst.url} has a migration in already (one at a time: try again once it ended)",
+                         "ConflictError")
         stages = body.get("stages")
         if stages is not None and (type(stages) is not int or not 0 <= stages <= MAX_STAGES_LIMIT):
             return error(400, f"stages: expected an integer in [0, {MAX_STAGES_LIMIT}], got {stages!r}",
