@@ -153,6 +153,9 @@ class _Content:
     def set_exception(self, error):
         self._error = error
 
+    def exception(self):
+        return self._error
+
 
 class _Leg:
     def __init__(self):
@@ -750,3 +753,28 @@ def test_the_streams_and_waits_of_a_silent_instance_are_cut_and_continued_elsewh
         events = [json.loads(line[6:]) for line in text.split("\n\n") if line.startswith("data: {")]
         ids = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
         assert ids == [7, 8] and text.endswith("data: [DONE]\n\n"), text
+
+
+def test_a_silent_instance_cuts_what_waited_as_long_even_if_it_began_after_the_silence():
+    """The rule is per stream and per wait: silent_s without a word from it (and no poll answered
+    for as long), whether it began before the instance went silent or after."""
+    from vllm_ext.router import app as router_app
+
+    async def go():
+        router = router_app.Router(["http://127.0.0.1:9"], None, Settings(silent_s=10.0))
+        inst, now = router.instances[0], router_app.time.monotonic()
+        inst.silent_since = now - 30
+        waits = {began: asyncio.get_running_loop().create_future() for began in (now - 11, now - 9)}
+        for began, cut in waits.items():
+            inst.waits[cut] = began
+        legs = {}
+        for heard in (now - 12, now - 8):
+            routed = _routed_on(router, inst)
+            routed.leg, routed.heard_at = _Leg(), heard
+            inst.requests[f"r{heard}"] = routed
+            legs[heard] = routed.leg
+        router._cut_silent(inst)
+        return ([waits[b].done() for b in sorted(waits)],
+                [isinstance(legs[h].content.exception(), aiohttp.ClientConnectionError) for h in sorted(legs)])
+
+    assert asyncio.run(go()) == ([True, False], [True, False])

@@ -677,14 +677,15 @@ class Router:
             await asyncio.sleep(self.settings.health_interval_s)
 
     def _cut_silent(self, inst: Instance) -> None:
-        """Breaks each stream of `inst` that has sent nothing since its polls began to fail, once
-        that is silent_s ago (a partition that sends no FIN or RST): a movable request continues
-        elsewhere, a relayed one ends (or, before its answer began, is sent elsewhere)."""
-        since = inst.silent_since
-        if since is None or time.monotonic() - since < self.settings.silent_s:
+        """Once `inst` has answered no poll for silent_s (a partition that sends no FIN or RST),
+        breaks each of its streams that sent nothing as long, and each wait for its answer that
+        lasted as long: a movable request continues elsewhere, a relayed one ends (or, before its
+        answer began, is sent elsewhere)."""
+        now = time.monotonic()
+        if inst.silent_since is None or now - inst.silent_since < self.settings.silent_s:
             return
         for cut, began in list(inst.waits.items()):
-            if began < since and not cut.done():
+            if now - began >= self.settings.silent_s and not cut.done():
                 logger.warning("%s answered nothing for %.0f s and answers no poll: the wait is cut", inst.url,
                                time.monotonic() - began)
                 cut.set_result(None)
@@ -695,7 +696,7 @@ class Router:
                 leg, heard_at = routed.leg, routed.heard_at
             else:
                 continue
-            if leg is not None and heard_at < since and leg.content.exception() is None:
+            if leg is not None and now - heard_at >= self.settings.silent_s and leg.content.exception() is None:
                 logger.warning("request %s: %s sent nothing for %.0f s and answers no poll: its stream is cut",
                                key, inst.url, time.monotonic() - heard_at)
                 leg.content.set_exception(_Silent(f"{inst.url} sent nothing for {self.settings.silent_s:g} s"))
