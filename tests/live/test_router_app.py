@@ -176,8 +176,10 @@ class _Out:
         self.chunks.append(data)
 
 
-def _token_event(token_id):
-    choice = {"index": 0, "text": f" t{token_id}", "token_ids": [token_id], "logprobs": None, "finish_reason": None}
+def _token_event(token_id, prompt=None, finish=None):
+    choice = {"index": 0, "text": f" t{token_id}", "token_ids": [token_id], "logprobs": None, "finish_reason": finish}
+    if prompt is not None:
+        choice["prompt_token_ids"] = prompt
     return ("data: " + json.dumps({"id": "c", "choices": [choice]}) + "\n\n").encode()
 
 
@@ -673,13 +675,6 @@ def test_a_broken_leg_is_closed_and_an_ended_one_released():
     assert asyncio.run(pump("ended")) == ("ended", False, True, [7], None)
 
 
-def _chunk(token_id, prompt=None, finish=None):
-    choice = {"index": 0, "text": f" t{token_id}", "token_ids": [token_id], "finish_reason": finish}
-    if prompt is not None:
-        choice["prompt_token_ids"] = prompt
-    return b"data: " + json.dumps({"id": "x", "choices": [choice]}).encode() + b"\n\n"
-
-
 @pytest.mark.parametrize("case", ["stream", "answer", "relayed", "busy"])
 def test_the_streams_and_waits_of_a_silent_instance_are_cut_and_continued_elsewhere(case):
     """A goes silent (a partition with no FIN or RST): its polls fail and, once silent_s passed,
@@ -700,11 +695,11 @@ def test_the_streams_and_waits_of_a_silent_instance_are_cut_and_continued_elsewh
             await release.wait()
         r = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
         await r.prepare(request)
-        await r.write(_chunk(7, prompt=[1, 2]))
+        await r.write(_token_event(7, prompt=[1, 2]))
         silent.set()
         if case == "busy":
             await asyncio.sleep(2.0)
-            await r.write(_chunk(8, finish="length") + b"data: [DONE]\n\n")
+            await r.write(_token_event(8, finish="length") + b"data: [DONE]\n\n")
         else:
             await release.wait()
         return r
@@ -717,8 +712,8 @@ def test_the_streams_and_waits_of_a_silent_instance_are_cut_and_continued_elsewh
         r = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
         await r.prepare(request)
         if case == "answer":  # the request as it came
-            await r.write(_chunk(7, prompt=body["prompt"]))
-        await r.write(_chunk(8, finish="length") + b"data: [DONE]\n\n")
+            await r.write(_token_event(7, prompt=body["prompt"]))
+        await r.write(_token_event(8, finish="length") + b"data: [DONE]\n\n")
         return r
 
     async def go():
