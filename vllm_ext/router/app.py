@@ -159,7 +159,10 @@ class _StopLeg(Exception):
 
 
 class _Silent(aiohttp.ClientConnectionError):
-    """Breaks a leg whose instance, and the leg itself, have been silent for the silent_s setting."""
+    """Ends a stream of, or a wait for, an instance that has been silent (Router._cut_silent)."""
+
+    def __init__(self, url: str, seconds: float):
+        super().__init__(f"{url} sent nothing for {seconds:g} s")
 
 
 class _LegFailed(Exception):
@@ -526,7 +529,7 @@ class Router:
         try:
             await asyncio.wait({task, cut}, return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
-                raise _Silent(f"{inst.url} sent nothing for {self.settings.silent_s:g} s")
+                raise _Silent(inst.url, self.settings.silent_s)
             return task.result()
         finally:
             inst.waits.pop(cut, None)
@@ -687,7 +690,7 @@ class Router:
         for cut, began in list(inst.waits.items()):
             if now - began >= self.settings.silent_s and not cut.done():
                 logger.warning("%s answered nothing for %.0f s and answers no poll: the wait is cut", inst.url,
-                               time.monotonic() - began)
+                               now - began)
                 cut.set_result(None)
         for key, routed in list(inst.requests.items()):
             if routed is None:
@@ -698,8 +701,8 @@ class Router:
                 continue
             if leg is not None and now - heard_at >= self.settings.silent_s and leg.content.exception() is None:
                 logger.warning("request %s: %s sent nothing for %.0f s and answers no poll: its stream is cut",
-                               key, inst.url, time.monotonic() - heard_at)
-                leg.content.set_exception(_Silent(f"{inst.url} sent nothing for {self.settings.silent_s:g} s"))
+                               key, inst.url, now - heard_at)
+                leg.content.set_exception(_Silent(inst.url, self.settings.silent_s))
 
     # ---- admin routes --------------------------------------------------------------------
     def _authorized(self, request: web.Request) -> Optional[web.Response]:
@@ -1014,6 +1017,12 @@ def build_app(urls: List[str], leases: Optional[List[Optional[str]]] = None,
     return app
 
 
+# The settings the command line takes as --flags of their own names (policy, timeout and balance
+# are spelled otherwise)
+_FLAG_SETTINGS = ("balance_interval_s", "balance_threshold", "max_migrations_per_request", "min_remaining_tokens",
+                  "max_stages", "last_stage_max_blocks", "health_interval_s", "health_timeout_s", "silent_s")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m vllm_ext.router", description=__doc__.split("\n\n")[0])
     parser.add_argument("--instance", nargs="+", required=True, metavar="URL", help="vLLM servers")
@@ -1025,8 +1034,7 @@ def main(argv=None) -> None:
     parser.add_argument("--policy", choices=POLICIES, default=defaults.policy)
     parser.add_argument("--timeout", type=float, default=defaults.timeout_s, help="seconds a backend may stay silent")
     parser.add_argument("--balance", action="store_true", help="migrate requests to balance load")
-    for field in ("balance_interval_s", "balance_threshold", "max_migrations_per_request", "min_remaining_tokens",
-                  "max_stages", "last_stage_max_blocks", "health_interval_s", "health_timeout_s", "silent_s"):
+    for field in _FLAG_SETTINGS:
         value = getattr(defaults, field)
         parser.add_argument("--" + field.replace("_", "-"), type=type(value), default=value)
     args = parser.parse_args(argv)
@@ -1034,10 +1042,7 @@ def main(argv=None) -> None:
     leases = None if args.lease is None else [None if a == "-" else a for a in args.lease]
     try:
         settings = Settings(policy=args.policy, timeout_s=args.timeout, balance=args.balance,
-                            **{f: getattr(args, f) for f in ("balance_interval_s", "balance_threshold",
-                                                             "max_migrations_per_request", "min_remaining_tokens",
-                                                             "max_stages", "last_stage_max_blocks",
-                                                             "health_interval_s", "health_timeout_s", "silent_s")})
+                            **{f: getattr(args, f) for f in _FLAG_SETTINGS})
         app = build_app(args.instance, leases, settings)
     except ValueError as e:
         parser.error(str(e))
