@@ -629,6 +629,24 @@ def test_lease_channel_bounds_frames_and_never_trusts_unauthenticated_input(prod
     assert lease_client(sched).describe(5).fingerprint  # and keeps serving
 
 
+def test_the_lease_channel_describes_the_output_limits_it_was_given(producer):
+    """lease.describe says the instance's generation-config output limits (the router keeps a
+    moved request's limit by them); an instance given none says 0 for both."""
+    sched, worker = producer
+    reply = lease_client(sched).describe(5)
+    assert (reply.default_max_tokens, reply.max_tokens_cap) == (0, 0)
+    limited = SchedulerHalf(is_producer=True, is_consumer=False, block_size=BLOCK_SIZE, lease_s=30.0,
+                            lease_host="127.0.0.1", lease_port=0, secret=SECRET, failure_policy="fail",
+                            max_tokens_limits=(300, 200))
+    try:
+        limited.set_handshake({0: worker.handshake()})
+        reply = lease_client(limited).describe(5)
+        assert (reply.default_max_tokens, reply.max_tokens_cap) == (300, 200)
+        assert reply.fingerprint == lease_client(sched).describe(5).fingerprint
+    finally:
+        limited.shutdown()
+
+
 def test_an_endpoint_serves_no_lease_message(producer):
     """The producer's MigrationEndpoint refuses the lease messages (they have a registry of their
     own), also from an authenticated peer."""

@@ -55,14 +55,14 @@ def cluster(request, tmp_path_factory):
     work = tmp_path_factory.mktemp(f"live-{device.name}")
     model = h.write_checkpoint(work / "model", device=device)
     h.write_tokenizer(model)
-    ports = {name: h.free_port() for name in "ABC"}
+    ports = {name: h.free_port() for name in "ABCG"}
     faults = {"corrupt": work / "corrupt-now", "delay": work / "delay-now", "unsafe": work / "unsafe-now"}
     started = []
 
-    def start(name, core):
+    def start(name, core, *extra_args):
         others = [f"127.0.0.1:{p}" for n, p in ports.items() if n != name]
         server = h.start_vllm(
-            name, model, work, core=core, tokenizer=True, device=device,
+            name, model, work, core=core, tokenizer=True, device=device, extra_args=extra_args,
             extra_pythonpath=str(HERE),
             extra_env={"VLLM_EXT_TEST_CORRUPT": str(faults["corrupt"]),
                        "VLLM_EXT_TEST_PULL_DELAY": str(faults["delay"]),
@@ -687,6 +687,59 @@ def test_a_connection_the_router_loses_is_continued_elsewhere(cluster, how):
     finally:
         router.stop()
         proxy.close()
+
+
+def test_a_moved_request_keeps_the_generation_configs_output_limit(cluster):
+    """G serves with a generation config that limits output (--override-generation-config
+    max_new_tokens 1000: the default of a request without a limit, and the cap of every request);
+    B has none. A chat request without a limit and a completions request asking for more, each
+    begun on G and moved to B at a random point, end at G's 1000 tokens ("length"), with the
+    unmigrated output; a resumed leg under B's own limits would run on to the model's length."""
+    limit = 1000
+    g = cluster["G"] = cluster["start"]("G", "0", "--override-generation-config",
+                                        json.dumps({"max_new_tokens": limit}))
+    try:
+        g.wait_healthy()
+        urls = [g.url, cluster["B"].url]
+        router = start_router(cluster["work"], "routerG", urls, [cluster["leases"][n] for n in "GB"])
+        try:
+            rng = random.Random(27)
+            chat = {"model": "tiny", "messages": [{"role": "user", "content": " ".join(
+                f"w{t}" for t in prompts(27, (30,))[0])}], "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, "stream_options": {"include_usage": True}}
+            unstreamed = {k: v for k, v in chat.items() if k != "stream_options"}
+            status, ref = h.post(g.url + "/v1/chat/completions", unstreamed)
+            assert status == 200 and ref["usage"]["completion_tokens"] == limit, ref
+            prompt = prompts(28, (50,))[0]
+            want_ids, _ = reference(cluster, prompt, 2 * limit, url=g.url)
+            assert len(want_ids) == limit
+            completion = {"model": "tiny", "prompt": prompt, "max_tokens": 2 * limit, "temperature": 0,
+                          "ignore_eos": True, "return_token_ids": True}
+            for body, path in ((chat, "/v1/chat/completions"), (completion, "/v1/completions")):
+                results = []
+
+                def begin(body=body, path=path, results=results):  # on G: its first token came before B
+                    # takes new requests again
+                    s = Stream(router.url, body, path).at(rng.randrange(40, 120), migrate_async(
+                        cluster, to=cluster["B"].url, results=results, router=router, stages=0))
+                    s.start()
+                    s.first.wait(60)
+                    return s
+                s = pin_to(cluster, router, "G", begin, urls)
+                (status, record), = finish([s], results)
+                assert s.error is None and status == 200 and record["outcome"] == "moved", (s.error, record)
+                assert s.finish == "length", s.finish
+                if path == "/v1/completions":
+                    assert s.ids == want_ids
+                else:
+                    assert s.text == ref["choices"][0]["message"]["content"]
+                    assert s.usage["completion_tokens"] == limit, s.usage
+        finally:
+            router.stop()
+    finally:
+        g.stop()
+        del cluster["G"]
+    wait_idle(cluster, "AB")
 
 
 def test_three_instances_drain_and_instances_killed_mid_migration(cluster):

@@ -287,7 +287,7 @@ def test_a_seeded_request_moves_only_between_instances_that_sample_alike(monkeyp
         def handler(request):
             asked.append(kind)
             assert isinstance(request, protocol.LeaseDescribe)
-            return protocol.LeaseDescribeReply({}, "0" * 32, {}, kind), b""
+            return protocol.LeaseDescribeReply({}, "0" * 32, {}, kind, 0, 0), b""
         return handler
     servers = {n: LeaseServer(secret.encode(), serving(k)) for n, k in samplers.items()}
     try:
@@ -566,6 +566,55 @@ def test_a_request_without_a_limit_resumes_up_to_the_destinations_model_length()
     resumed, recovered = asyncio.run(go())
     assert resumed["prompt"] == [1, 2, 3, 4] and resumed["max_tokens"] == 4096
     assert recovered["max_tokens"] == 4096
+
+
+def test_a_moved_request_keeps_the_output_limit_its_first_instance_gave_it(monkeypatch):
+    """Each instance's lease channel (real lease servers here) says the output limits its OpenAI
+    server applies: a chat request without a limit, begun where the generation config's default
+    is 300 tokens, resumes elsewhere with 300 less what it got (not up to the model's length), and
+    one whose limit its first instance caps at 200 keeps the cap where there is none."""
+    from vllm_ext.migration import protocol
+    from vllm_ext.migration.lease import LeaseServer
+    from vllm_ext.router import app as router_app
+    from vllm_ext.router.streams import ClientStream
+
+    secret = "router-unit-test-deployment-secret"
+    monkeypatch.setenv("VLLM_EXT_AUTH_SECRET", secret)
+    limits = {"A": (300, 0), "B": (0, 0), "C": (0, 200)}
+
+    def serving(default, cap):
+        def handler(request):
+            assert isinstance(request, protocol.LeaseDescribe)
+            return protocol.LeaseDescribeReply({}, "0" * 32, {}, "", default, cap), b""
+        return handler
+    servers = {n: LeaseServer(secret.encode(), serving(*v)) for n, v in limits.items()}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def go():
+        router = router_app.Router([f"http://{n.lower()}.invalid" for n in limits],
+                                   [f"127.0.0.1:{s.port}" for s in servers.values()], Settings())
+        a, b, c = router.instances
+        b.models = {"object": "list", "data": [{"id": "m", "max_model_len": 4096}]}
+        sent = []
+
+        async def fake_open(routed, inst, url, body, first_token=False):
+            sent.append(body)
+            routed.instance, routed.leg = inst, _Leg()
+        router._open = fake_open
+        for first, body in ((a, chat), (c, dict(chat, max_tokens=1000)), (b, chat)):
+            client = ClientStream("c", True, "m", want_ids=False, want_usage=False)
+            client.prompt_token_ids, client.token_ids = [1, 2, 3], [4, 5]
+            routed = router_app.Routed("c", body, True, client)
+            assert await router._describe(first) is not None
+            routed.instance, routed.limit = first, router._output_limit(routed, first)
+            await router_app._Driver(router, routed).resume(b.url, None)
+        return [leg["max_tokens"] for leg in sent]
+
+    try:
+        assert asyncio.run(go()) == [298, 198, 4096]
+    finally:
+        for s in servers.values():
+            s.close()
 
 
 def test_a_request_that_cannot_move_is_listed_with_its_reason_while_it_runs(monkeypatch):

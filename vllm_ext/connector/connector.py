@@ -25,7 +25,7 @@ instance. Failed receives follow vLLM's `kv_load_failure_policy` ("fail" or "rec
 """
 
 import logging
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 from . import check_vllm_version
 
@@ -99,7 +99,8 @@ class VllmExtConnector(KVConnectorBase_V1):
                 secret=secret, failure_policy=policy,
                 whole_blocks=bool(extra.get("load_whole_blocks", vllm_config.device_config.device_type == "cpu")),
                 wait_for_grant=VllmExtWorkerMetadata is not None,
-                async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)))
+                async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
+                max_tokens_limits=_max_tokens_limits(vllm_config.model_config))
         else:
             from .worker import WorkerHalf
 
@@ -200,6 +201,26 @@ class VllmExtConnector(KVConnectorBase_V1):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return VllmExtPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _max_tokens_limits(model) -> Tuple[int, int]:
+    """(default, cap) of the output limit vLLM's OpenAI server applies (0: none), as its serving
+    classes derive them: the default limits a request that sets none (the generation config's
+    max_new_tokens, overrides included), the cap every request (with generation_config "auto" or
+    "vllm", --override-generation-config's max_new_tokens; with a folder, its default). The
+    router carries them across a move (a resumed leg always sets its limit)."""
+    try:
+        default = model.get_diff_sampling_param().get("max_tokens")
+        if model.generation_config not in ("auto", "vllm"):
+            cap = default
+        else:
+            cap = (getattr(model, "override_generation_config", None) or {}).get("max_new_tokens")
+    except Exception as e:  # noqa: BLE001 - an unreadable generation config: the router keeps the request's own limit
+        logger.warning("VllmExtConnector: the generation config's output limits are unknown (%s: %s)",
+                       type(e).__name__, e)
+        return 0, 0
+    return tuple(v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0  # type: ignore[return-value]
+                 for v in (default, cap))
 
 
 def _static_fields(vllm_config) -> dict:

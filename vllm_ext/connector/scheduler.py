@@ -108,7 +108,8 @@ class SchedulerHalf:
     def __init__(self, *, is_producer: bool, is_consumer: bool, block_size: int, lease_s: float,
                  lease_host: str, lease_port: int, secret: bytes, failure_policy: str,
                  whole_blocks: bool = False, clock: Callable[[], float] = time.monotonic,
-                 wait_for_grant: bool = True, async_scheduling: bool = False):
+                 wait_for_grant: bool = True, async_scheduling: bool = False,
+                 max_tokens_limits: Tuple[int, int] = (0, 0)):
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.block_size = block_size
@@ -122,6 +123,9 @@ class SchedulerHalf:
         # the engine schedules a step before the last one's output is in: a failed load before a
         # request's first step is then unsafe (vLLM has run its next step on the bad blocks)
         self.async_scheduling = async_scheduling
+        # (default, cap) of the output limit the instance's OpenAI server applies (0: none), for
+        # lease.describe: the router carries them across a move
+        self.max_tokens_limits = max_tokens_limits
         self._lock = threading.Lock()  # leases and _finished_sending: engine thread + channel threads
         self._granted = threading.Condition(self._lock)
         self._traced = threading.Condition(self._lock)  # a trace was scheduled, or its load ended
@@ -420,7 +424,8 @@ class SchedulerHalf:
             if self._handshake is None:
                 raise ValueError("this instance's worker has not registered its KV cache yet")
             return protocol.LeaseDescribeReply(self._handshake.descriptor, self._handshake.fingerprint,
-                                               self._handshake.fingerprint_fields, self._handshake.sampler), b""
+                                               self._handshake.fingerprint_fields, self._handshake.sampler,
+                                               *self.max_tokens_limits), b""
         if isinstance(request, (protocol.MigratePrecopy, protocol.MigrateEnd)):
             return self._serve_migration(request)
         if isinstance(request, protocol.MigrateTrace):

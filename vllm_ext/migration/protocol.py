@@ -42,7 +42,9 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 #     flight (`unsafe`: the router discards that leg).
 # 12: migrate.trace may wait (`wait_s`) until the resume's first step is settled (scheduled, and
 #     the result of the KV load before it known); its reply says whether it is (`settled`).
-PROTOCOL = 12
+# 13: lease.describe.reply says the output limits the instance's OpenAI server applies
+#     (`default_max_tokens`, `max_tokens_cap`).
+PROTOCOL = 13
 
 FRAME = struct.Struct("!II")
 MAX_HEADER_BYTES = 64 << 10  # a header is a small JSON object; refused past this, unread
@@ -217,6 +219,8 @@ _FIELD_CHECKS.update(geometry=_check_geometry, uids=_check_uids, handle=_check_h
                      n_digests=lambda v: _check_int("n_digests", v, 0, MAX_IDS_PER_PULL),
                      n_tokens=lambda v: _check_int("n_tokens", v, 0, MAX_IDS_PER_PULL),
                      num_prompt_tokens=lambda v: _check_int("num_prompt_tokens", v, 0, 1 << 40),
+                     default_max_tokens=lambda v: _check_int("default_max_tokens", v, 0, 1 << 40),
+                     max_tokens_cap=lambda v: _check_int("max_tokens_cap", v, 0, 1 << 40),
                      endpoint_id=lambda v: _check_str("endpoint_id", v, 64),
                      lease_s=lambda v: _check_number("lease_s", v, 0, MAX_HOLD_S),
                      arrival_s=lambda v: _check_number("arrival_s", v, 0, MAX_WALL_CLOCK_S),
@@ -373,13 +377,18 @@ class LeaseDescribe(Message):
 @dataclasses.dataclass(frozen=True)
 class LeaseDescribeReply(Message):
     """`sampler`: how the instance draws a seeded request's random numbers (two instances that
-    say the same, not empty, continue each other's seeded requests; connector/sampling.py)."""
+    say the same, not empty, continue each other's seeded requests; connector/sampling.py).
+    `default_max_tokens`: the output limit its OpenAI server gives a request that sets none (the
+    generation config's max_new_tokens); `max_tokens_cap`: the limit it puts on every request
+    (--override-generation-config's max_new_tokens); 0: none."""
 
     op: ClassVar[str] = "lease.describe.reply"
     descriptor: Dict[str, Any]
     fingerprint: str
     fingerprint_fields: Dict[str, Any]
     sampler: str
+    default_max_tokens: int
+    max_tokens_cap: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,6 +50,7 @@ STOP_WAIT_MAX_S = 1.0
 # load's result is in; it answers by then or after this long (the router then asks again at the
 # first token). At most this many of those questions wait at once.
 RESUME_CHECK_WAIT_S = 5.0
+DESCRIBE_RETRY_S = 10.0  # the poll asks an instance that did not describe itself again after this
 MAX_RESUME_CHECKS = 8
 POLICIES = ("round_robin", "least_loaded")
 MAX_STAGES_LIMIT = 16  # pre-copy stages of one migration (the setting and /migrate's "stages")
@@ -106,7 +107,9 @@ class Instance:
         self.migrating_in = 0
         self.migrating_out = 0
         self.metrics: Dict[str, float] = {}
-        self.sampler: Optional[str] = None  # its lease channel's answer, until it is marked down
+        # its lease channel's describe (seeded sampling, output limits), until it is marked down
+        self.described: Optional[protocol.LeaseDescribeReply] = None
+        self.describe_after = 0.0  # monotonic: the poll asks again for a describe that failed after this
         self.models: Optional[Dict[str, Any]] = None  # its /v1/models answer, until it is marked down
 
     @property
@@ -128,6 +131,8 @@ class Routed:
 
     def __init__(self, rid: str, body: Dict[str, Any], chat: bool, client: ClientStream):
         self.rid, self.body, self.chat, self.client = rid, body, chat, client
+        # the output limit its first leg had (_output_limit), which every later leg carries
+        self.limit: Optional[int] = streams.max_new_tokens(body, chat)
         self.instance: Optional[Instance] = None
         self.mid = live.new_migration_id()  # the current leg's migration id
         self.leg: Optional[aiohttp.ClientResponse] = None
@@ -307,6 +312,7 @@ class Router:
             try:
                 await self._open(routed, inst, inst.url + request.path,
                                  streams.first_leg_body(routed.body, {"migration_id": routed.mid}))
+                routed.limit = self._output_limit(routed, inst)
                 break
             except _LegFailed as e:
                 first_error = e
@@ -506,11 +512,12 @@ class Router:
                 body = streams.first_leg_body(routed.body, {"migration_id": routed.mid})
             else:
                 url = inst.url + "/v1/completions"
-                body = streams.resume_leg_body(routed.body, routed.chat, routed.tokens(), len(client.token_ids),
+                body = streams.resume_leg_body(routed.body, routed.limit, routed.tokens(), len(client.token_ids),
                                                {"migration_id": routed.mid}, inst.max_model_len(routed.body))
             try:
                 await self._open(routed, inst, url, body, first_token=not again)
                 if again:
+                    routed.limit = self._output_limit(routed, inst)
                     logger.info("request %s: sent again to %s (its instance failed before its first token)",
                                 routed.rid, inst.url)
                 else:
@@ -540,18 +547,32 @@ class Router:
         if inst.healthy:
             logger.warning("instance %s is down (%s: %s)", inst.url, type(e).__name__, e)
         inst.healthy = False
-        inst.sampler = inst.models = None  # it may come back with another configuration
+        inst.described = inst.models = None  # it may come back with another configuration
+
+    async def _describe(self, inst: Instance) -> Optional[protocol.LeaseDescribeReply]:
+        """`inst`'s lease channel's describe (None when it cannot say); kept until it is down."""
+        if inst.described is None and inst.control is not None:
+            inst.describe_after = time.monotonic() + DESCRIBE_RETRY_S
+            try:
+                inst.described = await asyncio.get_running_loop().run_in_executor(None, inst.control.describe)
+            except (ChannelError, ValueError) as e:
+                logger.info("instance %s: no describe (%s)", inst.url, e)
+        return inst.described
 
     async def _sampler(self, inst: Instance) -> str:
         """How `inst` draws seeded requests' numbers ("" when it cannot say)."""
-        if inst.sampler is None and inst.control is not None:
-            try:
-                reply = await asyncio.get_running_loop().run_in_executor(None, inst.control.describe)
-                inst.sampler = reply.sampler
-            except (ChannelError, ValueError) as e:
-                logger.info("instance %s: no describe (%s)", inst.url, e)
-                return ""
-        return inst.sampler or ""
+        described = await self._describe(inst)
+        return described.sampler if described is not None else ""
+
+    @staticmethod
+    def _output_limit(routed: Routed, inst: Instance) -> Optional[int]:
+        """The output limit `inst` gives `routed` as its first leg (streams.output_limit, with
+        `inst`'s generation-config default and cap; the client's own while `inst` is not
+        described)."""
+        described = inst.described
+        if described is None:
+            return streams.max_new_tokens(routed.body, routed.chat)
+        return streams.output_limit(routed.body, routed.chat, described.default_max_tokens, described.max_tokens_cap)
 
     # ---- migration -----------------------------------------------------------------------
     def start_migration(self, routed: Routed, dst: Instance, stages: Optional[int] = None,
@@ -616,7 +637,7 @@ class Router:
             if (routed.client.prompt_token_ids is None
                     or len(routed.migrations) >= self.settings.max_migrations_per_request):
                 continue
-            limit = streams.max_new_tokens(routed.body, routed.chat)
+            limit = routed.limit
             if limit is not None and limit - len(routed.client.token_ids) < self.settings.min_remaining_tokens:
                 continue
             if best is None or len(routed.client.token_ids) < len(best.client.token_ids):
@@ -665,6 +686,8 @@ class Router:
                         async with self.session.get(inst.url + "/v1/models",
                                                     timeout=poll) as r:
                             inst.models = await r.json() if r.status == 200 else None
+                    if inst.described is None and began >= inst.describe_after:  # its requests' limits
+                        await self._describe(inst)
                     if not inst.healthy:
                         logger.info("instance %s is back", inst.url)
                     inst.healthy, inst.failed_polls, inst.silent_since = True, 0, None
@@ -934,8 +957,8 @@ class _Driver:
         trace is asked for with the resume and usually answers before the first token arrives."""
         routed = self.routed
         inst = self.router._by_url[destination]
-        body = streams.resume_leg_body(routed.body, routed.chat, routed.tokens(), len(routed.client.token_ids), params,
-                                       inst.max_model_len(routed.body))
+        body = streams.resume_leg_body(routed.body, routed.limit, routed.tokens(), len(routed.client.token_ids),
+                                       params, inst.max_model_len(routed.body))
         checked = params is not None and "remote_lease" in params  # it loads KV, vouched for by the trace
         if checked:  # under the salt of the pre-copies' blocks (a recompute reads the prefix cache as any request)
             body["cache_salt"] = self.cache_salt

@@ -117,12 +117,26 @@ def first_leg_body(body: Dict[str, Any], params: Dict[str, Any]) -> Dict[str, An
     return leg
 
 
-def resume_leg_body(body: Dict[str, Any], chat: bool, token_ids: List[int], generated: int,
+def output_limit(body: Dict[str, Any], chat: bool, default_max_tokens: int = 0,
+                 max_tokens_cap: int = 0) -> Optional[int]:
+    """The output limit an instance's OpenAI server gives `body` (None: up to the model's
+    length), as vLLM derives it: the client's (max_new_tokens), else the instance's default (its
+    generation config's max_new_tokens), at most the instance's cap (0: none of either)."""
+    limit = max_new_tokens(body, chat)
+    if limit is None and default_max_tokens > 0:
+        limit = default_max_tokens
+    if max_tokens_cap > 0:
+        limit = max_tokens_cap if limit is None else min(limit, max_tokens_cap)
+    return limit
+
+
+def resume_leg_body(body: Dict[str, Any], limit: Optional[int], token_ids: List[int], generated: int,
                     params: Optional[Dict[str, Any]], max_model_len: Optional[int] = None) -> Dict[str, Any]:
     """A /v1/completions body that continues the request from `token_ids` (prompt + the
-    `generated` tokens the client got).
+    `generated` tokens the client got), under the output limit its first leg had (`limit`,
+    output_limit; None: none).
 
-    A client without a limit goes on up to the model's length. vLLM's /v1/completions reads a
+    A request without a limit goes on up to the model's length. vLLM's /v1/completions reads a
     missing or null max_tokens as 16 and refuses one above max_model_len, and clamps one up to it
     to what the prompt leaves: the leg asks for `max_model_len` (the destination's, from its
     /v1/models); without it, for len(token_ids), the most that every instance able to run the
@@ -130,7 +144,6 @@ def resume_leg_body(body: Dict[str, Any], chat: bool, token_ids: List[int], gene
     leg = {name: body[name] for name in CARRIED if name in body}
     leg.update(model=body.get("model"), prompt=list(token_ids), stream=True,
                stream_options={"include_usage": True}, return_token_ids=True)
-    limit = max_new_tokens(body, chat)
     min_left = max(body["min_tokens"] - generated, 0) if body.get("min_tokens") else 0
     if limit is not None:
         leg["max_tokens"] = max(limit - generated, 1)
