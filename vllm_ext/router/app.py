@@ -24,7 +24,7 @@ import logging
 import os
 import secrets
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 import aiohttp
 from aiohttp import web
@@ -198,6 +198,7 @@ class Router:
         self._token = os.environ.get(ENV_TOKEN) or None
         self.session: Optional[aiohttp.ClientSession] = None
         self._tasks: List[asyncio.Task] = []
+        self._describing: Set[asyncio.Future] = set()  # lease-channel describes the polls asked for
         # the resumes' early load checks wait in threads of their own (not the loop's default pool)
         self.checks = concurrent.futures.ThreadPoolExecutor(MAX_RESUME_CHECKS, "vllm-ext-resume-check")
 
@@ -209,7 +210,7 @@ class Router:
             self._tasks.append(asyncio.create_task(self._balance()))
 
     async def stop(self, app) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._describing]:
             task.cancel()
         if self.session is not None:
             await self.session.close()
@@ -686,8 +687,11 @@ class Router:
                         async with self.session.get(inst.url + "/v1/models",
                                                     timeout=poll) as r:
                             inst.models = await r.json() if r.status == 200 else None
-                    if inst.described is None and began >= inst.describe_after:  # its requests' limits
-                        await self._describe(inst)
+                    if inst.described is None and began >= inst.describe_after:  # its requests' limits,
+                        # asked aside: a slow lease channel holds no poll
+                        task = asyncio.ensure_future(self._describe(inst))
+                        self._describing.add(task)
+                        task.add_done_callback(self._describing.discard)
                     if not inst.healthy:
                         logger.info("instance %s is back", inst.url)
                     inst.healthy, inst.failed_polls, inst.silent_since = True, 0, None
