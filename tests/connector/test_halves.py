@@ -647,6 +647,29 @@ def test_the_lease_channel_describes_the_output_limits_it_was_given(producer):
         limited.shutdown()
 
 
+def test_the_output_limits_are_read_as_vllms_openai_server_reads_them():
+    """(default, cap) from the model config, as vLLM's serving classes derive them; 0: none."""
+    from types import SimpleNamespace
+
+    from vllm_ext.connector.connector import _max_tokens_limits
+
+    def model(generation_config="auto", diff=None, override=None, fails=False):
+        def diff_params():
+            if fails:
+                raise OSError("generation_config.json: unreadable")
+            return dict(diff or {})
+        return SimpleNamespace(generation_config=generation_config, get_diff_sampling_param=diff_params,
+                               override_generation_config=dict(override or {}))
+
+    assert _max_tokens_limits(model()) == (0, 0)
+    assert _max_tokens_limits(model(diff={"max_tokens": 300})) == (300, 0)  # the model's generation config
+    assert _max_tokens_limits(model(diff={"max_tokens": 200}, override={"max_new_tokens": 200})) == (200, 200)
+    assert _max_tokens_limits(model("vllm", override={"max_new_tokens": 50})) == (0, 50)
+    assert _max_tokens_limits(model("/a/folder", diff={"max_tokens": 400})) == (400, 400)
+    assert _max_tokens_limits(model(diff={"max_tokens": True}, override={"max_new_tokens": 0})) == (0, 0)
+    assert _max_tokens_limits(model(fails=True)) == (0, 0)
+
+
 def test_an_endpoint_serves_no_lease_message(producer):
     """The producer's MigrationEndpoint refuses the lease messages (they have a registry of their
     own), also from an authenticated peer."""

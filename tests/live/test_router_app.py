@@ -270,29 +270,36 @@ def test_a_stream_that_arrives_faster_than_it_is_relayed_does_not_hold_the_loop(
     assert len(set(seen)) == 5 and max(seen) < 200, seen
 
 
+def _describing_lease_servers(secret: str, replies):
+    """Real lease servers, one per (sampler, default_max_tokens, max_tokens_cap), answering
+    lease.describe; `asked` lists the samplers of those asked."""
+    from vllm_ext.migration import protocol
+    from vllm_ext.migration.lease import LeaseServer
+
+    asked = []
+
+    def serving(sampler, default, cap):
+        def handler(request):
+            asked.append(sampler)
+            assert isinstance(request, protocol.LeaseDescribe)
+            return protocol.LeaseDescribeReply({}, "0" * 32, {}, sampler, default, cap), b""
+        return handler
+    return [LeaseServer(secret.encode(), serving(*reply)) for reply in replies], asked
+
+
 def test_a_seeded_request_moves_only_between_instances_that_sample_alike(monkeypatch):
     """The router asks each instance's lease channel (real lease servers here) how it samples:
     a seeded request may go only where its random stream goes on; others go anywhere."""
-    from vllm_ext.migration import protocol
-    from vllm_ext.migration.lease import LeaseServer
     from vllm_ext.router.app import Routed, Router, _Driver
     from vllm_ext.router.streams import ClientStream
 
     secret = "router-unit-test-deployment-secret"
     monkeypatch.setenv("VLLM_EXT_AUTH_SECRET", secret)
     samplers = {"A": "generator:cpu:0.32", "B": "generator:cpu:0.32", "C": "position:cuda:0.26", "D": ""}
-    asked = []
-
-    def serving(kind):
-        def handler(request):
-            asked.append(kind)
-            assert isinstance(request, protocol.LeaseDescribe)
-            return protocol.LeaseDescribeReply({}, "0" * 32, {}, kind, 0, 0), b""
-        return handler
-    servers = {n: LeaseServer(secret.encode(), serving(k)) for n, k in samplers.items()}
+    servers, asked = _describing_lease_servers(secret, [(k, 0, 0) for k in samplers.values()])
     try:
         urls = {n: f"http://{n.lower()}.invalid" for n in samplers}
-        router = Router(list(urls.values()), [f"127.0.0.1:{s.port}" for s in servers.values()], Settings())
+        router = Router(list(urls.values()), [f"127.0.0.1:{s.port}" for s in servers], Settings())
 
         def refusal(body, to):
             routed = Routed("cmpl-1", body, False, ClientStream("cmpl-1", False, "m", False, want_usage=False))
@@ -310,7 +317,7 @@ def test_a_seeded_request_moves_only_between_instances_that_sample_alike(monkeyp
             assert refusal(body, "D") is None
         assert asked == []  # nothing to ask for requests with no random stream of their own
     finally:
-        for s in servers.values():
+        for s in servers:
             s.close()
         for inst in router.instances:
             inst.control.close()
@@ -564,35 +571,29 @@ def test_a_request_without_a_limit_resumes_up_to_the_destinations_model_length()
         return sent
 
     resumed, recovered = asyncio.run(go())
-    assert resumed["prompt"] == [1, 2, 3, 4] and resumed["max_tokens"] == 4096
-    assert recovered["max_tokens"] == 4096
+    assert resumed["prompt"] == [1, 2, 3, 4] and resumed["max_tokens"] == 4096 - 4
+    assert recovered["max_tokens"] == 4096 - 4
 
 
 def test_a_moved_request_keeps_the_output_limit_its_first_instance_gave_it(monkeypatch):
-    """Each instance's lease channel (real lease servers here) says the output limits its OpenAI
-    server applies: a chat request without a limit, begun where the generation config's default
-    is 300 tokens, resumes elsewhere with 300 less what it got (not up to the model's length), and
-    one whose limit its first instance caps at 200 keeps the cap where there is none."""
-    from vllm_ext.migration import protocol
-    from vllm_ext.migration.lease import LeaseServer
+    """Each instance's lease channel says the output limits its OpenAI server applies: a chat
+    request without a limit, begun where the generation config's default is 300 tokens, resumes
+    elsewhere with 300 less what it got (not up to the model's length), also when that instance
+    described itself only after the request began; one whose limit its first instance caps at
+    200 keeps the cap where there is none; one whose first instance was marked down before it
+    described itself keeps the client's limit; and none moves to an instance that caps what it
+    has left below it."""
     from vllm_ext.router import app as router_app
     from vllm_ext.router.streams import ClientStream
 
     secret = "router-unit-test-deployment-secret"
     monkeypatch.setenv("VLLM_EXT_AUTH_SECRET", secret)
-    limits = {"A": (300, 0), "B": (0, 0), "C": (0, 200)}
-
-    def serving(default, cap):
-        def handler(request):
-            assert isinstance(request, protocol.LeaseDescribe)
-            return protocol.LeaseDescribeReply({}, "0" * 32, {}, "", default, cap), b""
-        return handler
-    servers = {n: LeaseServer(secret.encode(), serving(*v)) for n, v in limits.items()}
+    servers, _ = _describing_lease_servers(secret, [("", 300, 0), ("", 0, 0), ("", 0, 200)])
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
     async def go():
-        router = router_app.Router([f"http://{n.lower()}.invalid" for n in limits],
-                                   [f"127.0.0.1:{s.port}" for s in servers.values()], Settings())
+        router = router_app.Router(["http://a.invalid", "http://b.invalid", "http://c.invalid"],
+                                   [f"127.0.0.1:{s.port}" for s in servers], Settings())
         a, b, c = router.instances
         b.models = {"object": "list", "data": [{"id": "m", "max_model_len": 4096}]}
         sent = []
@@ -601,19 +602,36 @@ def test_a_moved_request_keeps_the_output_limit_its_first_instance_gave_it(monke
             sent.append(body)
             routed.instance, routed.leg = inst, _Leg()
         router._open = fake_open
-        for first, body in ((a, chat), (c, dict(chat, max_tokens=1000)), (b, chat)):
+
+        def routed_on(first, body):
             client = ClientStream("c", True, "m", want_ids=False, want_usage=False)
             client.prompt_token_ids, client.token_ids = [1, 2, 3], [4, 5]
             routed = router_app.Routed("c", body, True, client)
-            assert await router._describe(first) is not None
-            routed.instance, routed.limit = first, router._output_limit(routed, first)
+            routed.instance, routed.first = first, (first, first.downs)  # its first leg began there
+            return routed
+        for first, body, down in ((a, chat, False), (c, dict(chat, max_tokens=1000), False), (b, chat, False),
+                                  (a, dict(chat, max_tokens=1000), True)):
+            first.described = None  # not described when the request's first leg began
+            routed = routed_on(first, body)
+            if down:
+                router._mark_down(first, OSError("test"))
+            assert await router._describe(first) is not None  # it describes itself now
             await router_app._Driver(router, routed).resume(b.url, None)
-        return [leg["max_tokens"] for leg in sent]
+        legs = [leg["max_tokens"] for leg in sent]
+        # to C, which caps output at 200: only a request with at most 200 tokens left
+        refusals = [await router_app._Driver(router, routed_on(a, body)).refuse(c.url)
+                    for body in (chat, dict(chat, max_tokens=202), dict(chat, max_tokens=203))]
+        for inst in router.instances:
+            inst.control.close()
+        return legs, refusals
 
     try:
-        assert asyncio.run(go()) == [298, 198, 4096]
+        legs, refusals = asyncio.run(go())
+        assert legs == [298, 198, 4096 - 5, 998], legs  # the last: A went down before describing itself
+        assert refusals[1] is None and "caps a request's output at 200" in refusals[2], refusals
+        assert "caps" in refusals[0] and "no limit" not in refusals[0] and "298 tokens" in refusals[0], refusals
     finally:
-        for s in servers.values():
+        for s in servers:
             s.close()
 
 

@@ -96,7 +96,7 @@ def test_a_resumed_leg_of_a_request_without_a_limit_goes_on_to_the_models_length
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": None}
     assert streams.max_new_tokens(chat, True) is None
     leg = resume_leg(chat, True, [1, 2, 3, 4, 5], 4, None, max_model_len=4096)
-    assert leg["max_tokens"] == 4096 and "min_tokens" not in leg
+    assert leg["max_tokens"] == 4096 - 5 and "min_tokens" not in leg  # what the model's length leaves
     models = {"object": "list", "data": [{"id": "m", "object": "model", "max_model_len": 4096}]}
     assert streams.max_model_len(models, "m") == streams.max_model_len(models) == 4096
     assert streams.max_model_len(models, "other") is None and streams.max_model_len({"data": "x"}) is None
@@ -121,6 +121,8 @@ def test_the_output_limit_is_the_first_legs_as_vllm_derives_it_and_a_resumed_leg
     # the resumed leg counts the tokens given against the first leg's limit, not the destination's
     leg = streams.resume_leg_body(chat, 300, [1, 2, 3, 4, 5], 4, None, max_model_len=4096)
     assert leg["max_tokens"] == 296
+    # never more than the model's length leaves (vLLM 0.26 refuses more)
+    assert streams.resume_leg_body(chat, 300, [1, 2, 3, 4, 5], 4, None, max_model_len=100)["max_tokens"] == 95
 
 
 def test_stop_string_across_pieces_is_cut_and_never_sent_in_part():

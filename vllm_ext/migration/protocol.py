@@ -380,7 +380,7 @@ class LeaseDescribeReply(Message):
     say the same, not empty, continue each other's seeded requests; connector/sampling.py).
     `default_max_tokens`: the output limit its OpenAI server gives a request that sets none (the
     generation config's max_new_tokens); `max_tokens_cap`: the limit it puts on every request
-    (--override-generation-config's max_new_tokens); 0: none."""
+    (--override-generation-config's max_new_tokens, or a --generation-config folder's); 0: none."""
 
     op: ClassVar[str] = "lease.describe.reply"
     descriptor: Dict[str, Any]

@@ -24,7 +24,7 @@ import logging
 import os
 import secrets
 import time
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import aiohttp
 from aiohttp import web
@@ -110,6 +110,7 @@ class Instance:
         # its lease channel's describe (seeded sampling, output limits), until it is marked down
         self.described: Optional[protocol.LeaseDescribeReply] = None
         self.describe_after = 0.0  # monotonic: the poll asks again for a describe that failed after this
+        self.downs = 0  # times it was marked down: a describe or a limit from before one is not its own
         self.models: Optional[Dict[str, Any]] = None  # its /v1/models answer, until it is marked down
 
     @property
@@ -131,8 +132,12 @@ class Routed:
 
     def __init__(self, rid: str, body: Dict[str, Any], chat: bool, client: ClientStream):
         self.rid, self.body, self.chat, self.client = rid, body, chat, client
-        # the output limit its first leg had (_output_limit), which every later leg carries
+        # the output limit its first leg had, which every later leg carries (Router._limit): the
+        # client's until the instance of its first leg, `first` (and its `downs` then), has
+        # described its own limits
         self.limit: Optional[int] = streams.max_new_tokens(body, chat)
+        self.limit_settled = False
+        self.first: Optional[Tuple[Instance, int]] = None
         self.instance: Optional[Instance] = None
         self.mid = live.new_migration_id()  # the current leg's migration id
         self.leg: Optional[aiohttp.ClientResponse] = None
@@ -313,7 +318,7 @@ class Router:
             try:
                 await self._open(routed, inst, inst.url + request.path,
                                  streams.first_leg_body(routed.body, {"migration_id": routed.mid}))
-                routed.limit = self._output_limit(routed, inst)
+                routed.first = (inst, inst.downs)
                 break
             except _LegFailed as e:
                 first_error = e
@@ -513,12 +518,12 @@ class Router:
                 body = streams.first_leg_body(routed.body, {"migration_id": routed.mid})
             else:
                 url = inst.url + "/v1/completions"
-                body = streams.resume_leg_body(routed.body, routed.limit, routed.tokens(), len(client.token_ids),
+                body = streams.resume_leg_body(routed.body, self._limit(routed), routed.tokens(), len(client.token_ids),
                                                {"migration_id": routed.mid}, inst.max_model_len(routed.body))
             try:
                 await self._open(routed, inst, url, body, first_token=not again)
                 if again:
-                    routed.limit = self._output_limit(routed, inst)
+                    routed.first = (inst, inst.downs)
                     logger.info("request %s: sent again to %s (its instance failed before its first token)",
                                 routed.rid, inst.url)
                 else:
@@ -549,15 +554,21 @@ class Router:
             logger.warning("instance %s is down (%s: %s)", inst.url, type(e).__name__, e)
         inst.healthy = False
         inst.described = inst.models = None  # it may come back with another configuration
+        inst.downs += 1
+        inst.describe_after = 0.0
 
     async def _describe(self, inst: Instance) -> Optional[protocol.LeaseDescribeReply]:
         """`inst`'s lease channel's describe (None when it cannot say); kept until it is down."""
         if inst.described is None and inst.control is not None:
             inst.describe_after = time.monotonic() + DESCRIBE_RETRY_S
+            downs = inst.downs
             try:
-                inst.described = await asyncio.get_running_loop().run_in_executor(None, inst.control.describe)
-            except (ChannelError, ValueError) as e:
+                described = await asyncio.get_running_loop().run_in_executor(None, inst.control.describe)
+            except (ChannelError, ValueError, OSError, RuntimeError) as e:
                 logger.info("instance %s: no describe (%s)", inst.url, e)
+                return None
+            if inst.downs == downs:  # else it was marked down meanwhile: not its configuration now
+                inst.described = described
         return inst.described
 
     async def _sampler(self, inst: Instance) -> str:
@@ -566,14 +577,21 @@ class Router:
         return described.sampler if described is not None else ""
 
     @staticmethod
-    def _output_limit(routed: Routed, inst: Instance) -> Optional[int]:
-        """The output limit `inst` gives `routed` as its first leg (streams.output_limit, with
-        `inst`'s generation-config default and cap; the client's own while `inst` is not
-        described)."""
-        described = inst.described
-        if described is None:
-            return streams.max_new_tokens(routed.body, routed.chat)
-        return streams.output_limit(routed.body, routed.chat, described.default_max_tokens, described.max_tokens_cap)
+    def _limit(routed: Routed) -> Optional[int]:
+        """The output limit `routed`'s first leg had, as its instance's OpenAI server derives it
+        (streams.output_limit with that instance's generation-config default and cap): settled
+        once that instance has described itself, unless it was marked down since the leg began
+        (it may have come back with another configuration); the client's own until then."""
+        if not routed.limit_settled and routed.first is not None:
+            inst, downs = routed.first
+            described = inst.described
+            if inst.downs != downs:
+                routed.limit_settled = True  # never known: the client's stays
+            elif described is not None:
+                routed.limit = streams.output_limit(routed.body, routed.chat, described.default_max_tokens,
+                                                    described.max_tokens_cap)
+                routed.limit_settled = True
+        return routed.limit
 
     # ---- migration -----------------------------------------------------------------------
     def start_migration(self, routed: Routed, dst: Instance, stages: Optional[int] = None,
@@ -638,7 +656,7 @@ class Router:
             if (routed.client.prompt_token_ids is None
                     or len(routed.migrations) >= self.settings.max_migrations_per_request):
                 continue
-            limit = routed.limit
+            limit = self._limit(routed)
             if limit is not None and limit - len(routed.client.token_ids) < self.settings.min_remaining_tokens:
                 continue
             if best is None or len(routed.client.token_ids) < len(best.client.token_ids):
@@ -897,8 +915,16 @@ class _Driver:
         return self.routed.client.finished or self.routed.gone
 
     async def refuse(self, destination: str) -> Optional[str]:
-        """A seeded request moves only where its random stream goes on: both instances draw the
-        same way (vllm_ext/connector/sampling.py)."""
+        """A request moves only where its output limit holds (the destination caps none of what is
+        left of it below it), and a seeded one only where its random stream goes on: both
+        instances draw the same way (vllm_ext/connector/sampling.py)."""
+        described = await self.router._describe(self.router._by_url[destination])
+        cap = described.max_tokens_cap if described is not None else 0
+        limit = self.router._limit(self.routed)
+        left = None if limit is None else limit - len(self.routed.client.token_ids)
+        if cap and (left is None or left > cap):
+            return (f"the destination caps a request's output at {cap} tokens (--override-generation-config), "
+                    f"this one has {'no limit' if left is None else f'{left} tokens'} left")
         if not streams.seeded_random(self.routed.body) or self.routed.instance is None:
             return None
         source = await self.router._sampler(self.routed.instance)
@@ -961,8 +987,8 @@ class _Driver:
         trace is asked for with the resume and usually answers before the first token arrives."""
         routed = self.routed
         inst = self.router._by_url[destination]
-        body = streams.resume_leg_body(routed.body, routed.limit, routed.tokens(), len(routed.client.token_ids),
-                                       params, inst.max_model_len(routed.body))
+        body = streams.resume_leg_body(routed.body, self.router._limit(routed), routed.tokens(),
+                                       len(routed.client.token_ids), params, inst.max_model_len(routed.body))
         checked = params is not None and "remote_lease" in params  # it loads KV, vouched for by the trace
         if checked:  # under the salt of the pre-copies' blocks (a recompute reads the prefix cache as any request)
             body["cache_salt"] = self.cache_salt

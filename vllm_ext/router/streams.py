@@ -136,19 +136,20 @@ def resume_leg_body(body: Dict[str, Any], limit: Optional[int], token_ids: List[
     `generated` tokens the client got), under the output limit its first leg had (`limit`,
     output_limit; None: none).
 
-    A request without a limit goes on up to the model's length. vLLM's /v1/completions reads a
-    missing or null max_tokens as 16 and refuses one above max_model_len, and clamps one up to it
-    to what the prompt leaves: the leg asks for `max_model_len` (the destination's, from its
-    /v1/models); without it, for len(token_ids), the most that every instance able to run the
-    leg accepts (the leg may then end "length" before the model's length)."""
+    The leg asks for no more than the destination's `max_model_len` (from its /v1/models) leaves
+    after `token_ids`: vLLM refuses more (0.26; later releases clamp it). A request without a
+    limit goes on up to the model's length: the leg asks for all of that (vLLM's
+    /v1/completions reads a missing or null max_tokens as 16); with `max_model_len` unknown, for
+    len(token_ids) (the leg may then end "length" before the model's length)."""
     leg = {name: body[name] for name in CARRIED if name in body}
     leg.update(model=body.get("model"), prompt=list(token_ids), stream=True,
                stream_options={"include_usage": True}, return_token_ids=True)
     min_left = max(body["min_tokens"] - generated, 0) if body.get("min_tokens") else 0
+    room = max_model_len - len(token_ids) if max_model_len else None  # what the model's length leaves
     if limit is not None:
-        leg["max_tokens"] = max(limit - generated, 1)
+        leg["max_tokens"] = max(min(limit - generated, room if room is not None else limit), 1)
     else:
-        leg["max_tokens"] = max(max_model_len or len(token_ids), min_left, 1)
+        leg["max_tokens"] = max(room if room is not None else len(token_ids), min_left, 1)
     if body.get("min_tokens"):
         leg["min_tokens"] = min_left
     if params is not None and seeded_random(body):
