@@ -134,9 +134,8 @@ class Routed:
         self.rid, self.body, self.chat, self.client = rid, body, chat, client
         # the output limit its first leg had, which every later leg carries (Router._limit): the
         # client's until the instance of its first leg, `first` (and its `downs` then), has
-        # described its own limits
+        # described its own limits; `first` is None once the limit is settled
         self.limit: Optional[int] = streams.max_new_tokens(body, chat)
-        self.limit_settled = False
         self.first: Optional[Tuple[Instance, int]] = None
         self.instance: Optional[Instance] = None
         self.mid = live.new_migration_id()  # the current leg's migration id
@@ -582,15 +581,15 @@ class Router:
         (streams.output_limit with that instance's generation-config default and cap): settled
         once that instance has described itself, unless it was marked down since the leg began
         (it may have come back with another configuration); the client's own until then."""
-        if not routed.limit_settled and routed.first is not None:
+        if routed.first is not None:
             inst, downs = routed.first
             described = inst.described
             if inst.downs != downs:
-                routed.limit_settled = True  # never known: the client's stays
+                routed.first = None  # never known: the client's stays
             elif described is not None:
                 routed.limit = streams.output_limit(routed.body, routed.chat, described.default_max_tokens,
                                                     described.max_tokens_cap)
-                routed.limit_settled = True
+                routed.first = None
         return routed.limit
 
     # ---- migration -----------------------------------------------------------------------
@@ -923,7 +922,7 @@ class _Driver:
         limit = self.router._limit(self.routed)
         left = None if limit is None else limit - len(self.routed.client.token_ids)
         if cap and (left is None or left > cap):
-            return (f"the destination caps a request's output at {cap} tokens (--override-generation-config), "
+            return (f"the destination caps a request's output at {cap} tokens (its generation config), "
                     f"this one has {'no limit' if left is None else f'{left} tokens'} left")
         if not streams.seeded_random(self.routed.body) or self.routed.instance is None:
             return None
