@@ -957,8 +957,50 @@ def test_a_migration_pre_copies_complete_blocks_and_keeps_them_past_the_abort(pr
     client.close()
 
 
-def test_a_pre_copy_of_a_request_preempted_meanwhile_is_not_vouched_for(producer):
+def test_a_pre_copy_replies_once_the_worker_serves_its_blocks(producer, monkeypatch):
+    """The reply waits for the step's output that says the blocks are served (and digested), so
+    the destination's acquire, under its resume's first step, need not wait for this engine."""
     sched, worker = producer
+    monkeypatch.setattr("vllm_ext.connector.scheduler.PRECOPY_GRANT_WAIT_S", 60.0)
+    monkeypatch.setattr("vllm_ext.connector.scheduler.GRANT_WAIT_S", 0.0)  # an acquire finds it served, or fails
+    mid = "12" * 16
+    req = _running(sched, list(range(3, 3 + 40)), mid, [4, 7, 8])
+    client = lease_client(sched)
+    got = {}
+    asker = threading.Thread(target=lambda: got.update(lease=client.precopy(mid, 30)))
+    asker.start()
+    deadline = time.monotonic() + 5
+    while not sched._precopy_asks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    meta = step(sched, worker, _step_output(req), output=False)  # the lease is made and granted by the worker
+    (lease_id,) = meta.new_leases
+    asker.join(0.5)
+    assert asker.is_alive() and "lease" not in got  # its output has not reached the scheduler yet
+    sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker.build_worker_meta()))
+    asker.join(5)
+    assert got["lease"].lease == lease_id
+    ids, _, _, digests = client.acquire(lease_id, 5, 5)  # no wait left
+    assert ids == [4, 7] and digests == ops.block_digests(worker.cache, ids)
+    assert client.release(lease_id, 5) is True
+    client.close()
+
+
+def test_a_pre_copy_whose_blocks_are_not_served_in_time_still_replies(producer, monkeypatch):
+    sched, worker = producer
+    monkeypatch.setattr("vllm_ext.connector.scheduler.PRECOPY_GRANT_WAIT_S", 0.05)
+    monkeypatch.setattr("vllm_ext.connector.scheduler.GRANT_WAIT_S", 0.05)
+    mid = "34" * 16
+    req = _running(sched, list(range(3, 3 + 40)), mid, [4, 7, 8])
+    client = lease_client(sched)
+    lease, _ = _precopy(sched, worker, client, mid, req, grant=False)  # the step's output never came
+    with pytest.raises(ChannelRefused, match="not served yet"):  # the acquire waits as before, then refuses
+        client.acquire(lease.lease, 5, 5)
+    client.close()
+
+
+def test_a_pre_copy_of_a_request_preempted_meanwhile_is_not_vouched_for(producer, monkeypatch):
+    sched, worker = producer
+    monkeypatch.setattr("vllm_ext.connector.scheduler.PRECOPY_GRANT_WAIT_S", 0.05)  # its blocks are never served
     mid = "cd" * 16
     req = _running(sched, list(range(3, 3 + 40)), mid, [1, 2, 3])
     client = lease_client(sched)

@@ -54,6 +54,10 @@ GRANT_WAIT_S = 3.0
 
 # A pre-copy asked on the lease channel waits at most this long for the engine's next step.
 PRECOPY_WAIT_S = 2.0
+# Then its reply waits at most this long for the worker to serve the lease's blocks (the step's
+# output: one or two steps), so that the destination's acquire finds them served and its load,
+# under the resume's first step, does not wait for the source's engine (after this, it does).
+PRECOPY_GRANT_WAIT_S = 1.0
 # The requests with a migration id whose arrival times migrate.trace still knows.
 MAX_TRACES = 1024
 
@@ -488,8 +492,11 @@ class SchedulerHalf:
                 raise ValueError(f"migration {mid[:8]}: the engine took no step in {PRECOPY_WAIT_S:g} s")
             if ask["error"] is not None:  # the refusal, of its kind (RequestEnded: the router lets it finish)
                 raise type(ask["error"])(f"migration {mid[:8]}: {ask['error']}")
-            with self._lock:
-                return self._lease_reply(ask["lease"])
+            lease = ask["lease"]
+            with self._lock:  # ended meanwhile: the consumer's acquire is refused as for any ended lease
+                self._granted.wait_for(lambda: lease.granted or lease.lease_id not in self._leases,
+                                       timeout=PRECOPY_GRANT_WAIT_S)
+                return self._lease_reply(lease)
         # MigrateEnd: leases not taken end now; a taken one ends at its consumer's release (or at
         # the end of the hold its acquire asked for): never under a pull
         with self._lock:

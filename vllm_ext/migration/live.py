@@ -7,8 +7,10 @@ whatever backend the instances use: ipc, nccl or gloo alike).
               into its prefix cache (a one-token request whose kv_transfer_params name the
               lease); stop when a stage would move at most `last_stage_max_blocks` new blocks.
     SWITCH    one more pre-copy lease, the final one, made at the source's next step while the
-              request still decodes; then the router stops relaying the source's tokens and
-              closes its stream (the source aborts the request: its blocks stay under the lease).
+              request still decodes (answered once the source's worker serves its blocks, so
+              the destination's load does not wait for it); then the router stops relaying the
+              source's tokens and closes its stream (the source aborts the request: its blocks
+              stay under the lease).
     RESUME    submit prompt + the tokens the client got to the destination with
               kv_transfer_params of the final lease: its prefix cache holds the pre-copied
               blocks, it pulls the rest before its next forward, computes the tokens after the
