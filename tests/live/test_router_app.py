@@ -467,6 +467,70 @@ def test_only_a_resume_that_loads_kv_reads_the_migrations_salted_blocks():
     assert recompute["max_tokens"] == 7 and recompute["kv_transfer_params"] == {"migration_id": driver.next_mid}
 
 
+class _Control:
+    """A destination's lease channel whose every trace is `reply` (None: it does not answer)."""
+
+    def __init__(self, reply):
+        self.reply = reply
+
+    def settled_trace(self, mid, wait_s):
+        return self.trace(mid)
+
+    def trace(self, mid):
+        from vllm_ext.migration.lease import ChannelError
+
+        if self.reply is None:
+            raise ChannelError("lease channel 127.0.0.1:10: no answer within 5 s")
+        return self.reply
+
+
+@pytest.mark.parametrize("case", ["vouched", "unsafe", "unsettled", "silent", "no channel"])
+def test_a_resume_that_loaded_kv_is_kept_only_when_the_destination_vouches_for_the_load(case):
+    """Its first token is relayed only once the destination's trace says its load did not fail
+    under a step in flight; unsafe or unknown (no settled answer), the leg is dropped and the
+    request is the source's again: its recovery tries the source first (whose prefix cache
+    holds the request's blocks)."""
+    from vllm_ext.migration import protocol
+    from vllm_ext.router import app as router_app
+
+    def trace(unsafe=False, settled=True):
+        return protocol.MigrateTraceReply(1.0, 2.0, 3.0, unsafe=unsafe, settled=settled, load_failed=unsafe)
+
+    async def go():
+        router = router_app.Router(["http://127.0.0.1:9", "http://127.0.0.1:10"], None, Settings())
+        a, b = router.instances
+        b.control = {"vouched": _Control(trace()), "unsafe": _Control(trace(unsafe=True)),
+                     "unsettled": _Control(trace(settled=False)), "silent": _Control(None),
+                     "no channel": None}[case]
+        legs, tried = [], []
+
+        async def fake_open(routed, inst, url, body, first_token=False):
+            tried.append(inst)
+            legs.append(_Leg())
+            router._place(routed, inst)
+            routed.leg = legs[-1]
+        router._open = fake_open
+        routed = _routed_on(router, a)
+        a.requests[routed.rid] = routed
+        driver = router_app._Driver(router, routed)
+        lease = {"migration_id": driver.next_mid, "remote_lease": "l", "do_remote_prefill": True}
+        try:
+            kept = await driver.resume(b.url, lease)
+            where = (routed.instance, sorted(a.requests), sorted(b.requests))
+            if not kept:
+                await router._recover(routed, prefer_source=True)
+        finally:
+            router.checks.shutdown(wait=True)
+        return kept, where, legs, [router.instances.index(i) for i in tried], (a, b)
+
+    kept, (inst, on_a, on_b), legs, tried, (a, b) = asyncio.run(go())
+    if case == "vouched":
+        assert kept and inst is b and on_b == ["c"] and on_a == [] and not legs[0].closed and tried == [1]
+    else:
+        assert not kept and legs[0].closed and inst is a and on_a == ["c"] and on_b == []
+        assert tried == [1, 0]  # the dropped resume on B, then the recovery on A
+
+
 def test_a_recovery_after_a_failed_move_prefers_the_source_unless_it_drains():
     from vllm_ext.router import app as router_app
 
@@ -715,6 +779,37 @@ def test_a_drain_moves_each_request_to_the_least_loaded_instance_with_no_migrati
 
     status, body, c_url = asyncio.run(go())
     assert status == 200 and body["left"] == [] and chosen == [c_url], (status, body, chosen)
+
+
+def test_a_drain_waits_for_a_migration_already_leaving_the_instance(monkeypatch):
+    """One migration out of an instance at a time: a drain begun while a /migrate moves one of
+    its requests starts none of its own until that one ends."""
+    monkeypatch.setenv(ENV_TOKEN, "t")
+    started = []
+
+    async def go():
+        backends = [await _backend(_empty) for _ in range(2)]
+        app = build_app([url for _, url in backends], None, Settings(health_interval_s=60))
+        router = next(h.__self__ for r in app.router.routes() for h in [r.handler]
+                      if getattr(h, "__name__", "") == "admin_drain")
+        a, _ = router.instances
+        a.migrating_out = 1  # a /migrate of another of A's requests is under way
+        routed = _routed_on(router, a)
+        routed.leg = _Leg()
+        router.requests["c"] = a.requests["c"] = routed
+        router.start_migration = lambda *args, **kwargs: started.append(args)
+        runner, url = await _serving(app)
+        try:
+            async with aiohttp.ClientSession(headers={"Authorization": "Bearer t"}) as s:
+                async with s.post(url + "/drain", json={"instance": a.url, "timeout_s": 0.5}) as r:
+                    return r.status, await r.json()
+        finally:
+            await runner.cleanup()
+            for r, _ in backends:
+                await r.cleanup()
+
+    status, body = asyncio.run(go())
+    assert status == 504 and body["left"] == ["c"] and started == [], (status, body, started)
 
 
 def test_a_broken_leg_is_closed_and_an_ended_one_released():

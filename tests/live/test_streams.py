@@ -24,6 +24,9 @@ def events(data: bytes):
     ({"prompt": [1, 2], "use_beam_search": True}, "beam search"),
     ({"prompt": [1, 2], "frequency_penalty": 0.5}, "frequency_penalty"),
     ({"prompt": [1, 2], "presence_penalty": 0.1}, "presence_penalty"),
+    ({"prompt": [1, 2], "bad_words": ["no such"]}, "bad_words match output tokens only"),
+    ({"prompt": [1, 2], "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"messages": [], "prompt_logprobs": 0}, "prompt_logprobs"),
     ({"prompt": [1, 2], "response_format": {"type": "json_object"}}, "'response_format' is not carried"),
     ({"prompt": [[1, 2], [3]]}, "one prompt"),
     ({"prompt": [1, 2], "stop": 7}, "stop: expected"),
@@ -75,10 +78,12 @@ def test_a_seeded_request_moves_and_its_resumed_leg_says_how_many_tokens_it_samp
 
 def test_resumed_leg_continues_from_the_tokens_with_the_remaining_budget():
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 30,
-            "min_tokens": 12, "temperature": 0, "stop": ["x"], "top_k": 5, "echo": True, "prompt_logprobs": 1}
+            "min_tokens": 12, "temperature": 0, "stop": ["x"], "top_k": 5, "echo": True, "prompt_logprobs": 1,
+            "priority": -3}
     leg = resume_leg(body, True, [1, 2, 3, 4, 5], 4, {"migration_id": "ab" * 16})
     assert leg["prompt"] == [1, 2, 3, 4, 5] and leg["max_tokens"] == 26 and leg["min_tokens"] == 8
     assert leg["top_k"] == 5 and leg["temperature"] == 0 and leg["return_token_ids"] is True and leg["stream"]
+    assert leg["priority"] == -3  # under --scheduling-policy priority, it keeps its place on the destination
     assert "stop" not in leg and "echo" not in leg and "prompt_logprobs" not in leg and "messages" not in leg
     assert leg["kv_transfer_params"] == {"migration_id": "ab" * 16}
     # completions without max_tokens, or null: vLLM's default of 16 counts the tokens already given

@@ -397,13 +397,20 @@ class Router:
             except _LegFailed:
                 r.close()
                 raise
-        if routed.instance is not None:
-            routed.instance.requests.pop(routed.rid, None)
-        routed.instance, routed.leg, routed.pushback = inst, r, pushback
+        self._place(routed, inst)
+        routed.leg, routed.pushback = r, pushback
         routed.heard_at = time.monotonic()
         routed.client.begin_leg()
-        inst.requests[routed.rid] = routed
         routed.stop_now = routed.stop_after_token = False
+
+    @staticmethod
+    def _place(routed: Routed, inst: Optional["Instance"]) -> None:
+        """`routed` is `inst`'s request now (the one its recovery tries first)."""
+        if routed.instance is not None:
+            routed.instance.requests.pop(routed.rid, None)
+        routed.instance = inst
+        if inst is not None:
+            inst.requests[routed.rid] = routed
 
     async def _run(self, routed: Routed, out) -> None:
         """Relays legs until the request ends (migrations and recoveries between them)."""
@@ -843,9 +850,10 @@ class Router:
             candidates = [r for r in inst.requests.values()
                           if r is not None and r.migration is None and r.leg is not None
                           and r.client.prompt_token_ids is not None and r.rid not in stayed]
-            # one migration in per destination at a time, as the balancer: a busy one is waited for
+            # one migration in per destination and out of this instance at a time, as the balancer
+            # and /migrate: a busy one (a /migrate of one of its requests) is waited for
             targets = [i for i in self._candidates(exclude=(inst,)) if i.healthy and not i.migrating_in]
-            if not candidates or not targets:
+            if not candidates or not targets or inst.migrating_out:
                 await asyncio.sleep(0.05)
                 continue
             routed = candidates[0]
@@ -985,7 +993,7 @@ class _Driver:
         a token computed on them): such a leg is dropped before its first token is relayed. That
         trace is asked for with the resume and usually answers before the first token arrives."""
         routed = self.routed
-        inst = self.router._by_url[destination]
+        source, inst = routed.instance, self.router._by_url[destination]
         body = streams.resume_leg_body(routed.body, self.router._limit(routed), routed.tokens(),
                                        len(routed.client.token_ids), params, inst.max_model_len(routed.body))
         checked = params is not None and "remote_lease" in params  # it loads KV, vouched for by the trace
@@ -1006,11 +1014,16 @@ class _Driver:
         if checked:
             self.trace = await self._load_check(inst, early)
             self.check_s = time.time() - self.resume_first_s
-            if self.trace is not None and self.trace.unsafe:
-                logger.warning("migration of %s: %s failed to load its KV with its next step in flight (its first "
-                               "tokens may be wrong): dropped, recomputed", routed.rid, destination)
+            why = None
+            if self.trace is None or not self.trace.settled:  # unknown is not safe
+                why = "did not say whether its load of the KV failed (no trace)"
+            elif self.trace.unsafe:
+                why = "failed to load its KV with its next step in flight (its first tokens may be wrong)"
+            if why is not None:
+                logger.warning("migration of %s: %s %s: dropped, recomputed", routed.rid, destination, why)
                 routed.leg.close()  # vLLM aborts it there
                 routed.leg, routed.pushback = None, []
+                self.router._place(routed, source)  # recomputed at the source first: its prefix cache holds the KV
                 return False
         routed.mid = self.next_mid
         routed.resumed.set()

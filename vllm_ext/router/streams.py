@@ -25,12 +25,12 @@ from typing import Any, Dict, List, Optional
 # where the tokens generated so far are part of the prompt).
 CARRIED = ("temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos", "logprobs",
            "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-           "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "user", "seed")
+           "repetition_penalty", "logit_bias", "allowed_token_ids", "user", "seed", "priority")
 # Fields that only shape the first leg (the prompt, the client's own stream): not carried.
 FIRST_LEG_ONLY = ("model", "prompt", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
                   "min_tokens", "n", "echo", "return_token_ids", "kv_transfer_params", "prompt_logprobs",
                   "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
-                  "chat_template_kwargs", "request_id", "priority", "top_logprobs",
+                  "chat_template_kwargs", "request_id", "top_logprobs", "bad_words",
                   "frequency_penalty", "presence_penalty", "best_of", "use_beam_search", "stop")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's default for /v1/completions
 
@@ -61,6 +61,11 @@ def not_migratable(body: Dict[str, Any], chat: bool) -> Optional[str]:
     for name in ("frequency_penalty", "presence_penalty"):
         if body.get(name):
             return f"{name} counts output tokens only: on the destination they became prompt"
+    if body.get("bad_words"):
+        return "bad_words match output tokens only: on the destination they became prompt"
+    if body.get("prompt_logprobs") is not None:
+        # vLLM refuses them on a streamed request, and the router streams every leg it may move
+        return "prompt_logprobs are given only to a request that is not streamed"
     if chat and (body.get("logprobs") or body.get("top_logprobs")):
         return "chat logprobs are not carried across a hand-off"
     stop = body.get("stop")
