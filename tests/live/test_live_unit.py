@@ -227,6 +227,20 @@ def test_a_destination_the_driver_refuses_leaves_the_request_where_it_is():
     assert src.calls == [] and drv.loads == [] and drv.stops == 0 and drv.resumed == []
 
 
+def test_a_request_refused_by_the_switch_stays_and_its_leases_end():
+    """The driver is asked again before the stop: what the request showed during the pre-copy
+    (a reasoning parser's output) may pin it where it is."""
+    class Pinned(FakeDriver):
+        async def refuse(self, destination):
+            return "pinned meanwhile" if self.loads else None
+
+    src = FakeSource(list(range(3, 40)), per_stage=12)
+    drv = Pinned(src)
+    rec = run(src, drv, max_stages=3, last_stage_max_blocks=2)
+    assert rec.outcome == live.Outcome.STAYED and rec.reason == "pinned meanwhile"
+    assert drv.loads and drv.stops == 0 and drv.resumed == [] and src.ended == 1
+
+
 def test_a_failed_precopy_leaves_the_request_where_it_is():
     src = FakeSource(list(range(3, 40)), per_stage=12)
     drv = FakeDriver(src, load_ok=False)

@@ -4,6 +4,7 @@ behaviour is tests/live/test_live_e2e.py's)."""
 import asyncio
 import json
 import socket
+import time
 
 import pytest
 
@@ -378,6 +379,7 @@ async def _serving(app):
 async def _backend(handler, metrics=_empty):
     app = web.Application()
     app.router.add_post("/v1/completions", handler)
+    app.router.add_post("/v1/chat/completions", handler)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", _empty)
     return await _serving(app)
@@ -739,6 +741,65 @@ def test_a_request_that_cannot_move_is_listed_with_its_reason_while_it_runs(monk
     assert listed["migratable"] is False and listed["why_not"] == "n > 1", listed
     assert load == 1 and status == 200 and len(body["choices"]) == 2 and "kv_transfer_params" not in got[0]
     assert after["running"] == [], after
+
+
+def test_a_chat_stream_whose_instance_parses_reasoning_relays_it_and_stays_there(monkeypatch):
+    """Its reasoning reaches the client apart from the content; from its first reasoning delta
+    the request is listed as unmovable, with why, and /migrate refuses it by that reason."""
+    from vllm_ext.router.app import REASONING_PINS
+
+    monkeypatch.setenv(ENV_TOKEN, "s3cret")
+    admin = {"Authorization": "Bearer s3cret"}
+    release = asyncio.Event()
+
+    async def thinks(request):
+        await request.json()
+        r = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+
+        async def send(choice, **extra):
+            chunk = {"id": "x", "object": "chat.completion.chunk", "choices": [dict(index=0, **choice)], **extra}
+            await r.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await send({"delta": {"role": "assistant", "content": ""}}, prompt_token_ids=[1, 2])
+        await send({"delta": {"reasoning": "two and two"}, "token_ids": [5]})
+        await release.wait()
+        await send({"delta": {"content": "4"}, "token_ids": [6], "finish_reason": "stop"})
+        await r.write(b"data: [DONE]\n\n")
+        return r
+
+    async def go():
+        (ra, a), (rb, b) = await _backend(thinks), await _backend(thinks)
+        runner, url = await _serving(build_app([a, b], None, Settings(health_interval_s=60)))
+        try:
+            async with aiohttp.ClientSession() as s:
+                call = asyncio.ensure_future(s.post(url + "/v1/chat/completions", json={
+                    "model": "m", "messages": [{"role": "user", "content": "2+2?"}], "stream": True}))
+                during, deadline = {"running": []}, time.monotonic() + 30
+                while (not during["running"] or during["running"][0]["migratable"]) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                    async with s.get(url + "/requests", headers=admin) as r:
+                        during = await r.json()
+                (listed,) = during["running"]
+                to = b if listed["instance"] == a else a
+                async with s.post(url + "/migrate", headers=admin, json={"request_id": listed["id"], "to": to}) as r:
+                    refused = r.status, await r.json()
+                release.set()
+                async with await call as r:
+                    text = await r.text()
+                return listed, refused, text
+        finally:
+            for x in (runner, ra, rb):
+                await x.cleanup()
+
+    listed, (status, refusal), text = asyncio.run(go())
+    assert listed["why_not"] == REASONING_PINS, listed
+    assert status == 409 and REASONING_PINS in refusal["error"]["message"], refusal
+    deltas = [e["choices"][0]["delta"] for e in events_of(text) if e.get("choices")]
+    assert {"content": "", "reasoning": "two and two"} in deltas and {"content": "4"} in deltas, deltas
+
+
+def events_of(text):
+    return [json.loads(line[6:]) for line in text.split("\n\n") if line.startswith("data: {")]
 
 
 def test_a_drain_moves_each_request_to_the_least_loaded_instance_with_no_migration_coming_in(monkeypatch):

@@ -257,6 +257,26 @@ def test_of_two_stop_strings_the_one_that_ends_first_stops():
     assert c.text == "a" and c.stop_reason == "b"
 
 
+@pytest.mark.parametrize("key", ["reasoning", "reasoning_content"])
+def test_the_reasoning_a_servers_parser_splits_off_reaches_the_client(key):
+    """A chat delta's reasoning (--reasoning-parser; its field by either of vLLM's names) is
+    relayed in the client's delta, apart from the content, and kept in the whole answer."""
+    def chunk(**delta):
+        return {"id": "x", "choices": [{"index": 0, "delta": delta, "token_ids": [3]}]}
+
+    think, plain = parse_chunk(chunk(**{key: "let me see", "content": None})), parse_chunk(chunk(content="4"))
+    assert (think.reasoning, think.reasoning_key, think.text) == ("let me see", key, "")
+    assert (plain.reasoning, plain.text) == ("", "4")
+    c = ClientStream("r", True, "m", want_ids=False, want_usage=False)
+    c.prompt_token_ids = [1]
+    first, second = events(c.add(think)), events(c.add(plain))
+    assert first[-1]["choices"][0]["delta"] == {"content": "", key: "let me see"}
+    assert second[0]["choices"][0]["delta"] == {"content": "4"}
+    message = c.answer()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "4", key: "let me see"}
+    assert c.token_ids == [3, 3]
+
+
 def test_backend_chunks_of_both_apis_parse():
     p = parse_chunk({"choices": [{"index": 0, "text": " w5", "token_ids": [5], "prompt_token_ids": [1, 2],
                                   "finish_reason": None}]})

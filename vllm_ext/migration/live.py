@@ -115,7 +115,8 @@ class Driver(Protocol):
         """The request ended (its last token was relayed)."""
 
     async def refuse(self, destination: str) -> Optional[str]:
-        """Why the request cannot move to `destination` (None: it can); asked first."""
+        """Why the request cannot move to `destination` (None: it can); asked first, and again
+        at the switch (before the source stops)."""
 
     async def load(self, destination: str, token_ids: List[int], params: Dict[str, Any]) -> bool:
         """A pre-copy stage: the destination loads `params`' lease for `token_ids` into its
@@ -298,6 +299,9 @@ async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_
         return await _ends_early(record, source, Outcome.FINISHED)
 
     record.state = "switch"
+    refused = await driver.refuse(record.destination)  # again: what the request showed meanwhile
+    if refused is not None:
+        return await _ends_early(record, source, Outcome.STAYED, refused)
     params = None
     if final is None and not recompute:
         started = time.perf_counter()

@@ -54,6 +54,9 @@ DESCRIBE_RETRY_S = 10.0  # the poll asks an instance that did not describe itsel
 MAX_RESUME_CHECKS = 8
 POLICIES = ("round_robin", "least_loaded")
 MAX_STAGES_LIMIT = 16  # pre-copy stages of one migration (the setting and /migrate's "stages")
+# A chat stream whose instance splits reasoning off its content (--reasoning-parser) stays there:
+# a resumed leg is a completion, whose text nothing would split.
+REASONING_PINS = "its instance splits reasoning off the content (--reasoning-parser); a resumed leg would not"
 
 
 @dataclasses.dataclass
@@ -150,14 +153,15 @@ class Routed:
         self.migrations: List[live.Record] = []
         self.recoveries = 0
         self.gone = False  # the client left, or its answer is complete
+        self.pinned: Optional[str] = None  # why it may no longer move (it began as one that could)
 
     def tokens(self) -> List[int]:
         return list(self.client.prompt_token_ids or []) + self.client.token_ids
 
     def describe(self) -> Dict[str, Any]:
         return {"id": self.rid, "instance": self.instance.url if self.instance else None,
-                "generated": len(self.client.token_ids), "migratable": True,
-                "why_not": None, "migrating": self.migration is not None,
+                "generated": len(self.client.token_ids), "migratable": self.pinned is None,
+                "why_not": self.pinned, "migrating": self.migration is not None,
                 "migrations": len(self.migrations)}
 
 
@@ -481,6 +485,9 @@ class Router:
                 logger.warning("request %s: %s sent a bad chunk: %s", routed.rid, inst.url, e)
                 leg.close()
                 return self._pump_ended(routed, "broken")
+            if piece.reasoning and routed.pinned is None:
+                routed.pinned = REASONING_PINS
+                logger.info("request %s: %s", routed.rid, REASONING_PINS)
             if piece.prompt_token_ids is not None and routed.client.prompt_token_ids is None:
                 routed.client.prompt_token_ids = list(piece.prompt_token_ids)
                 await self._write(out, routed.client.start())
@@ -607,6 +614,8 @@ class Router:
         src = routed.instance
         if routed.migration is not None:
             raise ValueError(f"request {routed.rid} is moving already")
+        if routed.pinned:
+            raise ValueError(f"request {routed.rid} cannot move: {routed.pinned}")
         if src is None or routed.leg is None or routed.client.prompt_token_ids is None:
             raise ValueError(f"request {routed.rid} has not started yet")
         if src is dst:
@@ -657,7 +666,7 @@ class Router:
         generated) of those that may move."""
         best = None
         for routed in inst.requests.values():
-            if routed is None or routed.migration is not None or routed.leg is None:
+            if routed is None or routed.migration is not None or routed.leg is None or routed.pinned:
                 continue
             if (routed.client.prompt_token_ids is None
                     or len(routed.migrations) >= self.settings.max_migrations_per_request):
@@ -848,7 +857,7 @@ class Router:
         deadline = time.monotonic() + timeout_s
         while inst.requests and inst.draining and time.monotonic() < deadline:
             candidates = [r for r in inst.requests.values()
-                          if r is not None and r.migration is None and r.leg is not None
+                          if r is not None and r.migration is None and r.leg is not None and not r.pinned
                           and r.client.prompt_token_ids is not None and r.rid not in stayed]
             # one migration in per destination and out of this instance at a time, as the balancer
             # and /migrate: a busy one (a /migrate of one of its requests) is waited for
@@ -924,7 +933,10 @@ class _Driver:
     async def refuse(self, destination: str) -> Optional[str]:
         """A request moves only where its output limit holds (the destination caps none of what is
         left of it below it), and a seeded one only where its random stream goes on: both
-        instances draw the same way (vllm_ext/connector/sampling.py)."""
+        instances draw the same way (vllm_ext/connector/sampling.py). Asked again before the
+        stop: a request pinned meanwhile stays."""
+        if self.routed.pinned:
+            return self.routed.pinned
         described = await self.router._describe(self.router._by_url[destination])
         cap = described.max_tokens_cap if described is not None else 0
         limit = self.router._limit(self.routed)

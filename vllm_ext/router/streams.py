@@ -33,6 +33,9 @@ FIRST_LEG_ONLY = ("model", "prompt", "messages", "stream", "stream_options", "ma
                   "chat_template_kwargs", "request_id", "top_logprobs", "bad_words",
                   "frequency_penalty", "presence_penalty", "best_of", "use_beam_search", "stop")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's default for /v1/completions
+# The chat delta fields of the reasoning a server's --reasoning-parser splits off the content
+# (vLLM's name for it, then the name it had before).
+REASONING_KEYS = ("reasoning", "reasoning_content")
 
 
 def not_migratable(body: Dict[str, Any], chat: bool) -> Optional[str]:
@@ -167,10 +170,13 @@ def resume_leg_body(body: Dict[str, Any], limit: Optional[int], token_ids: List[
 class Piece:
     """What one backend chunk adds: text, token ids, logprobs (completions format), the finish."""
 
-    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "stop_reason", "prompt_token_ids", "usage")
+    __slots__ = ("text", "reasoning", "reasoning_key", "token_ids", "logprobs", "finish_reason", "stop_reason",
+                 "prompt_token_ids", "usage")
 
     def __init__(self):
         self.text = ""
+        self.reasoning = ""  # chat: the reasoning the server's parser split off (under reasoning_key)
+        self.reasoning_key = ""
         self.token_ids: List[int] = []
         self.logprobs = None
         self.finish_reason = None
@@ -192,7 +198,12 @@ def parse_chunk(data: Dict[str, Any]) -> Piece:
         if choice.get("index", 0) != 0:
             raise ValueError("a stream chunk of another choice (n > 1)")
         if "delta" in choice:
-            piece.text = (choice["delta"] or {}).get("content") or ""
+            delta = choice["delta"] or {}
+            piece.text = delta.get("content") or ""
+            for key in REASONING_KEYS:
+                if delta.get(key):
+                    piece.reasoning, piece.reasoning_key = str(delta[key]), key
+                    break
         else:
             piece.text = choice.get("text") or ""
             if choice.get("prompt_token_ids") is not None:
@@ -254,6 +265,7 @@ class ClientStream:
         self._hold = 0 if include_stop or not self.stops else max(len(x) for x in self.stops) - 1
         self.created = int(time.time())
         self.text = ""  # the client's text: sent, and held back
+        self.reasoning, self.reasoning_key = "", ""  # chat: what the server's reasoning parser split off
         self._sent = 0
         self.token_ids: List[int] = []
         self.last_token_at: Optional[float] = None  # time.monotonic() of the last token taken
@@ -326,6 +338,9 @@ class ClientStream:
             return b""
         before, count = len(self.text), len(self.token_ids)
         self.text += piece.text
+        if piece.reasoning:
+            self.reasoning += piece.reasoning
+            self.reasoning_key = piece.reasoning_key
         token_ids, logprobs = piece.token_ids, piece.logprobs
         if not self.chat and isinstance(logprobs, dict):
             logprobs = dict(logprobs, text_offset=[o + self._leg_offset for o in logprobs.get("text_offset") or []])
@@ -349,11 +364,14 @@ class ClientStream:
             self.finish_reason, self.stop_reason = piece.finish_reason, piece.stop_reason
         upto = len(self.text) if self.finished else max(self._sent, len(self.text) - self._hold)
         text, self._sent = self.text[self._sent:upto], max(self._sent, upto)
-        if not text and not token_ids and not self.finished:
+        if not text and not token_ids and not piece.reasoning and not self.finished:
             return b""
         out = self.start()
         if self.chat:
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": self.finish_reason}
+            delta = {"content": text}
+            if piece.reasoning:
+                delta[piece.reasoning_key] = piece.reasoning
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": self.finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
             if self.want_ids:
@@ -382,7 +400,10 @@ class ClientStream:
     def answer(self) -> Dict[str, Any]:
         """The whole answer, for a client that did not stream."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": self.text}, "logprobs": None,
+            message = {"role": "assistant", "content": self.text}
+            if self.reasoning:
+                message[self.reasoning_key] = self.reasoning
+            choice = {"index": 0, "message": message, "logprobs": None,
                       "finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
         else:
             choice = {"index": 0, "text": self.text, "logprobs": self.logprobs, "finish_reason": self.finish_reason,
