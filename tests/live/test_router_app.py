@@ -42,6 +42,8 @@ def test_bad_arguments_are_refused(urls, leases, settings, match):
     ({"balance_threshold": 0}, "balance_threshold: expected at least 1"),
     ({"max_stages": 17}, r"max_stages: expected an integer in \[0, 16\]"),
     ({"min_remaining_tokens": -1}, "min_remaining_tokens: expected 0 or more"),
+    ({"max_destination_kv_usage": 0.0}, r"max_destination_kv_usage: expected a fraction in \(0, 1\]"),
+    ({"max_destination_kv_usage": 1.5}, "max_destination_kv_usage: expected a fraction"),
 ])
 def test_bad_settings_are_refused(knobs, match):
     with pytest.raises(ValueError, match=match):
@@ -478,6 +480,9 @@ class _Control:
     def settled_trace(self, mid, wait_s):
         return self.trace(mid)
 
+    def close(self):
+        pass
+
     def trace(self, mid):
         from vllm_ext.migration.lease import ChannelError
 
@@ -840,6 +845,67 @@ def test_a_drain_moves_each_request_to_the_least_loaded_instance_with_no_migrati
 
     status, body, c_url = asyncio.run(go())
     assert status == 200 and body["left"] == [] and chosen == [c_url], (status, body, chosen)
+
+
+def test_no_migration_goes_to_an_instance_whose_kv_cache_is_full_or_that_queues_requests(monkeypatch):
+    """From each instance's /metrics: /migrate to one is refused by name, and /migrate's own
+    choice and a drain skip it (the resume would wait there for blocks)."""
+    monkeypatch.setenv(ENV_TOKEN, "t")
+
+    def metrics(usage, waiting):
+        async def answer(request):
+            return web.Response(text=f'vllm:kv_cache_usage_perc{{engine="0"}} {usage}\n'
+                                     f'vllm:num_requests_waiting{{engine="0"}} {waiting}\n')
+        return answer
+
+    async def go():
+        backends = [await _backend(_empty, metrics(u, w)) for u, w in ((0.1, 0), (0.95, 0), (0.2, 3), (0.5, 0))]
+        app = build_app([url for _, url in backends], None, Settings(health_interval_s=60))
+        router = next(h.__self__ for r in app.router.routes() for h in [r.handler]
+                      if getattr(h, "__name__", "") == "admin_drain")
+        runner, url = await _serving(app)
+        a, full, queues, roomy = router.instances
+        try:
+            while not all(i.metrics for i in router.instances):  # the first poll
+                await asyncio.sleep(0.01)
+            a.control = _Control(None)  # a lease channel (never used: each move is refused or faked)
+            routed = _routed_on(router, a)
+            routed.leg = _Leg()
+            router.requests["c"] = a.requests["c"] = routed
+            reasons = {}
+            async with aiohttp.ClientSession(headers={"Authorization": "Bearer t"}) as s:
+                for dst in (full, queues):
+                    async with s.post(url + "/migrate", json={"request_id": "c", "to": dst.url}) as r:
+                        reasons[dst.url] = r.status, (await r.json())["error"]["message"]
+                chosen = []
+
+                def start_migration(routed_, dst, *args, **kwargs):
+                    chosen.append(dst)
+                    a.requests.pop(routed_.rid)
+                    return _done(dst)
+                router.start_migration = start_migration
+                async with s.post(url + "/migrate", json={"request_id": "c"}) as r:
+                    assert r.status == 200, await r.text()
+                a.requests["c"] = routed
+                async with s.post(url + "/drain", json={"instance": a.url, "timeout_s": 10}) as r:
+                    assert r.status == 200, await r.text()
+            return reasons, chosen, (full.url, queues.url, roomy)
+        finally:
+            await runner.cleanup()
+            for r, _ in backends:
+                await r.cleanup()
+
+    def _done(dst):
+        from vllm_ext.migration import live
+
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(live.Record("ab" * 16, "c", "a", dst.url, outcome=live.Outcome.MOVED))
+        return done
+
+    reasons, chosen, (full, queues, roomy) = asyncio.run(go())
+    assert reasons[full][0] == 409 and "KV cache is 95% used" in reasons[full][1] and "under 90%" in reasons[full][1]
+    assert reasons[queues][0] == 409 and "queues 3 requests" in reasons[queues][1], reasons
+    assert chosen == [roomy, roomy], chosen  # the least loaded with room (the three others run nothing)
 
 
 def test_a_drain_waits_for_a_migration_already_leaving_the_instance(monkeypatch):

@@ -76,6 +76,8 @@ class Settings:
     health_timeout_s: float = 5.0  # one poll's; an instance is down after three failed polls in a row
     silent_s: float = 30.0  # an instance that answers no poll, and a stream of it that sends nothing, this
     # long (a partition that sends no FIN or RST): the stream is continued elsewhere
+    max_destination_kv_usage: float = 0.9  # no migration to an instance whose KV cache is this full (or
+    # that queues requests), as its last /metrics poll said: the resume would wait there
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -84,6 +86,9 @@ class Settings:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
+        if not 0 < self.max_destination_kv_usage <= 1:
+            raise ValueError(f"max_destination_kv_usage: expected a fraction in (0, 1], got "
+                             f"{self.max_destination_kv_usage!r}")
         if self.balance_threshold < 1:
             raise ValueError(f"balance_threshold: expected at least 1, got {self.balance_threshold!r}")
         if not 0 <= self.max_stages <= MAX_STAGES_LIMIT:
@@ -119,6 +124,17 @@ class Instance:
     @property
     def load(self) -> int:
         return len(self.requests)
+
+    def full(self, max_kv_usage: float) -> Optional[str]:
+        """Why a migration should not come here now (None: it may), from the last /metrics poll:
+        a request that has to wait for blocks here would make the moved one wait too."""
+        usage, waiting = self.metrics.get("kv_cache_usage_perc", 0.0), self.metrics.get("num_requests_waiting", 0.0)
+        if waiting > 0:
+            return f"it queues {waiting:g} requests"
+        if usage >= max_kv_usage:
+            return f"its KV cache is {100 * usage:.0f}% used (a migration goes where it is under " \
+                   f"{100 * max_kv_usage:.0f}%)"
+        return None
 
     def max_model_len(self, body: Dict[str, Any]) -> Optional[int]:
         """The model length it serves `body`'s model with (None: not known yet)."""
@@ -622,6 +638,9 @@ class Router:
             raise ValueError(f"request {routed.rid} runs on {dst.url} already")
         if src.control is None:
             raise ValueError(f"instance {src.url} has no lease channel (--lease): its requests cannot move")
+        full = dst.full(self.settings.max_destination_kv_usage)
+        if full is not None:
+            raise ValueError(f"to: {dst.url} takes no migration now: {full}")
         record = live.Record(routed.mid, routed.rid, src.url, dst.url)
         driver = _Driver(self, routed)
         routed.resumed.clear()
@@ -687,7 +706,10 @@ class Router:
             if len(pool) < 2:
                 continue
             src = max(pool, key=lambda i: i.load)
-            dst = min(pool, key=lambda i: i.load)
+            room = [i for i in pool if i.full(self.settings.max_destination_kv_usage) is None]
+            if not room:
+                continue
+            dst = min(room, key=lambda i: i.load)
             if src.load - dst.load < self.settings.balance_threshold or src.control is None:
                 continue
             if src.migrating_out or src.migrating_in or dst.migrating_in or dst.migrating_out:
@@ -818,7 +840,8 @@ class Router:
             if not dst.healthy or dst.draining:
                 return error(409, f"to: {dst.url} is {'draining' if dst.healthy else 'down'}", "ConflictError")
         else:
-            targets = [i for i in self._candidates(exclude=(src,)) if i.healthy]
+            targets = [i for i in self._candidates(exclude=(src,))
+                       if i.healthy and i.full(self.settings.max_destination_kv_usage) is None]
             if not targets:
                 targets = self._candidates(exclude=(src,))  # none known healthy: try the others
             if not targets:
@@ -861,7 +884,8 @@ class Router:
                           and r.client.prompt_token_ids is not None and r.rid not in stayed]
             # one migration in per destination and out of this instance at a time, as the balancer
             # and /migrate: a busy one (a /migrate of one of its requests) is waited for
-            targets = [i for i in self._candidates(exclude=(inst,)) if i.healthy and not i.migrating_in]
+            targets = [i for i in self._candidates(exclude=(inst,)) if i.healthy and not i.migrating_in
+                       and i.full(self.settings.max_destination_kv_usage) is None]
             if not candidates or not targets or inst.migrating_out:
                 await asyncio.sleep(0.05)
                 continue
@@ -1097,7 +1121,8 @@ def build_app(urls: List[str], leases: Optional[List[Optional[str]]] = None,
 # The settings the command line takes as --flags of their own names (policy, timeout and balance
 # are spelled otherwise)
 _FLAG_SETTINGS = ("balance_interval_s", "balance_threshold", "max_migrations_per_request", "min_remaining_tokens",
-                  "max_stages", "last_stage_max_blocks", "health_interval_s", "health_timeout_s", "silent_s")
+                  "max_stages", "last_stage_max_blocks", "health_interval_s", "health_timeout_s", "silent_s",
+                  "max_destination_kv_usage")
 
 
 def main(argv=None) -> None:
