@@ -40,11 +40,17 @@ async def json_http_errors(request: web.Request, handler):
         return web.json_response({"detail": "Method Not Allowed"}, status=405)
 
 
-async def first_models(session, urls, what: str, log) -> web.Response:
+def client_auth(request: web.Request) -> dict:
+    """The client's Authorization header, for what a front asks its servers on the client's
+    behalf: a server started with --api-key checks it as it would the client's own request."""
+    return {"Authorization": request.headers["Authorization"]} if "Authorization" in request.headers else {}
+
+
+async def first_models(session, urls, what: str, log, headers=None) -> web.Response:
     """/v1/models of the first of `urls` that answers (`what` names them in the log and the 503)."""
     for url in urls:
         try:
-            async with session.get(url + "/v1/models") as r:
+            async with session.get(url + "/v1/models", headers=headers) as r:
                 return web.Response(status=r.status, body=await r.read(), content_type="application/json")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             log.warning("%s %s is down (%s): trying the next", what, url, e)

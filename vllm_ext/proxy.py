@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 import aiohttp
 from aiohttp import web
 
-from ._http import backend_session, error, first_models, openai_app
+from ._http import backend_session, client_auth, error, first_models, openai_app
 
 logger = logging.getLogger("vllm_ext.proxy")
 
@@ -91,7 +91,8 @@ class Proxy:
         return web.json_response(body, status=200 if healthy else 503)
 
     async def models(self, request: web.Request) -> web.Response:
-        return await first_models(self.session, [b.url for b in self.decode.candidates()], "decode server", logger)
+        return await first_models(self.session, [b.url for b in self.decode.candidates()], "decode server", logger,
+                                  headers=client_auth(request))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         path = request.path

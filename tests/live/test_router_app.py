@@ -432,6 +432,84 @@ def test_a_request_whose_instance_dies_before_its_first_token_is_sent_again(stre
         assert json.loads(text)["choices"][0]["token_ids"] == [7]
 
 
+def test_instances_with_an_api_key_get_the_clients_on_every_leg(monkeypatch):
+    """Servers started with --api-key: the client's Authorization goes with each leg of its
+    request (the first, the one that continues it elsewhere), with a request relayed as is and
+    with /v1/models; the router's own /v1/models poll sends vLLM's VLLM_API_KEY. A client
+    without the key gets the servers' 401."""
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    seen = []
+
+    def keyed(handler):
+        async def check(request):
+            seen.append((request.path, request.headers.get("Authorization")))
+            if request.headers.get("Authorization") != "Bearer k":
+                return web.json_response({"error": "Unauthorized"}, status=401)
+            return await handler(request)
+        return check
+
+    async def dies(request):  # the first leg: one token, then its stream ends unfinished
+        await request.json()
+        r = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        chunk = {"id": "x", "choices": [{"index": 0, "text": " a", "token_ids": [7], "prompt_token_ids": [1, 2]}]}
+        await r.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        return r
+
+    async def answers(request):
+        body = await request.json()
+        r = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        chunk = {"id": "x", "choices": [{"index": 0, "text": " b", "token_ids": [8], "finish_reason": "length",
+                                         "prompt_token_ids": body["prompt"]}]}
+        await r.write(b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n")
+        return r
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": "m", "max_model_len": 64}]})
+
+    async def backend(handler):
+        app = web.Application()
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            app.router.add_post(path, keyed(handler))
+        app.router.add_get("/v1/models", keyed(models))
+        app.router.add_get("/metrics", _empty)
+        app.router.add_get("/health", _empty)
+        return await _serving(app)
+
+    async def go():
+        (ra, a), (rb, b) = await backend(dies), await backend(answers)
+        app = build_app([a, b], None, Settings(policy="round_robin", health_interval_s=60))
+        router = next(h.__self__ for r in app.router.routes() for h in [r.handler]
+                      if getattr(h, "__name__", "") == "completions")
+        runner, url = await _serving(app)
+        try:
+            while not all(i.models for i in router.instances):  # the router's own poll
+                await asyncio.sleep(0.01)
+            async with aiohttp.ClientSession() as s:
+                auth = {"Authorization": "Bearer k"}
+                body = {"model": "m", "prompt": [1, 2], "max_tokens": 2, "stream": True, "return_token_ids": True}
+                async with s.post(url + "/v1/completions", json=body, headers=auth) as r:
+                    moved = r.status, await r.text()
+                async with s.post(url + "/v1/completions", json=dict(body, n=2), headers=auth) as r:
+                    relayed = r.status
+                async with s.get(url + "/v1/models", headers=auth) as r:
+                    listed = r.status
+                async with s.get(url + "/v1/models") as r:
+                    refused = r.status
+            return moved, relayed, listed, refused
+        finally:
+            for x in (runner, ra, rb):
+                await x.cleanup()
+
+    (status, text), relayed, listed, refused = asyncio.run(go())
+    assert status == 200 and '"token_ids": [7]' in text and '"token_ids": [8]' in text, text
+    assert relayed == 200 and listed == 200 and refused == 401  # n=2: relayed as is
+    legs = [key for path, key in seen if path == "/v1/completions"]
+    assert len(legs) >= 3 and all(key == "Bearer k" for key in legs), seen  # first leg, resume, relay
+    assert [key for path, key in seen if path == "/v1/models"][:2] == ["Bearer k", "Bearer k"], seen  # polls
+
+
 def _routed_on(router, inst, tokens=(5, 6)):
     from vllm_ext.router import app as router_app
     from vllm_ext.router.streams import ClientStream

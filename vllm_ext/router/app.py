@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import aiohttp
 from aiohttp import web
 
-from .._http import backend_session, error, first_models, openai_app
+from .._http import backend_session, client_auth, error, first_models, openai_app
 from ..migration import auth, live, protocol
 from ..migration.lease import ChannelError
 from . import streams
@@ -44,6 +44,7 @@ _EVENT_READ = ({"max_size": MAX_EVENT_BYTES}
                if "max_size" in inspect.signature(aiohttp.StreamReader.readuntil).parameters else {})
 
 ENV_TOKEN = "VLLM_EXT_ROUTER_TOKEN"
+ENV_API_KEY = "VLLM_API_KEY"  # vLLM's --api-key from the environment
 # A migration's stop waits at most this long for the source's next token (it stops right after one)
 STOP_WAIT_MAX_S = 1.0
 # A resume that loads KV: the destination is asked, when the resume is sent, to answer once the
@@ -170,6 +171,7 @@ class Routed:
         self.recoveries = 0
         self.gone = False  # the client left, or its answer is complete
         self.pinned: Optional[str] = None  # why it may no longer move (it began as one that could)
+        self.headers: Dict[str, str] = {}  # the client's Authorization, sent with each of its legs
 
     def tokens(self) -> List[int]:
         return list(self.client.prompt_token_ids or []) + self.client.token_ids
@@ -220,6 +222,10 @@ class Router:
         self._relay_legs: Dict[str, List[Any]] = {}  # their [response, monotonic of its last bytes], by that key
         self._next = itertools.count()
         self._token = os.environ.get(ENV_TOKEN) or None
+        # what the router asks for itself (an instance's /v1/models), under vLLM's own --api-key
+        # variable when the instances need one
+        key = os.environ.get(ENV_API_KEY)
+        self._own_auth = {"Authorization": f"Bearer {key}"} if key else {}
         self.session: Optional[aiohttp.ClientSession] = None
         self._tasks: List[asyncio.Task] = []
         self._describing: Set[asyncio.Future] = set()  # lease-channel describes the polls asked for
@@ -260,7 +266,8 @@ class Router:
         return web.json_response(body, status=200 if any(body.values()) else 503)
 
     async def models(self, request: web.Request) -> web.Response:
-        return await first_models(self.session, [i.url for i in self._candidates()], "instance", logger)
+        return await first_models(self.session, [i.url for i in self._candidates()], "instance", logger,
+                                  headers=client_auth(request))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         chat = request.path.endswith("/chat/completions")
@@ -283,6 +290,7 @@ class Router:
                               include_stop=bool(body.get("include_stop_str_in_output")),
                               min_tokens=body.get("min_tokens") or 0)
         routed = Routed(rid, body, chat, client)  # one that cannot move is relayed (Router.relayed)
+        routed.headers = client_auth(request)
         self.requests[rid] = routed
         try:
             return await self._serve(request, routed)
@@ -307,7 +315,8 @@ class Router:
             self.relayed[key] = {"id": key, "instance": inst.url, "migratable": False, "why_not": reason}
             out = None
             try:
-                async with await self._answer(inst, self.session.post(inst.url + request.path, json=body)) as r:
+                async with await self._answer(inst, self.session.post(inst.url + request.path, json=body,
+                                                                      headers=client_auth(request))) as r:
                     heard = self._relay_legs[key] = [r, time.monotonic()]
                     if not body.get("stream") or r.status != 200:
                         return web.Response(status=r.status, body=await r.read(),
@@ -386,7 +395,7 @@ class Router:
         instance's answer when it refuses the request. `first_token`: return only once the
         leg's first data line arrived (a resumed leg: its KV load is then done)."""
         try:
-            r = await self._answer(inst, self.session.post(url, json=body))
+            r = await self._answer(inst, self.session.post(url, json=body, headers=routed.headers))
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self._mark_down(inst, e)
             raise _LegFailed(f"{inst.url}: {type(e).__name__}: {e}") from e
@@ -739,8 +748,8 @@ class Router:
                                     line.rsplit(" ", 1)[1])
                     inst.metrics = metrics
                     if inst.models is None:  # what a resumed leg of a request without a limit may ask
-                        async with self.session.get(inst.url + "/v1/models",
-                                                    timeout=poll) as r:
+                        async with self.session.get(inst.url + "/v1/models", timeout=poll,
+                                                    headers=self._own_auth) as r:
                             inst.models = await r.json() if r.status == 200 else None
                     if inst.described is None and began >= inst.describe_after:  # its requests' limits,
                         # asked aside: a slow lease channel holds no poll
@@ -988,8 +997,8 @@ class _Driver:
         body = {"model": self.routed.body.get("model"), "prompt": token_ids, "max_tokens": 1, "temperature": 0,
                 "kv_transfer_params": params, "cache_salt": self.cache_salt}
         try:
-            async with await self.router._answer(inst, self.router.session.post(inst.url + "/v1/completions",
-                                                                                 json=body)) as r:
+            async with await self.router._answer(inst, self.router.session.post(
+                    inst.url + "/v1/completions", json=body, headers=self.routed.headers)) as r:
                 await r.read()
                 return r.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
