@@ -510,6 +510,46 @@ def test_instances_with_an_api_key_get_the_clients_on_every_leg(monkeypatch):
     assert [key for path, key in seen if path == "/v1/models"][:2] == ["Bearer k", "Bearer k"], seen  # polls
 
 
+@pytest.mark.parametrize("movable", [True, False])
+def test_a_client_that_leaves_before_its_whole_answer_has_its_request_aborted(movable):
+    """Nothing is written to a client that did not stream until its answer is whole: once its
+    connection closes, the router closes the request's leg (a relayed one's too), and the
+    instance, which would otherwise generate on for nobody, aborts it as for its own client."""
+    closed = asyncio.Event()
+
+    async def endless(request):  # streams until its reader goes
+        await request.json()
+        r = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        chunk = {"id": "x", "choices": [{"index": 0, "text": " a", "token_ids": [7], "prompt_token_ids": [1]}]}
+        try:
+            for _ in range(1200):  # at most 60 s
+                await r.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                await asyncio.sleep(0.05)
+        except (ConnectionError, RuntimeError):
+            closed.set()
+        return r
+
+    async def go():
+        rb, b = await _backend(endless)
+        runner, url = await _serving(build_app([b], None, Settings(health_interval_s=60)))
+        try:
+            body = {"model": "m", "prompt": [1], "max_tokens": 5000}
+            if not movable:
+                body["n"] = 2
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as s:
+                with pytest.raises(asyncio.TimeoutError):  # the client gives up and closes its connection
+                    async with s.post(url + "/v1/completions", json=body) as r:
+                        await r.read()
+            await asyncio.wait_for(closed.wait(), 30)
+            return closed.is_set()
+        finally:
+            for x in (runner, rb):
+                await x.cleanup()
+
+    assert asyncio.run(go())
+
+
 def _routed_on(router, inst, tokens=(5, 6)):
     from vllm_ext.router import app as router_app
     from vllm_ext.router.streams import ClientStream

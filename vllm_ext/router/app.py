@@ -51,6 +51,7 @@ STOP_WAIT_MAX_S = 1.0
 # load's result is in; it answers by then or after this long (the router then asks again at the
 # first token). At most this many of those questions wait at once.
 RESUME_CHECK_WAIT_S = 5.0
+CLIENT_CHECK_S = 0.5  # how often a request's wait for its whole answer looks whether its client is still there
 DESCRIBE_RETRY_S = 10.0  # the poll asks an instance that did not describe itself again after this
 MAX_RESUME_CHECKS = 8
 POLICIES = ("round_robin", "least_loaded")
@@ -319,7 +320,7 @@ class Router:
                                                                       headers=client_auth(request))) as r:
                     heard = self._relay_legs[key] = [r, time.monotonic()]
                     if not body.get("stream") or r.status != 200:
-                        return web.Response(status=r.status, body=await r.read(),
+                        return web.Response(status=r.status, body=await _unless_client_leaves(request, r.read()),
                                             content_type=r.content_type or "application/json")
                     out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
                                                                   "Cache-Control": "no-cache"})
@@ -361,7 +362,10 @@ class Router:
                                                           "Cache-Control": "no-cache"})
             await out.prepare(request)
         try:
-            await self._run(routed, out)
+            if out is not None:
+                await self._run(routed, out)
+            else:  # nothing is written to the client until the end: its leaving is looked for
+                await _unless_client_leaves(request, self._run(routed, out))
         except _LegFailed as e:
             logger.warning("request %s failed: %s", routed.rid, e)
             if out is None:
@@ -928,6 +932,24 @@ class _Refused(Exception):
     def __init__(self, status: int, body: bytes, content_type: Optional[str]):
         super().__init__(f"HTTP {status}: {body[:300]!r}")
         self.status, self.body, self.content_type = status, body, content_type or "application/json"
+
+
+async def _unless_client_leaves(request: web.Request, awaitable):
+    """`awaitable`, for a client that waits for a whole answer (nothing is written to it
+    meanwhile): cancelled, and _ClientGone, once the client's connection closes (a leg then
+    closes, and its instance aborts the request, as vLLM does for a client of its own)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=CLIENT_CHECK_S)
+            if done:
+                return task.result()
+            if request.transport is None or request.transport.is_closing():
+                raise _ClientGone("the client closed its connection before its answer")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
 
 
 async def _within(awaitable, seconds: float):
