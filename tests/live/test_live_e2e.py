@@ -395,6 +395,42 @@ def test_a_seeded_request_moved_twice_keeps_its_random_stream(cluster):
     wait_idle(cluster)
 
 
+def test_a_stop_token_held_back_by_min_tokens_across_a_move(cluster):
+    """stop_token_ids and min_tokens straddling the hand-off: the destination keeps the stop
+    token masked until min_tokens (counted from the request's start), then stops on it, as a
+    single instance does. The stop token first comes, in the free greedy output, where
+    min_tokens still masks it (the output then goes another way); the move comes before."""
+    rng = random.Random(28)
+    prompt = prompts(28, (50,))[0]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 300, "temperature": 0, "return_token_ids": True,
+            "ignore_eos": True}
+    free, _ = reference(cluster, prompt, 300)
+    # (where it first comes, the token), the most frequent first: one that comes again once masked
+    firsts = sorted(((j, t) for j, t in enumerate(free) if j >= 8 and t not in free[:j]),
+                    key=lambda jt: -free.count(jt[1]))
+    for j, t in firsts[:20]:
+        rule = {"stop_token_ids": [t], "min_tokens": j + 1}
+        status, ref = h.post(cluster["A"].url + "/v1/completions", dict(body, **rule))
+        assert status == 200, ref
+        if ref["choices"][0]["finish_reason"] == "stop" and len(ref["choices"][0]["token_ids"]) > j + 10:
+            break
+    else:
+        raise AssertionError("no stop token of the free output comes again once masked: pick another prompt")
+    want = ref["choices"][0]["token_ids"]
+    assert want[:j] == free[:j] and want[j] != t and want[-1] == t and len(want) > j + 1
+    results = []
+    s = Stream(cluster["router"].url, dict(body, **rule))
+    s.at(rng.randrange(2, max(3, j // 2)), migrate_async(cluster, results=results, stages=0))  # switch at once
+    s.start()
+    (status, record), = finish([s], results)
+    assert s.error is None and status == 200, (s.error, record)
+    assert record["outcome"] == "moved" or (record["outcome"] == "recomputed" and "no complete block"
+                                            in record["reason"]), record
+    assert s.ids == want, divergence(s.ids, want)
+    assert s.finish == "stop"
+    wait_idle(cluster)
+
+
 def test_requests_that_cannot_move_are_refused_by_name(cluster):
     body = {"model": "tiny", "prompt": prompts(18, (20,))[0], "max_tokens": MAX_TOKENS, "temperature": 0.7,
             "frequency_penalty": 0.5}
