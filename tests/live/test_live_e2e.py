@@ -335,6 +335,7 @@ def test_chat_stop_strings_and_a_second_migration(cluster):
     assert records[0] == (200, records[0][1]) and records[0][1]["outcome"] == "moved", records
     assert records[1][0] == 404 or records[1][1]["outcome"] in ("moved", "finished"), records
     assert s.text == ref["choices"][0]["message"]["content"] and s.finish == "stop"
+    wait_idle(cluster)  # the router's stop string ended the request on its instance too
 
 
 def test_a_non_streaming_request_migrates(cluster):
@@ -364,6 +365,7 @@ def test_a_non_streaming_request_migrates(cluster):
     assert choice["token_ids"] == want_ids and choice["text"] == want_text
     assert len(choice["logprobs"]["token_logprobs"]) == len(want_ids)
     assert answer["usage"]["prompt_tokens"] == len(prompt)
+    wait_idle(cluster)
 
 
 def test_a_seeded_request_moved_twice_keeps_its_random_stream(cluster):
