@@ -420,16 +420,20 @@ def test_a_stop_token_held_back_by_min_tokens_across_a_move(cluster):
         raise AssertionError("no stop token of the free output comes again once masked: pick another prompt")
     want = ref["choices"][0]["token_ids"]
     assert want[:j] == free[:j] and want[j] != t and want[-1] == t and len(want) > j + 1
-    results = []
-    s = Stream(cluster["router"].url, dict(body, **rule))
-    s.at(rng.randrange(2, max(3, j // 2)), migrate_async(cluster, results=results, stages=0))  # switch at once
-    s.start()
-    (status, record), = finish([s], results)
-    assert s.error is None and status == 200, (s.error, record)
-    assert record["outcome"] == "moved" or (record["outcome"] == "recomputed" and "no complete block"
-                                            in record["reason"]), record
-    assert s.ids == want, divergence(s.ids, want)
-    assert s.finish == "stop"
+    for _ in range(3):  # on a busy host the request may end before its move reaches it: again
+        results = []
+        s = Stream(cluster["router"].url, dict(body, **rule))
+        s.at(rng.randrange(2, max(3, j // 2)), migrate_async(cluster, results=results, stages=0))  # switch at once
+        s.start()
+        (status, record), = finish([s], results)
+        assert s.error is None and s.ids == want and s.finish == "stop", (s.error, divergence(s.ids, want), record)
+        if status == 200 and record["outcome"] != "finished":
+            assert record["outcome"] == "moved" or (record["outcome"] == "recomputed" and "no complete block"
+                                                    in record["reason"]), record
+            break
+        assert (status == 404 and "no running request" in str(record)) or record["outcome"] == "finished", record
+    else:
+        raise AssertionError("the request ended before each of three moves reached it")
     wait_idle(cluster)
 
 
