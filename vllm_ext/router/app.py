@@ -436,6 +436,10 @@ class Router:
         routed.client.begin_leg()
         routed.stop_now = routed.stop_after_token = False
 
+    def _full(self, inst: Instance) -> Optional[str]:
+        """Why no migration may go to `inst` now (None: it has room; Instance.full)."""
+        return inst.full(self.settings.max_destination_kv_usage)
+
     @staticmethod
     def _place(routed: Routed, inst: Optional["Instance"]) -> None:
         """`routed` is `inst`'s request now (the one its recovery tries first)."""
@@ -651,7 +655,7 @@ class Router:
             raise ValueError(f"request {routed.rid} runs on {dst.url} already")
         if src.control is None:
             raise ValueError(f"instance {src.url} has no lease channel (--lease): its requests cannot move")
-        full = dst.full(self.settings.max_destination_kv_usage)
+        full = self._full(dst)
         if full is not None:
             raise ValueError(f"to: {dst.url} takes no migration now: {full}")
         record = live.Record(routed.mid, routed.rid, src.url, dst.url)
@@ -719,7 +723,7 @@ class Router:
             if len(pool) < 2:
                 continue
             src = max(pool, key=lambda i: i.load)
-            room = [i for i in pool if i.full(self.settings.max_destination_kv_usage) is None]
+            room = [i for i in pool if self._full(i) is None]
             if not room:
                 continue
             dst = min(room, key=lambda i: i.load)
@@ -854,7 +858,7 @@ class Router:
                 return error(409, f"to: {dst.url} is {'draining' if dst.healthy else 'down'}", "ConflictError")
         else:
             targets = [i for i in self._candidates(exclude=(src,))
-                       if i.healthy and i.full(self.settings.max_destination_kv_usage) is None]
+                       if i.healthy and self._full(i) is None]
             if not targets:
                 targets = self._candidates(exclude=(src,))  # none known healthy: try the others
             if not targets:
@@ -898,7 +902,7 @@ class Router:
             # one migration in per destination and out of this instance at a time, as the balancer
             # and /migrate: a busy one (a /migrate of one of its requests) is waited for
             targets = [i for i in self._candidates(exclude=(inst,)) if i.healthy and not i.migrating_in
-                       and i.full(self.settings.max_destination_kv_usage) is None]
+                       and self._full(i) is None]
             if not candidates or not targets or inst.migrating_out:
                 await asyncio.sleep(0.05)
                 continue
