@@ -134,7 +134,7 @@ def ceiling_pull(prefill_url, body, prompt, secret, device, timeout=60.0):
 
     from vllm_ext import KVCache
     from vllm_ext.connector.worker import descriptor_from_fields, make_endpoint
-    from vllm_ext.migration.lease import LeaseClient
+    from vllm_ext.lease import LeaseClient
 
     leg = post(prefill_url + "/v1/completions", dict(body, prompt=prompt, max_tokens=1,
                                                      kv_transfer_params={"do_remote_decode": True}))

@@ -7,7 +7,7 @@ import pytest
 
 
 @pytest.mark.parametrize("module", ["vllm_ext", "vllm_ext.migration", "vllm_ext.connector",
-                                    "vllm_ext.migration.kv_params", "vllm_ext.migration.lease", "vllm_ext.proxy"])
+                                    "vllm_ext.lease.kv_params", "vllm_ext.lease.channel", "vllm_ext.proxy"])
 def test_module_does_not_import_vllm(module):
     if module == "vllm_ext.proxy":
         pytest.importorskip("aiohttp", reason="the proxy needs aiohttp (a vLLM dependency)")

@@ -22,8 +22,9 @@ from vllm_ext import ops  # noqa: E402
 from vllm_ext.connector import check_vllm_version  # noqa: E402
 from vllm_ext.connector.scheduler import SchedulerHalf  # noqa: E402
 from vllm_ext.connector.worker import WorkerHalf  # noqa: E402
-from vllm_ext.migration.kv_params import PROTOCOL, prompt_hash  # noqa: E402
-from vllm_ext.migration.lease import ChannelError, ChannelRefused, LeaseClient  # noqa: E402
+from vllm_ext.lease import messages  # noqa: E402
+from vllm_ext.lease.channel import ChannelError, ChannelRefused, LeaseClient  # noqa: E402
+from vllm_ext.lease.kv_params import PROTOCOL, prompt_hash  # noqa: E402
 
 SECRET = b"unit-test-deployment-secret-0123"
 BLOCK_SIZE = 16
@@ -345,7 +346,7 @@ def good_params():
 
 
 def test_kv_transfer_params_may_carry_what_vllm_adds():
-    from vllm_ext.migration.kv_params import RemoteKV
+    from vllm_ext.lease.kv_params import RemoteKV
 
     params = dict(good_params(), remote_prefill_cached_tokens=0)  # vLLM's scheduler adds it
     assert RemoteKV.parse(params, BLOCK_SIZE).block_ids == [4, 5, 6]
@@ -611,7 +612,7 @@ def test_lease_channel_bounds_frames_and_never_trusts_unauthenticated_input(prod
 
     sched, _ = producer
     host, port = sched.lease_address
-    describe = protocol.encode_frame(protocol.LeaseDescribe().header())
+    describe = protocol.encode_frame(messages.LeaseDescribe().header())
     for payload in (struct.pack("!II", protocol.MAX_HEADER_BYTES + 1, 0), struct.pack("!II", 5, 0) + b"\x80\x04N.\x00",
                     struct.pack("!II", 2, 0) + b"[]", describe):
         with socket.create_connection((host, port), timeout=30) as s:
@@ -673,7 +674,7 @@ def test_the_output_limits_are_read_as_vllms_openai_server_reads_them():
 def test_an_endpoint_serves_no_lease_message(producer):
     """The producer's MigrationEndpoint refuses the lease messages (they have a registry of their
     own), also from an authenticated peer."""
-    from vllm_ext.migration import MigrationError, PeerDescriptor, protocol
+    from vllm_ext.migration import MigrationError, PeerDescriptor
     from vllm_ext.migration.control import open_connection
     from vllm_ext.migration.timing import Deadline
 
@@ -682,7 +683,7 @@ def test_an_endpoint_serves_no_lease_message(producer):
     conn = open_connection(peer.host, peer.port, "", Deadline(10), client_id="c" * 32, server_id=peer.endpoint_id,
                            secret=SECRET)
     try:
-        conn.send_message(protocol.LeaseDescribe(), b"", Deadline(10))
+        conn.send_message(messages.LeaseDescribe(), b"", Deadline(10))
         with pytest.raises(MigrationError, match="unknown request 'lease.describe'"):
             conn.recv_reply(Deadline(10), "describe")
     finally:

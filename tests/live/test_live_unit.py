@@ -7,19 +7,20 @@ import time
 
 import pytest
 
-from vllm_ext.migration import live, protocol
-from vllm_ext.migration.lease import ChannelError, ChannelRefused, MigrationLease
+from vllm_ext.lease import messages
+from vllm_ext.lease.channel import ChannelError, ChannelRefused, MigrationLease
+from vllm_ext.router import live
 
 BS = 4
 
 
 def lease(tokens, num_tokens, first_block=100):
     n = -(-num_tokens // BS)
-    reply = protocol.MigrateLeaseReply(lease=random.randbytes(16).hex(), n=n, num_tokens=num_tokens,
+    reply = messages.MigrateLeaseReply(lease=random.randbytes(16).hex(), n=n, num_tokens=num_tokens,
                                        n_tokens=len(tokens), num_prompt_tokens=5, block_size=BS,
                                        prompt_hash="0" * 64, fingerprint="f" * 32, endpoint_id="e1",
                                        backend="gloo", lease_s=30.0)
-    return MigrationLease(reply, list(range(first_block, first_block + n)), list(tokens))
+    return MigrationLease.of(reply, list(range(first_block, first_block + n)), list(tokens))
 
 
 class FakeSource:
@@ -211,7 +212,7 @@ def test_agreed_tokens(theirs, ours, want):
 
 
 def test_resume_spans_split_the_resume_at_the_destinations_times():
-    trace = protocol.MigrateTraceReply(arrival_s=100.004, seen_s=100.010, scheduled_s=100.0105, unsafe=False,
+    trace = messages.MigrateTraceReply(arrival_s=100.004, seen_s=100.010, scheduled_s=100.0105, unsafe=False,
                                        settled=True, load_failed=False)
     assert live.resume_spans(100.0, trace, 100.025) == {
         "to_api_server_ms": 4.0, "to_scheduler_ms": 6.0, "to_scheduled_ms": 0.5, "to_first_token_ms": 14.5}

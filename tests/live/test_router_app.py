@@ -276,16 +276,16 @@ def test_a_stream_that_arrives_faster_than_it_is_relayed_does_not_hold_the_loop(
 def _describing_lease_servers(secret: str, replies):
     """Real lease servers, one per (sampler, default_max_tokens, max_tokens_cap), answering
     lease.describe; `asked` lists the samplers of those asked."""
-    from vllm_ext.migration import protocol
-    from vllm_ext.migration.lease import LeaseServer
+    from vllm_ext.lease import messages
+    from vllm_ext.lease.channel import LeaseServer
 
     asked = []
 
     def serving(sampler, default, cap):
         def handler(request):
             asked.append(sampler)
-            assert isinstance(request, protocol.LeaseDescribe)
-            return protocol.LeaseDescribeReply({}, "0" * 32, {}, sampler, default, cap), b""
+            assert isinstance(request, messages.LeaseDescribe)
+            return messages.LeaseDescribeReply({}, "0" * 32, {}, sampler, default, cap), b""
         return handler
     return [LeaseServer(secret.encode(), serving(*reply)) for reply in replies], asked
 
@@ -602,7 +602,7 @@ class _Control:
         pass
 
     def trace(self, mid):
-        from vllm_ext.migration.lease import ChannelError
+        from vllm_ext.lease.channel import ChannelError
 
         if self.reply is None:
             raise ChannelError("lease channel 127.0.0.1:10: no answer within 5 s")
@@ -615,11 +615,11 @@ def test_a_resume_that_loaded_kv_is_kept_only_when_the_destination_vouches_for_t
     under a step in flight; unsafe or unknown (no settled answer), the leg is dropped and the
     request is the source's again: its recovery tries the source first (whose prefix cache
     holds the request's blocks)."""
-    from vllm_ext.migration import protocol
+    from vllm_ext.lease import messages
     from vllm_ext.router import app as router_app
 
     def trace(unsafe=False, settled=True):
-        return protocol.MigrateTraceReply(1.0, 2.0, 3.0, unsafe=unsafe, settled=settled, load_failed=unsafe)
+        return messages.MigrateTraceReply(1.0, 2.0, 3.0, unsafe=unsafe, settled=settled, load_failed=unsafe)
 
     async def go():
         router = router_app.Router(["http://127.0.0.1:9", "http://127.0.0.1:10"], None, Settings())
@@ -927,7 +927,7 @@ def events_of(text):
 
 def test_a_drain_moves_each_request_to_the_least_loaded_instance_with_no_migration_coming_in(monkeypatch):
     """B is the least loaded but has a migration coming in: A's request goes to C."""
-    from vllm_ext.migration import live
+    from vllm_ext.router import live
 
     monkeypatch.setenv(ENV_TOKEN, "t")
     chosen = []
@@ -1014,7 +1014,7 @@ def test_no_migration_goes_to_an_instance_whose_kv_cache_is_full_or_that_queues_
                 await r.cleanup()
 
     def _done(dst):
-        from vllm_ext.migration import live
+        from vllm_ext.router import live
 
         done = asyncio.get_running_loop().create_future()
         done.set_result(live.Record("ab" * 16, "c", "a", dst.url, outcome=live.Outcome.MOVED))

@@ -33,7 +33,7 @@ check_vllm_version()  # before importing what another release may lack: one clea
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole  # noqa: E402
 
-from ..migration.lease import deployment_secret  # noqa: E402
+from ..migration import auth  # noqa: E402
 from .metadata import VllmExtMetadata, VllmExtWorkerMetadata  # noqa: E402
 from .stats import VllmExtPromMetrics, VllmExtStats  # noqa: E402
 
@@ -48,6 +48,27 @@ except ImportError:  # releases before hit sources
     CacheHitSource = None
 
 _HAS_TRANSFER_RESULTS = hasattr(KVConnectorBase_V1, "get_transfer_results")
+
+
+def deployment_secret() -> bytes:
+    """The deployment's shared secret (VLLM_EXT_AUTH_SECRET, or the file VLLM_EXT_AUTH_SECRET_FILE
+    names; read as the migration endpoints read it). The connector refuses to start without one:
+    leases must not be readable by anyone who can reach the port."""
+    secret = auth.deployment_secret()
+    if secret is None:
+        raise RuntimeError(f"VllmExtConnector needs the deployment secret on every instance: set {auth.ENV_SECRET} "
+                           f"or {auth.ENV_SECRET_FILE}")
+    return secret
+
+
+def _log_under_vllm() -> None:
+    """In a vLLM process, the warnings of vllm-ext's own layers (the transport, the lease
+    channel: loggers under "vllm_ext") print through vLLM's handlers, as the connector's do."""
+    ours, theirs = logging.getLogger("vllm_ext"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.propagate = False
 
 
 def _addresses(extra, key, default):
@@ -86,6 +107,7 @@ class VllmExtConnector(KVConnectorBase_V1):
             raise ValueError(f"VllmExtConnector: tensor_parallel_size {parallel.tensor_parallel_size} and "
                              f"pipeline_parallel_size {parallel.pipeline_parallel_size}: only 1 and 1 are supported")
         secret = deployment_secret()
+        _log_under_vllm()
         self._scheduler = self._worker = None
         if role == KVConnectorRole.SCHEDULER:
             from .scheduler import SchedulerHalf

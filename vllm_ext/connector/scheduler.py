@@ -28,17 +28,18 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..migration import protocol
-from ..migration.kv_params import (
+from ..lease import messages
+from ..lease.channel import LeaseServer
+from ..lease.kv_params import (
     ParamsError,
+    RemoteKV,
     lease_ref,
     migration_id_of,
     parse_remote_params,
-    producer_params,
     prompt_hash,
     sampled_tokens_of,
 )
-from ..migration.lease import LeaseServer
+from ..migration import protocol
 from .metadata import RecvJob, ReleaseJob, VllmExtHandshake, VllmExtMetadata
 from .stats import VllmExtStats
 
@@ -356,10 +357,10 @@ class SchedulerHalf:
             self._new_leases[lease_id] = lease.block_ids
         desc = self._handshake.descriptor
         host, port = self.lease_address
-        return True, producer_params(
-            lease=lease_id, block_ids=lease.block_ids, num_tokens=num_tokens, prompt_hash_=lease.prompt_hash,
+        return True, RemoteKV(
+            lease=lease_id, block_ids=lease.block_ids, num_tokens=num_tokens, prompt_hash=lease.prompt_hash,
             fingerprint=self._handshake.fingerprint, lease_host=host, lease_port=port,
-            endpoint_id=desc["endpoint_id"], backend=desc["backend"], lease_s=self.lease_s)
+            endpoint_id=desc["endpoint_id"], backend=desc["backend"], lease_s=self.lease_s).to_params()
 
     def _tracked_finished(self, request) -> bool:
         """A migratable request ended (the router's abort after its last lease, or its own end):
@@ -424,15 +425,15 @@ class SchedulerHalf:
     def _serve(self, request):
         """A consumer's request on the lease channel (authenticated, its fields checked by
         protocol.py): (reply message or None, payload). ValueError refuses."""
-        if isinstance(request, protocol.LeaseDescribe):
+        if isinstance(request, messages.LeaseDescribe):
             if self._handshake is None:
                 raise ValueError("this instance's worker has not registered its KV cache yet")
-            return protocol.LeaseDescribeReply(self._handshake.descriptor, self._handshake.fingerprint,
+            return messages.LeaseDescribeReply(self._handshake.descriptor, self._handshake.fingerprint,
                                                self._handshake.fingerprint_fields, self._handshake.sampler,
                                                *self.max_tokens_limits), b""
-        if isinstance(request, (protocol.MigratePrecopy, protocol.MigrateEnd)):
+        if isinstance(request, (messages.MigratePrecopy, messages.MigrateEnd)):
             return self._serve_migration(request)
-        if isinstance(request, protocol.MigrateTrace):
+        if isinstance(request, messages.MigrateTrace):
             return self._trace(request.migration_id, request.wait_s), b""
         lease_id = request.lease
         self._reap_expired()
@@ -440,7 +441,7 @@ class SchedulerHalf:
             lease = self._leases.get(lease_id)
             if lease is None:
                 raise ValueError(f"lease {lease_id[:8]}: unknown, released or expired")
-            if isinstance(request, protocol.LeaseAcquire):
+            if isinstance(request, messages.LeaseAcquire):
                 if request.hold_s > MAX_HOLD_S:
                     raise ValueError(f"hold_s: expected at most {MAX_HOLD_S:g} seconds, got {request.hold_s!r}")
                 if lease.taken:
@@ -455,7 +456,7 @@ class SchedulerHalf:
                     raise ValueError(f"lease {lease_id[:8]}: its blocks are not served yet (the producer's worker "
                                      f"did not grant them within {GRANT_WAIT_S:g} s)")
                 lease.expires_at = max(lease.expires_at, self._clock() + request.hold_s)
-                return (protocol.LeaseAcquireReply(len(lease.block_ids), lease.num_tokens, lease.prompt_hash,
+                return (messages.LeaseAcquireReply(len(lease.block_ids), lease.num_tokens, lease.prompt_hash,
                                                    len(lease.digests)),
                         protocol.encode_ids(lease.block_ids + lease.digests))
             # LeaseRelease: a pre-copy lease's blocks were its request's throughout unless it was
@@ -463,12 +464,12 @@ class SchedulerHalf:
             intact = lease.preemptions is None or (
                 getattr(lease.tracked.request, "num_preemptions", 0) == lease.preemptions)
             self._end_lease(lease, "released")
-            return protocol.LeaseReleaseReply(intact), b""
+            return messages.LeaseReleaseReply(intact), b""
 
     # ---- live migration (the lease channel's threads) -----------------------------------
     def _lease_reply(self, lease: Lease):
         desc = self._handshake.descriptor
-        reply = protocol.MigrateLeaseReply(
+        reply = messages.MigrateLeaseReply(
             lease=lease.lease_id, n=len(lease.block_ids), num_tokens=lease.num_tokens, n_tokens=len(lease.token_ids),
             num_prompt_tokens=lease.num_prompt_tokens, block_size=self.block_size, prompt_hash=lease.prompt_hash,
             fingerprint=self._handshake.fingerprint, endpoint_id=desc["endpoint_id"], backend=desc["backend"],
@@ -480,11 +481,11 @@ class SchedulerHalf:
         if self._handshake is None:
             raise ValueError("this instance's worker has not registered its KV cache yet")
         self._reap_expired()
-        if isinstance(request, protocol.MigratePrecopy):
+        if isinstance(request, messages.MigratePrecopy):
             ask = {"event": threading.Event(), "lease": None, "error": None}
             with self._lock:
                 if mid not in self._tracked:
-                    raise protocol.RequestEnded(f"migration {mid[:8]}: no running request of this instance carries it")
+                    raise messages.RequestEnded(f"migration {mid[:8]}: no running request of this instance carries it")
                 self._precopy_asks[mid] = ask
             if not ask["event"].wait(PRECOPY_WAIT_S):
                 with self._lock:
@@ -520,7 +521,7 @@ class SchedulerHalf:
                 tracked = self._tracked.get(mid)
                 request = tracked.request if tracked is not None else None
                 if request is None or tracked.finished or RequestStatus.is_finished(request.status):
-                    ask["error"] = protocol.RequestEnded("the request ended here")
+                    ask["error"] = messages.RequestEnded("the request ended here")
                 elif request.status != RequestStatus.RUNNING:
                     ask["error"] = ValueError("the request is not running here (preempted)")
                 else:
@@ -597,7 +598,7 @@ class SchedulerHalf:
         self._recvs, self._releases = [], []
         return meta
 
-    def _trace(self, mid: str, wait_s: float) -> protocol.MigrateTraceReply:
+    def _trace(self, mid: str, wait_s: float) -> messages.MigrateTraceReply:
         """The trace of the request carrying `mid`, once settled or after `wait_s`."""
         deadline = time.monotonic() + wait_s
         with self._lock:
@@ -611,7 +612,7 @@ class SchedulerHalf:
             if trace is None or not trace[2]:
                 raise ValueError(f"migration {mid[:8]}: no request here carried it lately, or it is not scheduled "
                                  "yet")
-            return protocol.MigrateTraceReply(*trace[:3], unsafe=trace[3] and self.failed_load_is_unsafe(),
+            return messages.MigrateTraceReply(*trace[:3], unsafe=trace[3] and self.failed_load_is_unsafe(),
                                               settled=settled, load_failed=trace[3])
 
     def failed_load_is_unsafe(self) -> bool:

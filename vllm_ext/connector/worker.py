@@ -29,9 +29,9 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 
 from .. import KVCache, ops
+from ..lease.channel import ChannelError, LeaseClient
+from ..lease.kv_params import PROTOCOL, fingerprint_mismatch, layout_fingerprint
 from ..migration import MigrationEndpoint, MigrationError, PeerDescriptor
-from ..migration.kv_params import PROTOCOL, fingerprint_mismatch, layout_fingerprint
-from ..migration.lease import ChannelError, LeaseClient
 from .metadata import RecvJob, ReleaseJob, VllmExtHandshake, VllmExtMetadata, VllmExtWorkerMetadata
 from .sampling import SeededStreams
 from .stats import VllmExtStats

@@ -259,16 +259,6 @@ def check_slot(chunk_blocks: int, block_nbytes: int, what: str) -> None:
             f"{chunk_blocks * block_nbytes} bytes, at most {protocol.MAX_SLOT_BYTES}")
 
 
-def geometry_mismatch(mine: Dict[str, Any], theirs: Dict[str, Any], where: str = "at the peer") -> Optional[str]:
-    """None when two caches can exchange blocks, else a description of the difference: each
-    field that differs, with its value here and `where` (the other side)."""
-    if mine == theirs:
-        return None
-    keys = sorted(set(mine) | set(theirs))
-    return ", ".join(f"{k} {mine.get(k)!r} here vs {theirs.get(k)!r} {where}"
-                     for k in keys if mine.get(k) != theirs.get(k))
-
-
 def chunk_ranges(n: int, per_chunk: int) -> List[Tuple[int, int]]:
     """[(lo, hi)] covering range(n) in order, in pieces of per_chunk (the last may be
     shorter). The staged (nccl) pulls ramp their chunks instead: vllm_ext._lib.ramp_bounds."""

@@ -287,10 +287,11 @@ def _peer_uid(sock: socket.socket) -> Optional[int]:
 # ---- the client's side of a connection ----------------------------------------------------------
 def open_connection(host: str, port: int, local: str, deadline: Deadline, *, client_id: str,
                     server_id: str, secret: bytes, tls: Optional[TlsOptions] = None,
-                    max_payload: int = 0) -> Connection:
+                    max_payload: int = 0, version: int = protocol.PROTOCOL) -> Connection:
     """An authenticated connection to the endpoint `server_id` at host:port, or at its abstract
-    Unix socket `local` (tried first when given). MigrationError when it cannot be reached, when
-    it fails to prove it holds `secret`, or refuses this side's proof."""
+    Unix socket `local` (tried first when given), speaking protocol `version` (the endpoint's, or
+    another contract's carried on the same frames). MigrationError when it cannot be reached,
+    when it fails to prove it holds `secret`, or refuses this side's proof."""
     conn = None
     if local and LOCAL_SOCKETS:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -314,7 +315,7 @@ def open_connection(host: str, port: int, local: str, deadline: Deadline, *, cli
                 raise MigrationError(f"control channel: TLS with {host}:{port} failed: {e}") from e
         conn = Connection(sock, f"{host}:{port}", max_payload)
     try:
-        _authenticate_client(conn, deadline, client_id, server_id, secret)
+        _authenticate_client(conn, deadline, client_id, server_id, secret, version)
     except BaseException:
         conn.close()
         raise
@@ -337,9 +338,9 @@ def _refuse_self_connection(sock: socket.socket) -> None:
 
 
 def _authenticate_client(conn: Connection, deadline: Deadline, client_id: str, server_id: str,
-                         secret: bytes) -> None:
+                         secret: bytes, version: int = protocol.PROTOCOL) -> None:
     nonce = secrets.token_bytes(protocol.NONCE_BYTES)
-    conn.send_message(protocol.AuthHello(protocol.PROTOCOL, client_id, server_id, nonce.hex()), b"", deadline)
+    conn.send_message(protocol.AuthHello(version, client_id, server_id, nonce.hex()), b"", deadline)
     challenge = conn.recv_reply(deadline, "authentication", protocol.AuthChallenge)
     server_nonce = bytes.fromhex(challenge.nonce)
     expected = protocol.auth_proof(secret, "server", client_id, server_id, nonce, server_nonce)
@@ -357,12 +358,15 @@ class ControlServer:
     """Accepts control connections, authenticates each on its own thread and then runs
     `handle(conn)` there (one slow or dead peer never delays another). Listens on TCP at
     host:port and, when `local` names one, on that abstract Unix socket (`self.local`: the
-    name, or "" where there is none)."""
+    name, or "" where there is none). `version`: the protocol its peers must speak, of
+    `contract` (the endpoint's, or another carried on the same frames, such as the lease
+    channel's; both are all a peer learns before it authenticates)."""
 
     def __init__(self, host: str, port: int, handle: Callable[[Connection], None], *, endpoint_id: str,
                  secret: bytes, max_payload: int, name: str = "migration", local: str = "",
-                 tls: Optional[TlsOptions] = None):
+                 tls: Optional[TlsOptions] = None, version: int = protocol.PROTOCOL, contract: str = "migration"):
         self._handle = handle
+        self._version, self._contract = version, contract
         self._endpoint_id = endpoint_id
         self._secret = secret
         self._max_payload = max_payload
@@ -505,13 +509,13 @@ class ControlServer:
             header, _ = conn.recv(deadline)
             if header.get("op") != protocol.AuthHello.op:
                 raise ProtocolError("authentication required first")
-            protocol._check_int("protocol", header.get("protocol"), 0, 1 << 31)
-            if header["protocol"] != protocol.PROTOCOL:
+            protocol.check_int("protocol", header.get("protocol"), 0, 1 << 31)
+            if header["protocol"] != self._version:
                 conn.reply_error(ProtocolError(
-                    f"migration protocol {header['protocol']} there, {protocol.PROTOCOL} here (mixed "
+                    f"{self._contract} protocol {header['protocol']} there, {self._version} here (mixed "
                     "vllm-ext versions: upgrade both)"))
-                self._log_once("version", "control server: %s speaks migration protocol %s, this "
-                               "endpoint %d", conn.peer, header["protocol"], protocol.PROTOCOL)
+                self._log_once("version", "control server: %s speaks %s protocol %s, this "
+                               "server %d", conn.peer, self._contract, header["protocol"], self._version)
                 return False
             hello = protocol.AuthHello.parse(header)
             if hello.server_id != self._endpoint_id:

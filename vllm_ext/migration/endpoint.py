@@ -25,9 +25,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from .._ids import block_id_list
 from ..errors import ClosedError, Error, MigrationError
 from . import auth, protocol, registry
-from .base import BackendContext, Grants, Link, PeerDescriptor, PullStats, Session, geometry_mismatch
+from .base import BackendContext, Grants, Link, PeerDescriptor, PullStats, Session
 from .control import Connection, ControlServer, TlsOptions, open_connection
-from .protocol import ProtocolError
+from .protocol import ProtocolError, geometry_mismatch
 from .timing import Deadline, check_timeout
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,8 @@ import torch
 
 from .._ids import block_id_list
 from ..errors import MigrationError
-from .base import MigrationBackend, Pair, PullStats, blocks_per_chunk, chunk_ranges, geometry_mismatch
+from .base import MigrationBackend, Pair, PullStats, blocks_per_chunk, chunk_ranges
+from .protocol import geometry_mismatch
 from .timing import Deadline
 
 DEFAULT_CHUNK_BYTES = 64 << 20

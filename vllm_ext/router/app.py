@@ -1,6 +1,6 @@
 """The router: an OpenAI-compatible front for N vLLM instances running VllmExtConnector, which
 holds every client stream and can move a running request to another instance while the
-client's stream goes on (vllm_ext/migration/live.py), by hand, to drain an instance, or to
+client's stream goes on (live.py), by hand, to drain an instance, or to
 balance load.
 
     python -m vllm_ext.router --instance http://A:8100 http://B:8200 --lease A:8101 B:8201 --balance
@@ -30,9 +30,10 @@ import aiohttp
 from aiohttp import web
 
 from .._http import backend_session, client_auth, error, first_models, openai_app
-from ..migration import auth, live, protocol
-from ..migration.lease import ChannelError
-from . import streams
+from ..lease import messages
+from ..lease.channel import ChannelError, LeaseClient
+from ..migration import auth
+from . import live, streams
 from .streams import ClientStream
 
 logger = logging.getLogger("vllm_ext.router")
@@ -104,10 +105,10 @@ class Instance:
     def __init__(self, url: str, lease: Optional[str], secret: Optional[bytes]):
         self.url = url.rstrip("/")
         self.lease = lease
-        self.control: Optional[live.SourceControl] = None
+        self.control: Optional[LeaseClient] = None
         if lease:
             host, _, port = lease.rpartition(":")
-            self.control = live.SourceControl(secret, host, int(port))
+            self.control = LeaseClient(secret, host, int(port))
         self.healthy = True
         self.failed_polls = 0  # consecutive /metrics polls that failed
         self.silent_since: Optional[float] = None  # monotonic: the first of them began
@@ -118,7 +119,7 @@ class Instance:
         self.migrating_out = 0
         self.metrics: Dict[str, float] = {}
         # its lease channel's describe (seeded sampling, output limits), until it is marked down
-        self.described: Optional[protocol.LeaseDescribeReply] = None
+        self.described: Optional[messages.LeaseDescribeReply] = None
         self.describe_after = 0.0  # monotonic: the poll asks again for a describe that failed after this
         self.downs = 0  # times it was marked down: a describe or a limit from before one is not its own
         self.models: Optional[Dict[str, Any]] = None  # its /v1/models answer, until it is marked down
@@ -603,7 +604,7 @@ class Router:
         inst.downs += 1
         inst.describe_after = 0.0
 
-    async def _describe(self, inst: Instance) -> Optional[protocol.LeaseDescribeReply]:
+    async def _describe(self, inst: Instance) -> Optional[messages.LeaseDescribeReply]:
         """`inst`'s lease channel's describe (None when it cannot say); kept until it is down."""
         if inst.described is None and inst.control is not None:
             inst.describe_after = time.monotonic() + DESCRIBE_RETRY_S
@@ -983,7 +984,7 @@ class _Driver:
         self.cache_salt = secrets.token_hex(16)
         self.resume_sent_s = self.resume_first_s = 0.0  # time.time(): the resume's request, its first token
         self.check_s: Optional[float] = None  # the first token's wait for the trace (a resume that loaded KV)
-        self.trace: Optional[protocol.MigrateTraceReply] = None  # the destination's, of a resume that loaded KV
+        self.trace: Optional[messages.MigrateTraceReply] = None  # the destination's, of a resume that loaded KV
         self.late_stop: Optional[str] = None  # why the stop was given up
 
     def finished(self) -> bool:
@@ -1103,7 +1104,7 @@ class _Driver:
     def load_failed(self) -> bool:
         return self.trace is not None and self.trace.load_failed
 
-    async def _load_check(self, inst: Instance, early) -> Optional[protocol.MigrateTraceReply]:
+    async def _load_check(self, inst: Instance, early) -> Optional[messages.MigrateTraceReply]:
         """The trace that vouches for the resume's load, at its first token: the one asked with
         the resume when it is in and settled (the load's step reports before its token leaves
         the destination), else one asked now (settled by then)."""
@@ -1112,7 +1113,7 @@ class _Driver:
             return early.result()
         return await self._trace(inst)
 
-    async def _trace(self, inst: Instance) -> Optional[protocol.MigrateTraceReply]:
+    async def _trace(self, inst: Instance) -> Optional[messages.MigrateTraceReply]:
         if inst.control is None:
             return None
         try:

@@ -3,7 +3,7 @@ fingerprint they must agree on. Imports neither vllm nor torch.
 
 Version history (PROTOCOL, carried as `kv_transfer_params["vllm_ext"]`):
   1: first version: lease id, block ids, token count, prompt hash, fingerprint, lease address.
-  2: `migration_id` (a router's id of a request it may migrate; see migration/live.py) and
+  2: `migration_id` (a router's id of a request it may migrate; see router/live.py) and
      `sync_load` (load before this step's forward instead of asynchronously: a migration's
      resume, whose few blocks cost less than the steps an asynchronous load waits).
   3: the prompt hash is sha256 of the ids as little-endian int64 (15x faster than of their JSON:
@@ -23,9 +23,11 @@ A producer answers a finished `do_remote_decode` request with:
                          "backend": str},
      "remote_lease_s": float}                # how long the producer holds the blocks
 
-None of it is a credential: pulling needs the deployment secret as well. RemoteKV.parse
-refuses a missing, mistyped or unexpected field, naming it. The messages between instances
-(describe, acquire, release) are typed messages of vllm_ext/migration/protocol.py.
+None of it is a credential: pulling needs the deployment secret as well. RemoteKV is the one
+codec: RemoteKV.parse refuses a missing, mistyped or unexpected field, naming it, and
+RemoteKV.to_params writes what the producer answers (and what a router sends a migration's
+destination: `migration_id` and `sync_load` then too). The messages between instances (describe,
+acquire, release) are typed messages of messages.py.
 """
 
 import array
@@ -36,7 +38,7 @@ import re
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-from .base import geometry_mismatch
+from ..migration.protocol import geometry_mismatch
 
 PROTOCOL = 4
 MAX_REMOTE_BLOCKS = 1 << 20
@@ -75,11 +77,29 @@ class RemoteKV:
     lease_port: int
     endpoint_id: str
     backend: str
-    sync: bool = False
+    lease_s: float
+    sync: bool = False  # load before the step's forward (`sync_load`)
+    migration_id: Optional[str] = None  # a router's id of the request (it may move again)
 
     @classmethod
     def parse(cls, params: Any, block_size: int) -> "RemoteKV":
         return parse_remote_params(params, block_size)
+
+    def to_params(self) -> Dict[str, Any]:
+        """The kv_transfer_params that name this lease (parse's inverse)."""
+        params = {
+            "do_remote_prefill": True, "do_remote_decode": False, "vllm_ext": PROTOCOL,
+            "remote_lease": self.lease, "remote_block_ids": list(self.block_ids), "remote_num_tokens": self.num_tokens,
+            "remote_prompt_hash": self.prompt_hash, "remote_fingerprint": self.fingerprint,
+            "remote_endpoint": {"lease_host": self.lease_host, "lease_port": self.lease_port,
+                                "endpoint_id": self.endpoint_id, "backend": self.backend},
+            "remote_lease_s": self.lease_s,
+        }
+        if self.migration_id is not None:
+            params["migration_id"] = self.migration_id
+        if self.sync:
+            params["sync_load"] = True
+        return params
 
 
 def prompt_hash(token_ids: Sequence[int]) -> str:
@@ -155,7 +175,7 @@ def parse_remote_params(params: Any, block_size: int) -> RemoteKV:
         raise ParamsError(f"kv_transfer_params.sync_load: expected bool, got {type(sync).__name__}")
     return RemoteKV(lease=lease, block_ids=list(block_ids), num_tokens=num_tokens, prompt_hash=hash_,
                     fingerprint=fingerprint, lease_host=host, lease_port=port, endpoint_id=endpoint_id,
-                    backend=backend, sync=sync)
+                    backend=backend, lease_s=lease_s, sync=sync, migration_id=migration_id_of(params))
 
 
 def migration_id_of(params: Any) -> Optional[str]:
@@ -196,19 +216,6 @@ def lease_ref(params: Any):
     if not host or len(host) > 255 or not 0 < port < 65536:
         return None
     return lease, host, port
-
-
-def producer_params(*, lease: str, block_ids: List[int], num_tokens: int, prompt_hash_: str,
-                    fingerprint: str, lease_host: str, lease_port: int, endpoint_id: str, backend: str,
-                    lease_s: float) -> Dict[str, Any]:
-    return {
-        "do_remote_prefill": True, "do_remote_decode": False, "vllm_ext": PROTOCOL,
-        "remote_lease": lease, "remote_block_ids": list(block_ids), "remote_num_tokens": num_tokens,
-        "remote_prompt_hash": prompt_hash_, "remote_fingerprint": fingerprint,
-        "remote_endpoint": {"lease_host": lease_host, "lease_port": lease_port, "endpoint_id": endpoint_id,
-                            "backend": backend},
-        "remote_lease_s": lease_s,
-    }
 
 
 def layout_fingerprint(fields: Dict[str, Any]) -> str:

@@ -37,16 +37,14 @@ import secrets
 import time
 from typing import Any, Dict, List, Optional, Protocol
 
-from . import protocol
-from .kv_params import PROTOCOL as PARAMS_PROTOCOL
-from .kv_params import prompt_hash
-from .lease import ChannelError, ChannelRefused, LeaseClient, MigrationLease
+from ..lease import messages
+from ..lease.channel import ChannelError, ChannelRefused, LeaseClient, MigrationLease
+from ..lease.kv_params import RemoteKV, prompt_hash
 
 logger = logging.getLogger(__name__)
 
 MAX_STAGES = 3  # pre-copy stages (Llumnix: 3)
 LAST_STAGE_MAX_BLOCKS = 2  # a pre-copy stage that would move at most this many new blocks is the final lease
-CONTROL_TIMEOUT_S = 5.0  # one message on the source's lease channel
 
 
 def new_migration_id() -> str:
@@ -147,24 +145,17 @@ class Driver(Protocol):
 def lease_params(lease: MigrationLease, lease_host: str, lease_port: int, num_tokens: int,
                  migration_id: Optional[str] = None) -> Dict[str, Any]:
     """kv_transfer_params naming the first `num_tokens` tokens of a source's lease (a consumer
-    loads those; it checks their hash against its own prompt)."""
+    loads those; it checks their hash against its own prompt). With `migration_id` (a resume)
+    its few blocks load before the destination's next forward."""
     num_tokens = min(num_tokens, lease.num_tokens)
-    params = {
-        "do_remote_prefill": True, "do_remote_decode": False, "vllm_ext": PARAMS_PROTOCOL,
-        "remote_lease": lease.lease, "remote_block_ids": lease.block_ids[:-(-num_tokens // lease.block_size)],
-        "remote_num_tokens": num_tokens,
-        "remote_prompt_hash": prompt_hash(lease.token_ids[:num_tokens]), "remote_fingerprint": lease.fingerprint,
-        "remote_endpoint": {"lease_host": lease_host, "lease_port": lease_port, "endpoint_id": lease.endpoint_id,
-                            "backend": lease.backend},
-        "remote_lease_s": lease.lease_s,
-    }
-    if migration_id is not None:  # a resume: its few blocks load before the destination's next forward
-        params["migration_id"] = migration_id
-        params["sync_load"] = True
-    return params
+    return RemoteKV(lease=lease.lease, block_ids=lease.block_ids[:-(-num_tokens // lease.block_size)],
+                    num_tokens=num_tokens, prompt_hash=prompt_hash(lease.token_ids[:num_tokens]),
+                    fingerprint=lease.fingerprint, lease_host=lease_host, lease_port=lease_port,
+                    endpoint_id=lease.endpoint_id, backend=lease.backend, lease_s=lease.lease_s,
+                    sync=migration_id is not None, migration_id=migration_id).to_params()
 
 
-def resume_spans(sent_s: float, trace: protocol.MigrateTraceReply, first_s: float,
+def resume_spans(sent_s: float, trace: messages.MigrateTraceReply, first_s: float,
                  check_s: Optional[float] = None) -> Dict[str, float]:
     """Where a resume's time went, from the router's wall clock when it sent the request and
     when the first token came, and the destination's trace (the same clock on one host; across
@@ -193,42 +184,6 @@ def agreed_tokens(lease: MigrationLease, tokens: List[int]) -> int:
     return i
 
 
-class SourceControl:
-    """The router's side of an instance's lease channel, which it uses as a migration's source
-    (and as a destination's, for its trace; and as either's, for how it samples); blocking
-    calls: run them in a thread."""
-
-    def __init__(self, secret: bytes, host: str, port: int, timeout_s: float = CONTROL_TIMEOUT_S):
-        self.host, self.port = host, port
-        self.timeout_s = timeout_s
-        self._secret = secret
-        self._client = LeaseClient(secret, host, port)
-
-    def precopy(self, migration_id: str) -> MigrationLease:
-        return self._client.precopy(migration_id, self.timeout_s)
-
-    def describe(self) -> protocol.LeaseDescribeReply:
-        return self._client.describe(self.timeout_s)
-
-    def end(self, migration_id: str) -> None:
-        self._client.end(migration_id, self.timeout_s)
-
-    def trace(self, migration_id: str) -> protocol.MigrateTraceReply:
-        return self._client.trace(migration_id, self.timeout_s)
-
-    def settled_trace(self, migration_id: str, wait_s: float) -> protocol.MigrateTraceReply:
-        """The trace once the resume's first step is settled (at most `wait_s`), asked on a
-        connection of its own: the channel's stays free meanwhile."""
-        client = LeaseClient(self._secret, self.host, self.port)
-        try:
-            return client.trace(migration_id, self.timeout_s, wait_s)
-        finally:
-            client.close()
-
-    def close(self) -> None:
-        self._client.close()
-
-
 def _ms(seconds: float) -> float:
     return round(1e3 * seconds, 3)
 
@@ -237,7 +192,7 @@ async def _call(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
-async def _end(source: SourceControl, migration_id: str, record: Record) -> None:
+async def _end(source: LeaseClient, migration_id: str, record: Record) -> None:
     try:
         await _call(source.end, migration_id)
     except ChannelError as e:  # its leases expire by themselves
@@ -245,7 +200,7 @@ async def _end(source: SourceControl, migration_id: str, record: Record) -> None
                        record.source, e)
 
 
-async def _ends_early(record: Record, source: SourceControl, outcome: Outcome, reason: str = "") -> Record:
+async def _ends_early(record: Record, source: LeaseClient, outcome: Outcome, reason: str = "") -> Record:
     """A migration that ends before the resume: its outcome (and reason), its end on the source."""
     record.state, record.outcome = "done", outcome
     if reason:
@@ -254,7 +209,7 @@ async def _ends_early(record: Record, source: SourceControl, outcome: Outcome, r
     return record
 
 
-async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_stages: int = MAX_STAGES,
+async def migrate(record: Record, source: LeaseClient, driver: Driver, *, max_stages: int = MAX_STAGES,
                   last_stage_max_blocks: int = LAST_STAGE_MAX_BLOCKS,
                   next_migration_id: Optional[str] = None, recompute: bool = False) -> Record:
     """Runs one migration to its end (see the module's docstring); the record says how it went.
@@ -309,7 +264,7 @@ async def migrate(record: Record, source: SourceControl, driver: Driver, *, max_
             final = await _call(source.precopy, mid)
             record.final_lease_ms = _ms(time.perf_counter() - started)
         except ChannelRefused as e:
-            if e.kind == protocol.RequestEnded.__name__:  # its last tokens are on their way: let them come
+            if e.kind == messages.RequestEnded.__name__:  # its last tokens are on their way: let them come
                 return await _ends_early(record, source, Outcome.FINISHED, "it ended on the source")
             # the request has no complete block yet, or is preempted: recompute it
             record.reason = f"no final lease ({e}): recomputed"

@@ -4,7 +4,7 @@ import hashlib
 import random
 import struct
 
-from vllm_ext.migration.kv_params import prompt_hash
+from vllm_ext.lease.kv_params import prompt_hash
 
 
 def test_prompt_hash_is_sha256_of_the_ids_as_little_endian_int64():
