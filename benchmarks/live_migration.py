@@ -36,8 +36,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from benchmarks.common import models, report
-from benchmarks.pd import Server, free_port, write_tiny_model
+from benchmarks.common import report
+from benchmarks.pd import STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, write_tiny_model
+from vllm_ext import fleet
 
 MODES = ("precopy", "stop_and_copy", "recompute", "cached")
 TOKEN = os.urandom(16).hex()  # the router's admin token for this run
@@ -210,7 +211,7 @@ def main():
     work = args.out / "live-migration-work"
     work.mkdir(parents=True, exist_ok=True)
     if args.model_7b:
-        model = models.write_7b_config(work / "model-7b", max_len)
+        model = fleet.write_7b_config(work / "model-7b", max_len)
         args.server_arg.append("--load-format=dummy")
     else:
         model = args.model or write_tiny_model(work / "model", max_len)
@@ -221,7 +222,7 @@ def main():
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     else:
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    leases = {n: free_port() for n in "AB"}
+    leases = {n: fleet.free_port() for n in "AB"}
     common = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
               "--served-model-name", "m", "--skip-tokenizer-init", "--dtype", args.dtype,
               "--max-model-len", str(max_len), "--block-size", str(args.block_size), "--host", "127.0.0.1",
@@ -233,25 +234,26 @@ def main():
             kv = {"kv_connector": "VllmExtConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                   "kv_connector_extra_config": {"backend": backend, "lease_port": leases[name], "lease_s": 60,
                                                 "connect_to": [f"127.0.0.1:{leases[other]}"]}}
-            port = free_port()
+            port = fleet.free_port()
             senv = dict(env, VLLM_CPU_OMP_THREADS_BIND=core) if cpu else env
-            servers.append(Server(name, common + ["--port", str(port), "--kv-transfer-config", json.dumps(kv)],
-                                  senv, work, port))
+            argv = common + ["--port", str(port), "--kv-transfer-config", json.dumps(kv)]
+            servers.append(fleet.Process(name, argv, senv, work / f"{name}.log", port))
             if not cpu:  # one GPU: vLLM sizes its cache from the memory free at start-up
-                servers[-1].wait()
+                servers[-1].wait_healthy(STARTUP_TIMEOUT_S)
         for s in servers:
-            s.wait()
+            s.wait_healthy(STARTUP_TIMEOUT_S)
         a, b = servers
-        port = free_port()
-        router = Server("router", [sys.executable, "-m", "vllm_ext.router", "--instance", a.url, b.url,
-                                   "--lease", f"127.0.0.1:{leases['A']}", f"127.0.0.1:{leases['B']}",
-                                   "--port", str(port), "--policy", "round_robin"], env, work, port)
+        port = fleet.free_port()
+        argv = [sys.executable, "-m", "vllm_ext.router", "--instance", a.url, b.url,
+                "--lease", f"127.0.0.1:{leases['A']}", f"127.0.0.1:{leases['B']}",
+                "--port", str(port), "--policy", "round_robin"]
+        router = fleet.Process("router", argv, env, work / "router.log", port)
         servers.append(router)
-        router.wait(60)
+        router.wait_healthy(60)
         result = measure(args, a, b, router)
     finally:
         for s in reversed(servers):
-            s.stop()
+            s.stop(STOP_TIMEOUT_S)
     write_results(args, backend, cpu, result)
 
 

@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -33,15 +32,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from vllm_ext import fleet
+
 ROOT = Path(__file__).resolve().parent.parent
 SECRET_ENV = "VLLM_EXT_AUTH_SECRET"
-
-
-def free_port():
-    """The tests' harness's: below the ephemeral range, never the same twice."""
-    from benchmarks.serving.servers import harness
-
-    return harness.free_port()
+STARTUP_TIMEOUT_S = 900.0  # a 7B geometry on one GPU, its servers started one after the other
+STOP_TIMEOUT_S = 30.0
 
 
 def post(url, body, timeout=600):
@@ -77,52 +73,10 @@ def metric(url, name):
         return total
 
 
-class Server:
-    def __init__(self, name, argv, env, log_dir, port):
-        self.name, self.port = name, port
-        self.log = open(log_dir / f"{name}.log", "wb")
-        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.url = f"http://127.0.0.1:{port}"
-
-    def wait(self, timeout=900):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}); see {self.log.name}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5):
-                    return
-            except (urllib.error.URLError, OSError):
-                time.sleep(1)
-        raise RuntimeError(f"{self.name} not up after {timeout} s; see {self.log.name}")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self.log.close()
-
-
 def write_tiny_model(path: Path, max_len: int) -> Path:
-    """A seeded random Llama (4 layers, hidden 256, 2 KV heads of 64), as the CPU tests use."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                         max_position_embeddings=max_len, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.05)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    """A seeded random Llama of fleet.TINY's geometry (4 layers, hidden 256, 2 KV heads of 64),
+    float32, as the CPU tests use."""
+    return fleet.write_random_llama(path, dict(fleet.TINY, max_position_embeddings=max_len, tie_word_embeddings=False))
 
 
 def ceiling_pull(prefill_url, body, prompt, secret, device, timeout=60.0):
@@ -188,7 +142,7 @@ def main():
     else:
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     extra = {"backend": backend, "lease_s": 60, "pull_timeout_s": 60}
-    lease = f"127.0.0.1:{free_port()}"  # the prefill side's lease channel: the one producer decode dials
+    lease = f"127.0.0.1:{fleet.free_port()}"  # the prefill side's lease channel: the one producer decode dials
     role_extra = {"kv_producer": dict(extra, lease_port=int(lease.rpartition(":")[2])),
                   "kv_consumer": dict(extra, connect_to=[lease])}
     common = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -199,25 +153,25 @@ def main():
     try:
         for name, role, core, more in (("prefill", "kv_producer", "0", ["--no-enable-prefix-caching"]),
                                        ("decode", "kv_consumer", "1", [])):
-            port = free_port()
+            port = fleet.free_port()
             kv = {"kv_connector": "VllmExtConnector", "kv_role": role, "kv_connector_extra_config": role_extra[role]}
             senv = dict(env, VLLM_CPU_OMP_THREADS_BIND=core) if args.device == "cpu" else env
-            servers.append(Server(name, common + ["--port", str(port), "--kv-transfer-config", json.dumps(kv), *more],
-                                  senv, args.out, port))
+            argv = common + ["--port", str(port), "--kv-transfer-config", json.dumps(kv), *more]
+            servers.append(fleet.Process(name, argv, senv, args.out / f"{name}.log", port))
             if args.device == "cuda":  # one GPU: vLLM sizes its cache from the memory free at start-up
-                servers[-1].wait()
+                servers[-1].wait_healthy(STARTUP_TIMEOUT_S)
         for s in servers:
-            s.wait()
+            s.wait_healthy(STARTUP_TIMEOUT_S)
         prefill, decode = servers
-        port = free_port()
-        proxy = Server("proxy", [sys.executable, "-m", "vllm_ext.proxy", "--prefill", prefill.url, "--decode",
-                                 decode.url, "--port", str(port)], env, args.out, port)
+        port = fleet.free_port()
+        proxy = fleet.Process("proxy", [sys.executable, "-m", "vllm_ext.proxy", "--prefill", prefill.url, "--decode",
+                                        decode.url, "--port", str(port)], env, args.out / "proxy.log", port)
         servers.append(proxy)
-        proxy.wait(60)
+        proxy.wait_healthy(60)
         rows = measure(args, prefill, decode, proxy, secret.encode())
     finally:
         for s in reversed(servers):
-            s.stop()
+            s.stop(STOP_TIMEOUT_S)
     write_results(args, backend, rows)
 
 

@@ -13,10 +13,12 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_ext import fleet
+from vllm_ext.fleet import models
+
 from ..common import report as common_report
 from . import figures, load, report, servers
 from .dataset import Lengths, check_lengths, write_dataset
-from .model import write_model
 
 # Llumnix's CI: ShareGPT-GPT4, Poisson, 5 req/s per instance (300 prompts per client). Lengths:
 # log-normal, long-tailed prompts and answers (medians 100 and 350 tokens), the CPU presets scaled
@@ -101,7 +103,7 @@ class Run:
         self.gpu = args.preset == "gpu"
         self.start, self.load_before = time.monotonic(), os.getloadavg()
         self.deadline = self.start + args.time_limit
-        self.model_dir = write_model(work / "model", preset["shape"], MAX_MODEL_LEN)
+        self.model_dir = models.write_text_model(work / "model", preset["shape"], MAX_MODEL_LEN)
         self.dataset = work / "dataset.json"
         self.dataset_record = write_dataset(self.dataset, self.model_dir, args.num_prompts, preset["lengths"],
                                             args.seed)
@@ -151,13 +153,13 @@ class Run:
                 self.fail(todo, e)
                 self.log(f"phase {phase} failed: {e}")
             finally:
-                servers.stop(instances)
+                fleet.stop_all(instances)
 
     def topology(self, topology: str, specs, instances) -> None:
         """One load run through the topology's router or proxy (or straight to the instance)."""
         self.log(f"{topology}: {self.args.num_prompts} requests at {self.args.request_rate:g}/s")
         urls = [s.url for s in instances]
-        port = servers.harness.free_port()
+        port = fleet.free_port()
         argv = servers.front_argv(topology, specs, urls, port)
         front = None
         try:
@@ -168,7 +170,7 @@ class Run:
                                     num_prompts=self.args.num_prompts, request_rate=self.args.request_rate,
                                     seed=self.args.seed, num_warmups=NUM_WARMUPS, result_dir=self.work,
                                     result_filename=raw.name, label=topology)
-            result = load.run(servers.harness, bench, servers.harness.vllm_env("0"),
+            result = load.run(bench, fleet.vllm_env("0"),
                               self.work / f"{topology}-bench.log", raw, max(self.deadline - time.monotonic(), 60.0),
                               self.cfg.client_prefix, watch=[*instances, *([front] if front else [])])
         except (RuntimeError, TimeoutError, OSError) as e:
@@ -193,7 +195,7 @@ class Run:
                 "vllm_version": vllm_version,
                 "model": {"shape": self.preset["shape"], "dtype": self.preset["dtype"], "load_format": "dummy",
                           "config": json.loads((self.model_dir / "config.json").read_text()),
-                          "tokenizer": "byte-level BPE trained on generated text (benchmarks/serving/model.py)"},
+                          "tokenizer": "byte-level BPE trained on generated text (vllm_ext/fleet/tokenizers.py)"},
                 "load": {"generator": "vllm bench serve (vllm.benchmarks.serve)", "dataset": self.dataset_record,
                          "num_prompts": self.args.num_prompts, "request_rate": self.args.request_rate,
                          "burstiness": 1.0, "seed": self.args.seed, "ignore_eos": True, "temperature": 0,

@@ -6,8 +6,9 @@ Lengths are drawn from log-normal distributions (long-tailed, like ShareGPT-GPT4
 prompts and GPT-4 answers that Llumnix's CI replays) with a stated median and sigma, clipped to
 vLLM's ShareGPT filter (at least 4 tokens each, prompt <= max_prompt, prompt + output <=
 max_total) so that vLLM drops none of them. Texts are words that are one token each
-(model.single_token_words) with a period every 8-20 words, so every length is exact; the file
-records the lengths it meant, and `check_lengths` verifies them with the tokenizer.
+(vllm_ext.fleet.tokenizers.single_token_words) with a period every 8-20 words, so every length
+is exact; the file records the lengths it meant, and `check_lengths` verifies them with the
+tokenizer.
 """
 
 import json
@@ -17,7 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import List, Tuple
 
-from .model import load_tokenizer, single_token_words
+from vllm_ext.fleet.tokenizers import load as load_tokenizer
+from vllm_ext.fleet.tokenizers import single_token_words
 
 
 @dataclass(frozen=True)

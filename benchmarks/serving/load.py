@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import List
 
+from vllm_ext import fleet
+
 PERCENTILES = (25, 50, 75, 95, 99)
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -33,12 +35,12 @@ def bench_argv(*, base_url: str, model_dir: Path, served_model_name: str, datase
             "--result-filename", result_filename, "--label", label, "--disable-tqdm"]
 
 
-def run(harness, argv: List[str], env: dict, log_path: Path, result_path: Path, timeout_s: float,
+def run(argv: List[str], env: dict, log_path: Path, result_path: Path, timeout_s: float,
         prefix: List[str] = (), watch=()) -> dict:
     """Runs the load generator (its command after `prefix`, e.g. `nice`) to completion, at most
     `timeout_s`, and returns its result JSON; stops it and raises as soon as one of the `watch`
     processes (the servers, the router) exits."""
-    gen = harness.Process("vllm-bench-serve", [*prefix, sys.executable, "-m", __name__, *argv], env, log_path, 0)
+    gen = fleet.Process("vllm-bench-serve", [*prefix, sys.executable, "-m", __name__, *argv], env, log_path, 0)
     try:
         deadline = time.monotonic() + timeout_s
         while gen.proc.poll() is None:

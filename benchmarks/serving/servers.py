@@ -1,10 +1,10 @@
 """What each topology runs: vLLM OpenAI servers, the router and the P/D proxy, on 127.0.0.1.
 
-The child processes come from the connector tests' harness (tests/connector/harness.py, loaded
-by its path): a free port each, a process group each (stopped as a group, so nothing outlives
-the benchmark), /health waits with the log's tail on failure, and the environment that shares
-a CPU between servers (VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE=1) and sets the
-deployment secret the connector needs.
+The child processes come from vllm_ext.fleet, as the end-to-end tests' do: a free port each, a
+process group each (stopped as a group, so nothing outlives the benchmark), /health waits with
+the log's tail on failure, and the environment that shares a CPU between servers
+(VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE=1) and sets the deployment secret the
+connector needs.
 
 Topologies, in the order they run (instances of one phase serve all its topologies):
   single   one instance                                        phase "plain"
@@ -14,26 +14,14 @@ Topologies, in the order they run (instances of one phase serve all its topologi
 """
 
 import importlib.util
-import os
 import re
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load_harness():
-    spec = importlib.util.spec_from_file_location("connector_harness", ROOT / "tests" / "connector" / "harness.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-harness = _load_harness()
+from vllm_ext import fleet
 
 TITLES = {"single": "one instance", "router": "two instances, router",
           "balance": "two instances, router + migration", "pd": "prefill + decode (connector)"}
@@ -50,7 +38,7 @@ class ServerConfig:
     """How every instance of a run is started."""
     model_dir: Path
     served_model_name: str
-    args: List[str]  # vLLM flags after the harness's own (a repeated flag: the last one wins)
+    args: List[str]  # vLLM flags after fleet.start_vllm's own (a repeated flag: the last one wins)
     env: Dict[str, str] = field(default_factory=dict)
     sequential: bool = False  # one GPU: vLLM sizes its cache from the memory free at start-up
     log_dir: Path = Path(".")
@@ -72,13 +60,13 @@ def _router_help() -> str:
     return out.stdout
 
 
-def start_instances(cfg: ServerConfig, specs: List[dict]) -> List["harness.Process"]:
+def start_instances(cfg: ServerConfig, specs: List[dict]) -> List["fleet.Process"]:
     """Starts one vLLM server per spec ({"name", "core", "kv_config"}) and waits for each /health;
     on failure stops those started and raises."""
     started = []
     try:
         for spec in specs:
-            started.append(harness.start_vllm(
+            started.append(fleet.start_vllm(
                 spec["name"], cfg.model_dir, cfg.log_dir, core=spec["core"], kv_config=spec.get("kv_config"),
                 extra_args=["--served-model-name", cfg.served_model_name, "--load-format", "dummy",
                             "--no-enable-prefix-caching", *cfg.args],
@@ -89,7 +77,7 @@ def start_instances(cfg: ServerConfig, specs: List[dict]) -> List["harness.Proce
             server.wait_healthy()
         return started
     except BaseException:
-        stop(started)
+        fleet.stop_all(started)
         raise
 
 
@@ -101,14 +89,14 @@ def phase_instances(phase: str, topologies: List[str]) -> List[dict]:
     # Migration between the two (each produces and consumes KV, each knows the other's lease
     # channel; a failed load recomputes), as docs/live-migration.md runs them
     if phase == "balance":
-        ports = [harness.free_port(), harness.free_port()]
+        ports = [fleet.free_port(), fleet.free_port()]
         return [{"name": f"instance-{n}", "core": str(i), "lease": f"127.0.0.1:{ports[i]}",
                  "kv_config": {"kv_connector": "VllmExtConnector", "kv_role": "kv_both",
                                "kv_load_failure_policy": "recompute",
                                "kv_connector_extra_config": {"lease_port": ports[i],
                                                              "connect_to": [f"127.0.0.1:{ports[1 - i]}"]}}}
                 for i, n in enumerate("ab")]
-    lease_port = harness.free_port()
+    lease_port = fleet.free_port()
     return [{"name": "prefill", "core": "0", "kv_config": {
                 "kv_connector": "VllmExtConnector", "kv_role": "kv_producer",
                 "kv_connector_extra_config": {"lease_port": lease_port}}},
@@ -133,8 +121,8 @@ def front_argv(topology: str, specs: List[dict], urls: List[str], port: int) -> 
     return argv
 
 
-def start_front(cfg: ServerConfig, argv: List[str], name: str, port: int) -> "harness.Process":
-    front = harness.Process(name, argv, harness.vllm_env("0"), cfg.log_dir / f"{name}.log", port)
+def start_front(cfg: ServerConfig, argv: List[str], name: str, port: int) -> "fleet.Process":
+    front = fleet.Process(name, argv, fleet.vllm_env("0"), cfg.log_dir / f"{name}.log", port)
     try:
         front.wait_healthy(timeout=120)
     except BaseException:
@@ -142,16 +130,3 @@ def start_front(cfg: ServerConfig, argv: List[str], name: str, port: int) -> "ha
         raise
     return front
 
-
-def stop(processes) -> None:
-    """Stops processes: SIGTERM to every group at once (vLLM takes seconds to exit), then each
-    one's stop (SIGKILL after its grace period), last started first."""
-    processes = list(processes)
-    for p in processes:
-        if p.proc.poll() is None:
-            try:
-                os.killpg(p.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    for p in reversed(processes):
-        p.stop()
