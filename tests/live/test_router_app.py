@@ -190,7 +190,7 @@ def _switch(gap_s, tokens_after_stop):
     """A routed request with a leg; the driver's stop while the pump relays. Returns (what stop
     returned, the client's token ids, the leg, seconds the stop took)."""
     from vllm_ext.router import app as router_app
-    from vllm_ext.router.streams import ClientStream
+    from vllm_ext.router.openai import ClientStream
 
     async def go():
         router = router_app.Router(["http://127.0.0.1:9"], None, Settings())
@@ -248,7 +248,7 @@ def test_a_stream_that_arrives_faster_than_it_is_relayed_does_not_hold_the_loop(
     """Other streams, migrations and the admin API run between a stream's events, also while
     the next event is already buffered (an aiohttp read then returns without yielding)."""
     from vllm_ext.router import app as router_app
-    from vllm_ext.router.streams import ClientStream
+    from vllm_ext.router.openai import ClientStream
 
     async def go():
         router = router_app.Router(["http://127.0.0.1:9"], None, Settings())
@@ -294,7 +294,7 @@ def test_a_seeded_request_moves_only_between_instances_that_sample_alike(monkeyp
     """The router asks each instance's lease channel (real lease servers here) how it samples:
     a seeded request may go only where its random stream goes on; others go anywhere."""
     from vllm_ext.router.app import Routed, Router, _Driver
-    from vllm_ext.router.streams import ClientStream
+    from vllm_ext.router.openai import ClientStream
 
     secret = "router-unit-test-deployment-secret"
     monkeypatch.setenv("VLLM_EXT_AUTH_SECRET", secret)
@@ -342,7 +342,7 @@ def test_a_client_that_stopped_reading_does_not_hold_a_migrations_stop():
     """The pump's write to the client has the timeout setting's deadline (the client is then
     gone), and the stop waits for the pump at most that long (plus STOP_WAIT_MAX_S)."""
     from vllm_ext.router import app as router_app
-    from vllm_ext.router.streams import ClientStream
+    from vllm_ext.router.openai import ClientStream
 
     async def go():
         router = router_app.Router(["http://127.0.0.1:9"], None, Settings(timeout_s=0.2))
@@ -552,7 +552,7 @@ def test_a_client_that_leaves_before_its_whole_answer_has_its_request_aborted(mo
 
 def _routed_on(router, inst, tokens=(5, 6)):
     from vllm_ext.router import app as router_app
-    from vllm_ext.router.streams import ClientStream
+    from vllm_ext.router.openai import ClientStream
 
     client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
     client.prompt_token_ids = [1, 2]
@@ -737,7 +737,7 @@ def test_a_request_without_a_limit_resumes_up_to_the_destinations_model_length()
     """A chat request without max_tokens: its resumed leg (a /v1/completions request, whose
     default is 16 tokens) asks for the destination's max_model_len, from its /v1/models."""
     from vllm_ext.router import app as router_app
-    from vllm_ext.router.streams import ClientStream
+    from vllm_ext.router.openai import ClientStream
 
     async def go():
         router = router_app.Router(["http://127.0.0.1:9", "http://127.0.0.1:10"], None, Settings())
@@ -773,7 +773,7 @@ def test_a_moved_request_keeps_the_output_limit_its_first_instance_gave_it(monke
     described itself keeps the client's limit; and none moves to an instance that caps what it
     has left below it."""
     from vllm_ext.router import app as router_app
-    from vllm_ext.router.streams import ClientStream
+    from vllm_ext.router.openai import ClientStream
 
     secret = "router-unit-test-deployment-secret"
     monkeypatch.setenv("VLLM_EXT_AUTH_SECRET", secret)
@@ -1061,7 +1061,7 @@ def test_a_broken_leg_is_closed_and_an_ended_one_released():
     """The pump lets go of a leg's connection either way (a broken one left open stays in
     aiohttp's hands, unclosed)."""
     from vllm_ext.router import app as router_app
-    from vllm_ext.router.streams import ClientStream
+    from vllm_ext.router.openai import ClientStream
 
     async def pump(end):
         router = router_app.Router(["http://127.0.0.1:9"], None, Settings())

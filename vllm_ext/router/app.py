@@ -33,8 +33,8 @@ from .._http import backend_session, client_auth, error, first_models, openai_ap
 from ..lease import messages
 from ..lease.channel import ChannelError, LeaseClient
 from ..migration import auth
-from . import live, streams
-from .streams import ClientStream
+from . import legs, live, openai
+from .openai import ClientStream
 
 logger = logging.getLogger("vllm_ext.router")
 
@@ -141,7 +141,7 @@ class Instance:
 
     def max_model_len(self, body: Dict[str, Any]) -> Optional[int]:
         """The model length it serves `body`'s model with (None: not known yet)."""
-        return streams.max_model_len(self.models, body.get("model")) if self.models is not None else None
+        return legs.max_model_len(self.models, body.get("model")) if self.models is not None else None
 
     def describe(self) -> Dict[str, Any]:
         return {"url": self.url, "lease": self.lease, "healthy": self.healthy, "draining": self.draining,
@@ -157,7 +157,7 @@ class Routed:
         # the output limit its first leg had, which every later leg carries (Router._limit): the
         # client's until the instance of its first leg, `first` (and its `downs` then), has
         # described its own limits; `first` is None once the limit is settled
-        self.limit: Optional[int] = streams.max_new_tokens(body, chat)
+        self.limit: Optional[int] = legs.max_new_tokens(body, chat)
         self.first: Optional[Tuple[Instance, int]] = None
         self.instance: Optional[Instance] = None
         self.mid = live.new_migration_id()  # the current leg's migration id
@@ -280,7 +280,7 @@ class Router:
         if not isinstance(body, dict):
             return error(400, "the request body must be a JSON object", "BadRequestError")
         body.pop("kv_transfer_params", None)  # a client's own never reach an instance
-        reason = streams.not_migratable(body, chat)
+        reason = legs.not_migratable(body, chat)
         if reason is not None:
             logger.info("a request that cannot move (%s): relayed as is", reason)
             return await self._relay(request, body, reason)
@@ -288,7 +288,7 @@ class Router:
         opts = body.get("stream_options") or {}
         client = ClientStream(rid, chat, str(body.get("model", "")), bool(body.get("return_token_ids")),
                               want_usage=not body.get("stream") or bool(opts.get("include_usage")),
-                              stops=streams.stop_strings(body),
+                              stops=openai.stop_strings(body),
                               include_stop=bool(body.get("include_stop_str_in_output")),
                               min_tokens=body.get("min_tokens") or 0)
         routed = Routed(rid, body, chat, client)  # one that cannot move is relayed (Router.relayed)
@@ -347,7 +347,7 @@ class Router:
         for inst in self._candidates():
             try:
                 await self._open(routed, inst, inst.url + request.path,
-                                 streams.first_leg_body(routed.body, {"migration_id": routed.mid}))
+                                 legs.first_leg_body(routed.body, {"migration_id": routed.mid}))
                 routed.first = (inst, inst.downs)
                 break
             except _LegFailed as e:
@@ -514,7 +514,7 @@ class Router:
             if data == b"[DONE]":
                 continue
             try:
-                piece = streams.parse_chunk(json.loads(data))
+                piece = openai.parse_chunk(json.loads(data))
             except ValueError as e:
                 logger.warning("request %s: %s sent a bad chunk: %s", routed.rid, inst.url, e)
                 leg.close()
@@ -562,10 +562,10 @@ class Router:
             routed.mid = live.new_migration_id()
             if again:
                 url = inst.url + ("/v1/chat/completions" if routed.chat else "/v1/completions")
-                body = streams.first_leg_body(routed.body, {"migration_id": routed.mid})
+                body = legs.first_leg_body(routed.body, {"migration_id": routed.mid})
             else:
                 url = inst.url + "/v1/completions"
-                body = streams.resume_leg_body(routed.body, self._limit(routed), routed.tokens(), len(client.token_ids),
+                body = legs.resume_leg_body(routed.body, self._limit(routed), routed.tokens(), len(client.token_ids),
                                                {"migration_id": routed.mid}, inst.max_model_len(routed.body))
             try:
                 await self._open(routed, inst, url, body, first_token=not again)
@@ -626,7 +626,7 @@ class Router:
     @staticmethod
     def _limit(routed: Routed) -> Optional[int]:
         """The output limit `routed`'s first leg had, as its instance's OpenAI server derives it
-        (streams.output_limit with that instance's generation-config default and cap): settled
+        (legs.output_limit with that instance's generation-config default and cap): settled
         once that instance has described itself, unless it was marked down since the leg began
         (it may have come back with another configuration); the client's own until then."""
         if routed.first is not None:
@@ -635,7 +635,7 @@ class Router:
             if inst.downs != downs:
                 routed.first = None  # never known: the client's stays
             elif described is not None:
-                routed.limit = streams.output_limit(routed.body, routed.chat, described.default_max_tokens,
+                routed.limit = legs.output_limit(routed.body, routed.chat, described.default_max_tokens,
                                                     described.max_tokens_cap)
                 routed.first = None
         return routed.limit
@@ -1004,7 +1004,7 @@ class _Driver:
         if cap and (left is None or left > cap):
             return (f"the destination caps a request's output at {cap} tokens (its generation config), "
                     f"this one has {'no limit' if left is None else f'{left} tokens'} left")
-        if not streams.seeded_random(self.routed.body) or self.routed.instance is None:
+        if not legs.seeded_random(self.routed.body) or self.routed.instance is None:
             return None
         source = await self.router._sampler(self.routed.instance)
         there = await self.router._sampler(self.router._by_url[destination])
@@ -1066,7 +1066,7 @@ class _Driver:
         trace is asked for with the resume and usually answers before the first token arrives."""
         routed = self.routed
         source, inst = routed.instance, self.router._by_url[destination]
-        body = streams.resume_leg_body(routed.body, self.router._limit(routed), routed.tokens(),
+        body = legs.resume_leg_body(routed.body, self.router._limit(routed), routed.tokens(),
                                        len(routed.client.token_ids), params, inst.max_model_len(routed.body))
         checked = params is not None and "remote_lease" in params  # it loads KV, vouched for by the trace
         if checked:  # under the salt of the pre-copies' blocks (a recompute reads the prefix cache as any request)
