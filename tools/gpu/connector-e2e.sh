@@ -6,7 +6,7 @@
 #   1. check: a GPU, vLLM and torch are there (versions and the GPU's state into the summary);
 #   2. build: vllm-ext in place, editable (pip --no-build-isolation --no-deps -e .), so that
 #      every vLLM process finds VllmExtConnector through the vllm.general_plugins entry point;
-#   3. test: pytest -m gpu tests/connector/test_e2e.py, the same tests as on CPU: a prefill and two
+#   3. test: pytest -m gpu tests/e2e/test_pd.py, the same tests as on CPU: a prefill and two
 #      decode servers on the one GPU (started one after the other), P/D over ipc, the proxy.
 #      A test run where nothing ran, or anything was skipped, fails.
 # Written into OUT_DIR (created): summary.txt (versions, GPU, revision, step times, outcome),
@@ -86,14 +86,14 @@ fi
 "$PYTHON" -m vllm_ext.info 2>&1 | tee -a "$summary"
 echo "build: $(( $(date +%s) - t0 )) s" | tee -a "$summary"
 
-stamp "test (pytest -m gpu tests/connector/test_e2e.py; log: pytest.log)"
+stamp "test (pytest -m gpu tests/e2e/test_pd.py; log: pytest.log)"
 nvidia-smi --query-gpu=timestamp,memory.used,memory.total,utilization.gpu --format=csv -l 5 >"$out/gpu.csv" 2>&1 &
 monitor=$!
 t0=$(date +%s)
 status=0
 # shellcheck disable=SC2086  # PYTEST_ARGS: words
 VLLM_EXT_REQUIRE_VLLM=1 timeout -s INT -k 30 "$TEST_TIMEOUT" "$PYTHON" -m pytest -m gpu -rA -p no:cacheprovider \
-  --basetemp "$work/pytest" --junitxml "$out/junit.xml" ${PYTEST_ARGS:-} tests/connector/test_e2e.py \
+  --basetemp "$work/pytest" --junitxml "$out/junit.xml" ${PYTEST_ARGS:-} tests/e2e/test_pd.py \
   2>&1 | tee "$out/pytest.log" || status=$?
 echo "test: $(( $(date +%s) - t0 )) s, pytest exit status $status$([ "$status" = 124 ] && echo " (interrupted after ${TEST_TIMEOUT} s)")" \
   | tee -a "$summary"

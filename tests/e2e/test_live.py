@@ -2,7 +2,7 @@
 started by the three-instance test; kv_both, kv_load_failure_policy "recompute", a small seeded
 random Llama with a word-level tokenizer, written by the test) behind the router, plus an
 instance address where nothing listens (a dead instance, refused as a destination). On CPU
-(gloo) and, marked gpu, on one GPU (ipc; the harness's DEVICES).
+(gloo) and, marked gpu, on one GPU (ipc; fleet.DEVICES).
 
 Every migrated request's greedy output equals a single instance's token for token (and its
 text, and usage counts the prompt once); so does a seeded sampled one's. Faults: a destination
@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_ext import fleet
+
 if os.environ.get("VLLM_EXT_REQUIRE_VLLM") == "1":  # make test-connector: a missing vllm is a failure
     import transformers  # noqa: F401
     import vllm  # noqa: F401
@@ -35,10 +37,9 @@ else:
     pytest.importorskip("vllm", reason="vllm is not installed here (make test-connector installs it)")
     pytest.importorskip("transformers", reason="transformers (a vLLM dependency) is missing")
 
-HERE = Path(__file__).parent
-CONNECTOR_TESTS = HERE.parent / "connector"
-sys.path.insert(0, str(CONNECTOR_TESTS))
-import harness as h  # noqa: E402
+# The servers import the test-only fault connector as tests.e2e.<module>, from the repository root
+# (the folder holding tests/) on their PYTHONPATH.
+ROOT = Path(__file__).resolve().parents[2]
 
 TOKEN = "live-tests-admin-token"
 LEASE_S = 10.0  # short: the expiry test waits it out (a loaded 2-core host can take seconds per step)
@@ -51,26 +52,26 @@ DRAIN_TIMEOUT_S = 15.0
 
 @pytest.fixture(scope="module", params=[pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
 def cluster(request, tmp_path_factory):
-    device = h.DEVICES[request.param]
+    device = fleet.DEVICES[request.param]
     work = tmp_path_factory.mktemp(f"live-{device.name}")
-    model = h.write_checkpoint(work / "model", device=device)
-    h.write_tokenizer(model)
-    ports = {name: h.free_port() for name in "ABCG"}
+    model = fleet.write_checkpoint(work / "model", device=device)
+    fleet.write_word_tokenizer(model)
+    ports = {name: fleet.free_port() for name in "ABCG"}
     faults = {"corrupt": work / "corrupt-now", "delay": work / "delay-now", "unsafe": work / "unsafe-now"}
     started = []
 
     def start(name, core, *extra_args):
         others = [f"127.0.0.1:{p}" for n, p in ports.items() if n != name]
-        server = h.start_vllm(
+        server = fleet.start_vllm(
             name, model, work, core=core, tokenizer=True, device=device, extra_args=extra_args,
-            extra_pythonpath=str(HERE),
+            extra_pythonpath=str(ROOT),
             extra_env={"VLLM_EXT_TEST_CORRUPT": str(faults["corrupt"]),
                        "VLLM_EXT_TEST_PULL_DELAY": str(faults["delay"]),
                        "VLLM_EXT_TEST_UNSAFE_LOADS": str(faults["unsafe"]),
                        "VLLM_EXT_TEST_SERVER": name,
                        # vLLM CPU's spinning engine would starve its API server (live_faults.py)
                        "VLLM_EXT_TEST_STEP_PAUSE_S": STEP_PAUSE_S if device.name == "cpu" else "0"},
-            kv_config={"kv_connector": "LiveFaultConnector", "kv_connector_module_path": "live_faults",
+            kv_config={"kv_connector": "LiveFaultConnector", "kv_connector_module_path": "tests.e2e.live_faults",
                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                        "kv_connector_extra_config": {"lease_port": ports[name], "connect_to": others,
                                                      "lease_s": LEASE_S, "pull_timeout_s": 20.0}})
@@ -86,9 +87,9 @@ def cluster(request, tmp_path_factory):
         b = start("B", "1")
         a.wait_healthy()
         b.wait_healthy()
-        dead = f"http://127.0.0.1:{h.free_port()}"
+        dead = f"http://127.0.0.1:{fleet.free_port()}"
         router = start_router(work, "router", [a.url, b.url, dead],
-                              [f"127.0.0.1:{ports['A']}", f"127.0.0.1:{ports['B']}", f"127.0.0.1:{h.free_port()}"])
+                              [f"127.0.0.1:{ports['A']}", f"127.0.0.1:{ports['B']}", f"127.0.0.1:{fleet.free_port()}"])
         started.insert(0, router)
         yield {"A": a, "B": b, "router": router, "dead": dead, "work": work, **faults, "start": start,
                "leases": {n: f"127.0.0.1:{p}" for n, p in ports.items()}}
@@ -98,10 +99,10 @@ def cluster(request, tmp_path_factory):
 
 
 def start_router(work, name, urls, leases, *extra):
-    port = h.free_port()
-    env = h.vllm_env("0")
+    port = fleet.free_port()
+    env = fleet.vllm_env("0")
     env["VLLM_EXT_ROUTER_TOKEN"] = TOKEN
-    proc = h.Process(name, [sys.executable, "-m", "vllm_ext.router", "--instance", *urls, "--lease", *leases,
+    proc = fleet.Process(name, [sys.executable, "-m", "vllm_ext.router", "--instance", *urls, "--lease", *leases,
                             "--port", str(port), "--policy", "round_robin", "--health-interval-s", "0.5", *extra],
                      env, work / f"{name}.log", port)
     try:
@@ -116,7 +117,7 @@ def admin(router, path, body=None):
     req = urllib.request.Request(router.url + path, data=None if body is None else json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
     try:
-        with urllib.request.urlopen(req, timeout=h.REQUEST_TIMEOUT_S) as r:
+        with urllib.request.urlopen(req, timeout=fleet.REQUEST_TIMEOUT_S) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"{}")
@@ -126,7 +127,7 @@ def reference(cluster, prompt, max_tokens=MAX_TOKENS, url=None, **extra):
     """A single instance's greedy output (A's, or `url`'s, directly): (token ids, text). Where a
     moved request's destination must pull its KV, take the reference after the move, on its
     source: a destination that had run the prompt would find it all in its prefix cache."""
-    status, body = h.post((url or cluster["A"].url) + "/v1/completions", {
+    status, body = fleet.post((url or cluster["A"].url) + "/v1/completions", {
         "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True,
         "ignore_eos": True, **extra})
     assert status == 200, body
@@ -153,7 +154,7 @@ class Stream(threading.Thread):
         try:
             req = urllib.request.Request(self.url + self.path, data=json.dumps(self.body).encode(),
                                          headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=h.REQUEST_TIMEOUT_S) as r:
+            with urllib.request.urlopen(req, timeout=fleet.REQUEST_TIMEOUT_S) as r:
                 for line in r:
                     line = line.decode().strip()
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -196,12 +197,12 @@ def migrate_async(cluster, to=None, results=None, router=None, **extra):
 
 def finish(streams_, results=()):
     for s in streams_:
-        s.join(h.REQUEST_TIMEOUT_S)
+        s.join(fleet.REQUEST_TIMEOUT_S)
         assert not s.is_alive(), "a stream did not end"
     out = []
     for r in results:
         if isinstance(r, threading.Thread):
-            r.join(h.REQUEST_TIMEOUT_S)
+            r.join(fleet.REQUEST_TIMEOUT_S)
         else:
             out.append(r)
     return out
@@ -225,7 +226,7 @@ def wait_idle(cluster, names="AB"):
     deadline = time.monotonic() + DRAIN_TIMEOUT_S + LEASE_S
     for name in names:
         while True:
-            usage = h.metrics(cluster[name].url)["vllm:kv_cache_usage_perc"]
+            usage = fleet.metrics(cluster[name].url)["vllm:kv_cache_usage_perc"]
             if usage == 0.0:
                 break
             assert time.monotonic() < deadline, f"{name}: KV usage {usage} after the requests ended"
@@ -238,15 +239,15 @@ def moved_kv_is_not_shared(url, prompt):
     not read it. Two plain requests: the second hits every complete block of the prompt (the
     first's); the first hits fewer (at most what other plain requests left there)."""
     def counters():
-        m = h.metrics(url)
+        m = fleet.metrics(url)
         return m.get("vllm:prefix_cache_queries_total", 0), m.get("vllm:prefix_cache_hits_total", 0)
 
-    complete = (len(prompt) - 1) // h.BLOCK_SIZE * h.BLOCK_SIZE  # the last token is always computed
+    complete = (len(prompt) - 1) // fleet.BLOCK_SIZE * fleet.BLOCK_SIZE  # the last token is always computed
     if not complete:
         return
     queries, hits = counters()
     for _ in range(2):
-        status, body = h.post(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1})
+        status, body = fleet.post(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1})
         assert status == 200, body
     deadline = time.monotonic() + 30  # the counters follow the engine's steps
     while counters()[0] - queries < 2 * len(prompt) and time.monotonic() < deadline:
@@ -262,7 +263,7 @@ def test_migrated_requests_equal_unmigrated(cluster):
     """Requests moved at random points of their decode (pre-copy stages, then the stop) give the
     unmigrated tokens and text; the destination loaded the moved KV (its external hits rise)."""
     rng = random.Random(15)
-    before = {n: h.metrics(cluster[n].url)["vllm:external_prefix_cache_hits_total"] for n in "AB"}
+    before = {n: fleet.metrics(cluster[n].url)["vllm:external_prefix_cache_hits_total"] for n in "AB"}
     outcomes = []
     for prompt in prompts(15, (5, 31, 33, 64, 150)):
         results = []
@@ -294,7 +295,7 @@ def test_migrated_requests_equal_unmigrated(cluster):
         assert s.ids == want_ids and s.text == want_text
         assert s.usage == {"prompt_tokens": len(prompt), "completion_tokens": len(want_ids),
                            "total_tokens": len(prompt) + len(want_ids)}
-    after = {n: h.metrics(cluster[n].url)["vllm:external_prefix_cache_hits_total"] for n in "AB"}
+    after = {n: fleet.metrics(cluster[n].url)["vllm:external_prefix_cache_hits_total"] for n in "AB"}
     moved = outcomes.count("moved")
     assert moved >= len(outcomes) // 2, outcomes
     assert sum(after.values()) - sum(before.values()) >= 32 * moved  # each moved at least one block of KV
@@ -309,14 +310,14 @@ def test_chat_stop_strings_and_a_second_migration(cluster):
     messages = [{"role": "user", "content": prompt}]
     body = {"model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
-    status, ref = h.post(cluster["A"].url + "/v1/chat/completions", body)
+    status, ref = fleet.post(cluster["A"].url + "/v1/chat/completions", body)
     assert status == 200
     text = ref["choices"][0]["message"]["content"]
     words = text.split()
     pairs = {" ".join(words[i:i + 2]) for i in range(len(words) - 1)}
     stop = max(pairs, key=text.find)
     assert text.find(stop) > len(text) // 10, "the model's output repeats from its start: pick another prompt"
-    status, ref = h.post(cluster["A"].url + "/v1/chat/completions", dict(body, stop=[stop]))
+    status, ref = fleet.post(cluster["A"].url + "/v1/chat/completions", dict(body, stop=[stop]))
     assert ref["choices"][0]["finish_reason"] == "stop" and ref["choices"][0]["stop_reason"] == stop
     records = []
     s = Stream(cluster["router"].url, dict(body, stop=[stop]), path="/v1/chat/completions")
@@ -344,7 +345,7 @@ def test_a_non_streaming_request_migrates(cluster):
     box = {}
 
     def call():
-        box["answer"] = h.post(cluster["router"].url + "/v1/completions", {
+        box["answer"] = fleet.post(cluster["router"].url + "/v1/completions", {
             "model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
             "return_token_ids": True, "ignore_eos": True})
     t = threading.Thread(target=call, daemon=True)
@@ -357,7 +358,7 @@ def test_a_non_streaming_request_migrates(cluster):
         assert time.monotonic() < deadline and t.is_alive(), "the request did not start"
         time.sleep(0.01)
     status, record = admin(cluster["router"], "/migrate", {"request_id": running[0]["id"]})
-    t.join(h.REQUEST_TIMEOUT_S)
+    t.join(fleet.REQUEST_TIMEOUT_S)
     assert status == 200 and record["outcome"] == "moved", record
     status, answer = box["answer"]
     assert status == 200
@@ -412,7 +413,7 @@ def test_a_stop_token_held_back_by_min_tokens_across_a_move(cluster):
                     key=lambda jt: -free.count(jt[1]))
     for j, t in firsts[:20]:
         rule = {"stop_token_ids": [t], "min_tokens": j + 1}
-        status, ref = h.post(cluster["A"].url + "/v1/completions", dict(body, **rule))
+        status, ref = fleet.post(cluster["A"].url + "/v1/completions", dict(body, **rule))
         assert status == 200, ref
         if ref["choices"][0]["finish_reason"] == "stop" and len(ref["choices"][0]["token_ids"]) > j + 10:
             break
@@ -488,7 +489,7 @@ def test_corrupted_kv_is_caught_and_recomputed(cluster):
     def corrupt_then_migrate(rid):
         cluster["corrupt"].touch()
         migrate_async(cluster, results=results, stages=0)(rid)
-    before = {n: h.metrics(cluster[n].url).get("vllm:vllm_ext_digest_mismatches_total", 0) for n in "AB"}
+    before = {n: fleet.metrics(cluster[n].url).get("vllm:vllm_ext_digest_mismatches_total", 0) for n in "AB"}
     s = Stream(cluster["router"].url, {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
                                        "temperature": 0, "return_token_ids": True})
     s.at(8, corrupt_then_migrate)
@@ -499,7 +500,7 @@ def test_corrupted_kv_is_caught_and_recomputed(cluster):
         cluster["corrupt"].unlink(missing_ok=True)
     want_ids, _ = reference(cluster, prompt, url=record["source"])
     assert status == 200 and s.error is None and s.ids == want_ids, (record, s.error, divergence(s.ids, want_ids))
-    after = {n: h.metrics(cluster[n].url).get("vllm:vllm_ext_digest_mismatches_total", 0) for n in "AB"}
+    after = {n: fleet.metrics(cluster[n].url).get("vllm:vllm_ext_digest_mismatches_total", 0) for n in "AB"}
     assert sum(after.values()) - sum(before.values()) == 2
     # nothing moved: recomputed in place (one step at a time, CPU), or dropped and recomputed
     # (a step in flight, GPU)
@@ -511,7 +512,7 @@ def test_a_lease_that_expires_before_the_pull_is_recomputed(cluster):
     """The destination's load fails (the lease expired while it waited) and says so as an engine
     with a step in flight does: the router drops what it sent and recomputes the request."""
     prompt = prompts(21, (60,))[0]
-    expired_before = sum(h.metrics(cluster[n].url)["vllm:vllm_ext_expired_leases_total"] for n in "AB")
+    expired_before = sum(fleet.metrics(cluster[n].url)["vllm:vllm_ext_expired_leases_total"] for n in "AB")
     cluster["delay"].write_text(str(LEASE_S + 3))
     cluster["unsafe"].touch()
     results = []
@@ -528,7 +529,7 @@ def test_a_lease_that_expires_before_the_pull_is_recomputed(cluster):
     assert status == 200 and s.error is None and s.ids == want_ids, (record, s.error, divergence(s.ids, want_ids))
     assert record["outcome"] == "failed", record  # dropped at the destination, continued by recomputing
     wait_idle(cluster)
-    expired_after = sum(h.metrics(cluster[n].url)["vllm:vllm_ext_expired_leases_total"] for n in "AB")
+    expired_after = sum(fleet.metrics(cluster[n].url)["vllm:vllm_ext_expired_leases_total"] for n in "AB")
     assert expired_after - expired_before >= 1
 
 
@@ -750,7 +751,7 @@ def test_a_moved_request_keeps_the_generation_configs_output_limit(cluster):
                 f"w{t}" for t in prompts(27, (30,))[0])}], "temperature": 0, "ignore_eos": True,
                 "return_token_ids": True, "stream_options": {"include_usage": True}}
             unstreamed = {k: v for k, v in chat.items() if k != "stream_options"}
-            status, ref = h.post(g.url + "/v1/chat/completions", unstreamed)
+            status, ref = fleet.post(g.url + "/v1/chat/completions", unstreamed)
             assert status == 200 and ref["usage"]["completion_tokens"] == limit, ref
             prompt = prompts(28, (50,))[0]
             want_ids, _ = reference(cluster, prompt, limit + 500, url=g.url)
@@ -805,7 +806,7 @@ def test_three_instances_drain_and_instances_killed_mid_migration(cluster):
         drained = pin_to(cluster, router, "A", lambda: start_streams(router, ps, n), urls)
         # each has complete blocks to lease (the first prompt is under one block: moved at once it
         # would be recomputed, with nothing to move)
-        until_generated(drained, 2 * h.BLOCK_SIZE)
+        until_generated(drained, 2 * fleet.BLOCK_SIZE)
         status, report = admin(router, "/drain", {"instance": cluster["A"].url})
         admin(router, "/undrain", {"instance": cluster["A"].url})
         assert status == 200 and report["left"] == [], report
@@ -838,7 +839,7 @@ def test_three_instances_drain_and_instances_killed_mid_migration(cluster):
         # B (the second source) has a core of its own while A's engine spins on its held worker
         # C's request has complete blocks to lease (its prompt is under one block: a move right
         # after its first token would have nothing to pull, and recompute)
-        until_generated(out_of, 2 * h.BLOCK_SIZE)
+        until_generated(out_of, 2 * fleet.BLOCK_SIZE)
         cluster["delay"].write_text("15")
         try:
             # C as the source: it has stopped its request, A waits to pull it from C

