@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 import aiohttp
 from aiohttp import web
 
-from ._http import backend_session, client_auth, error, first_models, openai_app
+from .router.http import backend_session, client_auth, error, first_models, openai_app
 
 logger = logging.getLogger("vllm_ext.proxy")
 

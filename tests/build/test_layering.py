@@ -45,7 +45,7 @@ RULES = [
     ("vllm_ext", ("aiohttp",), "only the fronts import aiohttp"),
 ]
 # who may, where the last two rules say nobody may
-ALLOWED = {"vllm": ("vllm_ext.connector",), "aiohttp": ("vllm_ext.router", "vllm_ext.proxy", "vllm_ext._http")}
+ALLOWED = {"vllm": ("vllm_ext.connector",), "aiohttp": ("vllm_ext.router", "vllm_ext.proxy", "vllm_ext.router.http")}
 
 
 def _module_name(path: Path) -> str:

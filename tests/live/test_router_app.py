@@ -13,7 +13,8 @@ pytest.importorskip("aiohttp", reason="the router needs aiohttp (a vLLM dependen
 import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
-from vllm_ext.router.app import ENV_TOKEN, Settings, build_app  # noqa: E402
+from vllm_ext.router.app import ENV_TOKEN, build_app  # noqa: E402
+from vllm_ext.router.settings import Settings  # noqa: E402
 
 
 def dead_url():
@@ -51,9 +52,9 @@ def test_bad_settings_are_refused(knobs, match):
 
 
 def test_the_command_line_refuses_a_bad_setting(capsys):
-    from vllm_ext.router import app as router_app
+    from vllm_ext.router import cli
     with pytest.raises(SystemExit):
-        router_app.main(["--instance", "http://a", "--balance-interval-s", "0"])
+        cli.main(["--instance", "http://a", "--balance-interval-s", "0"])
     assert "balance_interval_s: expected a positive number of seconds, got 0.0" in capsys.readouterr().err
 
 

@@ -1,21 +1,8 @@
-"""The router: an OpenAI-compatible front for N vLLM instances running VllmExtConnector, which
-holds every client stream and can move a running request to another instance while the
-client's stream goes on (live.py), by hand, to drain an instance, or to
-balance load.
+"""The router's parts wired together: the client routes (/health, /v1/models, the completions
+of both APIs) and the admin API, over the instances (`python -m vllm_ext.router`: cli.py)."""
 
-    python -m vllm_ext.router --instance http://A:8100 http://B:8200 --lease A:8101 B:8201 --balance
-
-Each instance runs `kv_role: kv_both` with a lease channel (`lease_port`) the router and the
-other instances can reach, `kv_load_failure_policy: recompute`, and the deployment secret
-(VLLM_EXT_AUTH_SECRET, also the router's). The admin API (/instances, /requests, /migrate,
-/drain, /undrain) needs `Authorization: Bearer $VLLM_EXT_ROUTER_TOKEN`; without that variable
-it is off. See docs/live-migration.md for every knob.
-"""
-
-import argparse
 import asyncio
 import concurrent.futures
-import dataclasses
 import hmac
 import inspect
 import itertools
@@ -29,12 +16,13 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import aiohttp
 from aiohttp import web
 
-from .._http import backend_session, client_auth, error, first_models, openai_app
 from ..lease import messages
 from ..lease.channel import ChannelError, LeaseClient
 from ..migration import auth
 from . import legs, live, openai
+from .http import backend_session, client_auth, error, first_models, openai_app
 from .openai import ClientStream
+from .settings import MAX_STAGES_LIMIT, Settings
 
 logger = logging.getLogger("vllm_ext.router")
 
@@ -55,50 +43,9 @@ RESUME_CHECK_WAIT_S = 5.0
 CLIENT_CHECK_S = 0.5  # how often a request's wait for its whole answer looks whether its client is still there
 DESCRIBE_RETRY_S = 10.0  # the poll asks an instance that did not describe itself again after this
 MAX_RESUME_CHECKS = 8
-POLICIES = ("round_robin", "least_loaded")
-MAX_STAGES_LIMIT = 16  # pre-copy stages of one migration (the setting and /migrate's "stages")
 # A chat stream whose instance splits reasoning off its content (--reasoning-parser) stays there:
 # a resumed leg is a completion, whose text nothing would split.
 REASONING_PINS = "its instance splits reasoning off the content (--reasoning-parser); a resumed leg would not"
-
-
-@dataclasses.dataclass
-class Settings:
-    """Every knob, with its default (docs/live-migration.md)."""
-
-    policy: str = "least_loaded"  # where a new request goes
-    timeout_s: float = 600.0  # a backend may stay silent this long
-    balance: bool = False  # the load-balancing loop
-    balance_interval_s: float = 0.5  # its period
-    balance_threshold: int = 2  # migrate when the most and least loaded differ by this many requests
-    max_migrations_per_request: int = 2
-    min_remaining_tokens: int = 8  # a request this close to its max_tokens is left where it is
-    max_stages: int = live.MAX_STAGES
-    last_stage_max_blocks: int = live.LAST_STAGE_MAX_BLOCKS
-    health_interval_s: float = 2.0  # /metrics of every instance (its health and load)
-    health_timeout_s: float = 5.0  # one poll's; an instance is down after three failed polls in a row
-    silent_s: float = 30.0  # an instance that answers no poll, and a stream of it that sends nothing, this
-    # long (a partition that sends no FIN or RST): the stream is continued elsewhere
-    max_destination_kv_usage: float = 0.9  # no migration to an instance whose KV cache is this full (or
-    # that queues requests), as its last /metrics poll said: the resume would wait there
-
-    def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
-        for name in ("timeout_s", "balance_interval_s", "health_interval_s", "health_timeout_s", "silent_s"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
-        if not 0 < self.max_destination_kv_usage <= 1:
-            raise ValueError(f"max_destination_kv_usage: expected a fraction in (0, 1], got "
-                             f"{self.max_destination_kv_usage!r}")
-        if self.balance_threshold < 1:
-            raise ValueError(f"balance_threshold: expected at least 1, got {self.balance_threshold!r}")
-        if not 0 <= self.max_stages <= MAX_STAGES_LIMIT:
-            raise ValueError(f"max_stages: expected an integer in [0, {MAX_STAGES_LIMIT}], got {self.max_stages!r}")
-        for name in ("max_migrations_per_request", "min_remaining_tokens", "last_stage_max_blocks"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: expected 0 or more, got {getattr(self, name)!r}")
 
 
 class Instance:
@@ -1152,38 +1099,3 @@ def build_app(urls: List[str], leases: Optional[List[Optional[str]]] = None,
     app.router.add_post("/drain", router.admin_drain)
     app.router.add_post("/undrain", router.admin_undrain)
     return app
-
-
-# The settings the command line takes as --flags of their own names (policy, timeout and balance
-# are spelled otherwise)
-_FLAG_SETTINGS = ("balance_interval_s", "balance_threshold", "max_migrations_per_request", "min_remaining_tokens",
-                  "max_stages", "last_stage_max_blocks", "health_interval_s", "health_timeout_s", "silent_s",
-                  "max_destination_kv_usage")
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m vllm_ext.router", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--instance", nargs="+", required=True, metavar="URL", help="vLLM servers")
-    parser.add_argument("--lease", nargs="+", metavar="HOST:PORT",
-                        help="each instance's lease channel, in --instance order ('-': none; its requests stay)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    defaults = Settings()
-    parser.add_argument("--policy", choices=POLICIES, default=defaults.policy)
-    parser.add_argument("--timeout", type=float, default=defaults.timeout_s, help="seconds a backend may stay silent")
-    parser.add_argument("--balance", action="store_true", help="migrate requests to balance load")
-    for field in _FLAG_SETTINGS:
-        value = getattr(defaults, field)
-        parser.add_argument("--" + field.replace("_", "-"), type=type(value), default=value)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    leases = None if args.lease is None else [None if a == "-" else a for a in args.lease]
-    try:
-        settings = Settings(policy=args.policy, timeout_s=args.timeout, balance=args.balance,
-                            **{f: getattr(args, f) for f in _FLAG_SETTINGS})
-        app = build_app(args.instance, leases, settings)
-    except ValueError as e:
-        parser.error(str(e))
-    logger.info("router on http://%s:%d: %s%s", args.host, args.port, ", ".join(args.instance),
-                " (balancing)" if args.balance else "")
-    web.run_app(app, host=args.host, port=args.port, print=None)
