@@ -5,6 +5,7 @@ replies, and a settled trace asked on a connection of its own."""
 import random
 import socket
 import threading
+import time
 
 import pytest
 
@@ -17,7 +18,7 @@ from vllm_ext.lease import (
     RequestEnded,
     messages,
 )
-from vllm_ext.migration import MigrationError, protocol
+from vllm_ext.migration import MigrationError, control, protocol
 from vllm_ext.migration.control import Connection, open_connection
 from vllm_ext.migration.timing import Deadline
 
@@ -214,3 +215,53 @@ def test_an_unauthenticated_request_is_refused_and_never_reaches_the_handler(ser
     finally:
         conn.close()
     assert calls == []
+
+
+def test_a_peer_with_the_secret_gets_in_during_a_flood_of_silent_connections(served):
+    """Silent connections without the secret, reopened as the server drops them, must not
+    keep an authenticated peer out: the server evicts the flood's oldest connections for
+    newcomers, and a peer that authenticates at once gets in."""
+    server = served(lambda request: (messages.LeaseDescribeReply({}, "0" * 32, {}, "", 0, 0), b""))
+    stop, opened = threading.Event(), [0]
+
+    def flood():
+        while not stop.is_set():
+            try:
+                sock = socket.create_connection((server.host, server.port), timeout=5)
+            except OSError:
+                continue
+            opened[0] += 1
+            sock.settimeout(0.2)
+            with sock:
+                while not stop.is_set():  # silent until the server drops it, then again
+                    try:
+                        if not sock.recv(1):
+                            break
+                    except socket.timeout:
+                        continue
+                    except OSError:
+                        break
+
+    flooders = [threading.Thread(target=flood, daemon=True) for _ in range(3 * control._MAX_UNAUTHENTICATED)]
+    for thread in flooders:
+        thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while server.connection_count()[1] < control._MAX_UNAUTHENTICATED and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.connection_count()[1] >= control._MAX_UNAUTHENTICATED  # the flood holds every slot
+        got_in = 0
+        for _ in range(20):
+            client = _client(server, timeout_s=10)
+            try:
+                client.describe()
+                got_in += 1
+            except ChannelError:
+                pass
+            finally:
+                client.close()
+    finally:
+        stop.set()
+        for thread in flooders:
+            thread.join(10)
+    assert got_in == 20, f"{got_in} of 20 authenticated connects got in during a flood of {opened[0]} connections"

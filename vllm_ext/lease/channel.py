@@ -71,6 +71,10 @@ class LeaseServer:
                 continue
             conn.send(protocol.ok_reply(reply), payload)
 
+    def connection_count(self):
+        """(connections served, of which still authenticating)."""
+        return self._server.connection_count()
+
     def close(self) -> None:
         self._server.close()
 

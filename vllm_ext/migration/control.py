@@ -40,6 +40,7 @@ _KEEPALIVE_IDLE_S, _KEEPALIVE_INTERVAL_S, _KEEPALIVE_COUNT = 30, 10, 3
 _ACCEPT_RETRY_S = 0.1  # after a failed accept() (out of descriptors, say)
 _CLOSE_JOIN_S = 5.0  # join_serving() waits this long in all for the serving threads
 _AUTH_S = 10.0  # an unauthenticated connection has this long to authenticate
+_FIRST_FRAME_S = 2.0  # and this long to send its first frame (a client sends it as it connects)
 _FRAME_S = 10.0  # the rest of a frame, once its first byte arrived
 _MAX_CONNECTIONS = 256
 _MAX_UNAUTHENTICATED = 16
@@ -221,6 +222,14 @@ class Connection:
             got += k
         return bytes(buf)
 
+    def shutdown(self) -> None:
+        """From another thread: ends the connection both ways, which wakes its reader (its
+        owner then closes it)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def close(self) -> None:
         if self._closed:
             return
@@ -388,7 +397,8 @@ class ControlServer:
         self._connections: List[Connection] = []
         self._authenticated: List[Connection] = []
         self._serving: List[threading.Thread] = []
-        self._unauthenticated = 0
+        # connections still authenticating, oldest first -> whether they sent their hello yet
+        self._pending: Dict[Connection, bool] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._logged: Dict[str, float] = {}
@@ -419,14 +429,18 @@ class ControlServer:
                 continue
             peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "local peer"
             with self._lock:
-                full = (len(self._connections) >= _MAX_CONNECTIONS
-                        or self._unauthenticated >= _MAX_UNAUTHENTICATED)
+                full = len(self._connections) >= _MAX_CONNECTIONS
+                evicted = None if full else self._evict_for(peer)
                 closed = self._closed
+            if evicted is not None:
+                self._log_once("evict", "control server: %d connections authenticating (limit %d): closed "
+                               "the oldest%s, from %s, for %s", _MAX_UNAUTHENTICATED, _MAX_UNAUTHENTICATED,
+                               "" if evicted[1] else " silent one", evicted[0].peer, peer)
+                evicted[0].shutdown()
             if closed or full:
                 if full:
-                    self._log_once("full", "control server: refusing %s: %d connections served, %d "
-                                   "authenticating (limits %d and %d)", peer, len(self._connections),
-                                   self._unauthenticated, _MAX_CONNECTIONS, _MAX_UNAUTHENTICATED)
+                    self._log_once("full", "control server: refusing %s: %d connections served (limit %d)",
+                                   peer, len(self._connections), _MAX_CONNECTIONS)
                 sock.close()
                 if closed:
                     return
@@ -440,7 +454,7 @@ class ControlServer:
             thread = threading.Thread(target=self._run, args=(conn,), name="migration-serve", daemon=True)
             with self._lock:
                 self._connections.append(conn)
-                self._unauthenticated += 1
+                self._pending[conn] = False
                 self._serving.append(thread)
             try:
                 thread.start()
@@ -448,6 +462,23 @@ class ControlServer:
                 logger.warning("control server: cannot serve %s (%s)", peer, e)
                 self._forget(conn, thread, counted=True)
                 conn.close()
+
+    def _evict_for(self, peer: str) -> Optional[Tuple[Connection, bool]]:
+        """(Under the lock) when _MAX_UNAUTHENTICATED connections are authenticating, makes room
+        for `peer`'s: drops the oldest of the source holding the most of them, a silent one
+        (no hello yet) before one that spoke, and returns it (to be shut down) with whether it
+        spoke. An unauthenticated flood thus evicts its own connections, and a peer that
+        authenticates at once gets in while it lasts."""
+        if len(self._pending) < _MAX_UNAUTHENTICATED:
+            return None
+        by_source: Dict[str, List[Connection]] = {}
+        for conn in self._pending:  # oldest first
+            by_source.setdefault(conn.peer.rsplit(":", 1)[0], []).append(conn)
+        crowd = max(by_source.values(), key=len)
+        # silent: no hello read, and none waiting (a peer sends it as it connects, maybe before
+        # its serving thread first reads)
+        victim = next((c for c in crowd if not self._pending[c] and not c._ready()), crowd[0])
+        return victim, self._pending.pop(victim)
 
     def _forget(self, conn: Connection, thread: threading.Thread, counted: bool) -> None:
         """Drops a connection from the books; `counted`: it is still counted as authenticating."""
@@ -457,7 +488,7 @@ class ControlServer:
             if conn in self._authenticated:
                 self._authenticated.remove(conn)
             if counted:
-                self._unauthenticated -= 1
+                self._pending.pop(conn, None)
             if thread in self._serving:
                 self._serving.remove(thread)
 
@@ -468,7 +499,7 @@ class ControlServer:
                 authenticated = self._authenticate(conn)
             finally:
                 with self._lock:
-                    self._unauthenticated -= 1
+                    self._pending.pop(conn, None)
                     if authenticated:
                         self._authenticated.append(conn)
             if authenticated and not self._closed:
@@ -506,9 +537,12 @@ class ControlServer:
                 return False
         try:
             conn.max_payload = 0  # nothing but headers until authenticated
-            header, _ = conn.recv(deadline)
+            header, _ = conn.recv(Deadline(min(_FIRST_FRAME_S, deadline.remaining())))
             if header.get("op") != protocol.AuthHello.op:
                 raise ProtocolError("authentication required first")
+            with self._lock:
+                if conn in self._pending:
+                    self._pending[conn] = True  # it spoke: evicted after the silent ones
             protocol.check_int("protocol", header.get("protocol"), 0, 1 << 31)
             if header["protocol"] != self._version:
                 conn.reply_error(ProtocolError(
@@ -577,7 +611,7 @@ class ControlServer:
     def connection_count(self) -> Tuple[int, int]:
         """(connections served, of which still authenticating)."""
         with self._lock:
-            return len(self._connections), self._unauthenticated
+            return len(self._connections), len(self._pending)
 
     def join_serving(self, timeout: float = _CLOSE_JOIN_S) -> bool:
         """After close(): waits up to `timeout` seconds in all for the serving threads to end.
