@@ -161,7 +161,9 @@ class _Content:
         return self._error
 
 
-class _Leg:
+class _Response:
+    """A backend's answer, as the pump reads it (aiohttp's ClientResponse)."""
+
     def __init__(self):
         self.content, self.closed, self.released = _Content(), False, False
 
@@ -170,6 +172,15 @@ class _Leg:
 
     def release(self):
         self.released = True
+
+
+def _take(routed, inst, response=None):
+    """`routed`'s leg is now one on `inst` (its response a fake one unless given); that response."""
+    from vllm_ext.router.state import Leg
+
+    response = response or _Response()
+    routed.take(Leg(response, inst))
+    return response
 
 
 class _Out:
@@ -198,7 +209,7 @@ def _switch(gap_s, tokens_after_stop):
         client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
         client.prompt_token_ids = [1, 2]
         routed = router_app.Routed("c", {"model": "m"}, False, client)
-        leg = routed.leg = _Leg()
+        leg = _take(routed, router.instances[0])
         out = _Out()
         for t in (10, 11):  # two tokens: the client's last gap between tokens is known
             await leg.content.events.put(_token_event(t))
@@ -256,8 +267,7 @@ def test_a_stream_that_arrives_faster_than_it_is_relayed_does_not_hold_the_loop(
         client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
         client.prompt_token_ids = [1, 2]
         routed = router_app.Routed("c", {"model": "m"}, False, client)
-        routed.leg = _Leg()
-        routed.leg.content = _Buffered([_token_event(t) for t in range(100, 300)])
+        _take(routed, router.instances[0]).content = _Buffered([_token_event(t) for t in range(100, 300)])
         seen = []  # the client's token count each time the other task ran
 
         async def other():
@@ -350,7 +360,7 @@ def test_a_client_that_stopped_reading_does_not_hold_a_migrations_stop():
         client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
         client.prompt_token_ids = [1, 2]
         routed = router_app.Routed("c", {"model": "m"}, False, client)
-        leg = routed.leg = _Leg()
+        leg = _take(routed, router.instances[0])
         for t in (10, 11, 12):
             await leg.content.events.put(_token_event(t))
         pump = asyncio.ensure_future(router._pump(routed, _StuckOut()))
@@ -551,14 +561,14 @@ def test_a_client_that_leaves_before_its_whole_answer_has_its_request_aborted(mo
     assert asyncio.run(go())
 
 
-def _routed_on(router, inst, tokens=(5, 6)):
+def _routed_on(router, inst, tokens=(5, 6), rid="c"):
     from vllm_ext.router import app as router_app
     from vllm_ext.router.openai import ClientStream
 
-    client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
+    client = ClientStream(rid, False, "m", want_ids=True, want_usage=False)
     client.prompt_token_ids = [1, 2]
     client.token_ids = list(tokens)
-    routed = router_app.Routed("c", {"model": "m", "prompt": [1, 2], "max_tokens": 9}, False, client)
+    routed = router_app.Routed(rid, {"model": "m", "prompt": [1, 2], "max_tokens": 9}, False, client)
     routed.instance = inst
     return routed
 
@@ -575,7 +585,7 @@ def test_only_a_resume_that_loads_kv_reads_the_migrations_salted_blocks():
 
         async def fake_open(routed, inst, url, body, first_token=False):
             sent.append((inst, url, body, first_token))
-            routed.instance, routed.leg = inst, _Leg()
+            _take(routed, inst)
         router._open = fake_open
         driver = router_app._Driver(router, _routed_on(router, a))
         await driver.resume(b.url, {"migration_id": driver.next_mid})
@@ -632,9 +642,7 @@ def test_a_resume_that_loaded_kv_is_kept_only_when_the_destination_vouches_for_t
 
         async def fake_open(routed, inst, url, body, first_token=False):
             tried.append(inst)
-            legs.append(_Leg())
-            router._place(routed, inst)
-            routed.leg = legs[-1]
+            legs.append(_take(routed, inst))
         router._open = fake_open
         routed = _routed_on(router, a)
         a.requests[routed.rid] = routed
@@ -694,8 +702,8 @@ def test_migrate_refuses_a_destination_that_is_down_draining_or_busy_and_undrain
                       if getattr(h, "__name__", "") == "admin_migrate")
         a, b = router.instances
         routed = _routed_on(router, a)
-        routed.leg = _Leg()
-        router.requests["c"] = a.requests["c"] = routed
+        _take(routed, a)
+        router.requests["c"] = routed
         runner, url = await _serving(app)
         out = []
         try:
@@ -749,7 +757,7 @@ def test_a_request_without_a_limit_resumes_up_to_the_destinations_model_length()
 
         async def fake_open(routed, inst, url, body, first_token=False):
             sent.append(body)
-            routed.instance, routed.leg = inst, _Leg()
+            _take(routed, inst)
         router._open = fake_open
         client = ClientStream("c", True, "m", want_ids=False, want_usage=False)
         client.prompt_token_ids, client.token_ids = [1, 2, 3], [4]
@@ -790,14 +798,15 @@ def test_a_moved_request_keeps_the_output_limit_its_first_instance_gave_it(monke
 
         async def fake_open(routed, inst, url, body, first_token=False):
             sent.append(body)
-            routed.instance, routed.leg = inst, _Leg()
+            _take(routed, inst)
         router._open = fake_open
 
         def routed_on(first, body):
             client = ClientStream("c", True, "m", want_ids=False, want_usage=False)
             client.prompt_token_ids, client.token_ids = [1, 2, 3], [4, 5]
             routed = router_app.Routed("c", body, True, client)
-            routed.instance, routed.first = first, (first, first.downs)  # its first leg began there
+            routed.instance = first
+            routed.limit.began_on(first)  # its first leg began there
             return routed
         for first, body, down in ((a, chat, False), (c, dict(chat, max_tokens=1000), False), (b, chat, False),
                                   (a, dict(chat, max_tokens=1000), True)):
@@ -929,6 +938,7 @@ def events_of(text):
 def test_a_drain_moves_each_request_to_the_least_loaded_instance_with_no_migration_coming_in(monkeypatch):
     """B is the least loaded but has a migration coming in: A's request goes to C."""
     from vllm_ext.router import live
+    from vllm_ext.router.state import Relayed
 
     monkeypatch.setenv(ENV_TOKEN, "t")
     chosen = []
@@ -940,10 +950,10 @@ def test_a_drain_moves_each_request_to_the_least_loaded_instance_with_no_migrati
                       if getattr(h, "__name__", "") == "admin_drain")
         a, b, c = router.instances
         b.migrating_in = 1
-        c.requests.update({"x": None, "y": None})
+        c.requests.update({key: Relayed(key, c, "n > 1") for key in ("x", "y")})
         routed = _routed_on(router, a)
-        routed.leg = _Leg()
-        router.requests["c"] = a.requests["c"] = routed
+        _take(routed, a)
+        router.requests["c"] = routed
 
         def start_migration(routed_, dst, stages=None, recompute=False):
             chosen.append(dst.url)
@@ -989,8 +999,8 @@ def test_no_migration_goes_to_an_instance_whose_kv_cache_is_full_or_that_queues_
                 await asyncio.sleep(0.01)
             a.control = _Control(None)  # a lease channel (never used: each move is refused or faked)
             routed = _routed_on(router, a)
-            routed.leg = _Leg()
-            router.requests["c"] = a.requests["c"] = routed
+            _take(routed, a)
+            router.requests["c"] = routed
             reasons = {}
             async with aiohttp.ClientSession(headers={"Authorization": "Bearer t"}) as s:
                 for dst in (full, queues):
@@ -1041,8 +1051,8 @@ def test_a_drain_waits_for_a_migration_already_leaving_the_instance(monkeypatch)
         a, _ = router.instances
         a.migrating_out = 1  # a /migrate of another of A's requests is under way
         routed = _routed_on(router, a)
-        routed.leg = _Leg()
-        router.requests["c"] = a.requests["c"] = routed
+        _take(routed, a)
+        router.requests["c"] = routed
         router.start_migration = lambda *args, **kwargs: started.append(args)
         runner, url = await _serving(app)
         try:
@@ -1069,8 +1079,7 @@ def test_a_broken_leg_is_closed_and_an_ended_one_released():
         client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
         client.prompt_token_ids = [1, 2]
         routed = router_app.Routed("c", {"model": "m"}, False, client)
-        leg = routed.leg = _Leg()
-        routed.instance = router.instances[0]
+        leg = _take(routed, router.instances[0])
         await leg.content.events.put(_token_event(7))
         if end == "broken":
             leg.content.set_exception(aiohttp.ClientPayloadError("cut"))
@@ -1172,10 +1181,9 @@ def test_a_silent_instance_cuts_what_waited_as_long_even_if_it_began_after_the_s
             inst.waits[cut] = began
         legs = {}
         for heard in (now - 12, now - 8):
-            routed = _routed_on(router, inst)
-            routed.leg, routed.heard_at = _Leg(), heard
-            inst.requests[f"r{heard}"] = routed
-            legs[heard] = routed.leg
+            routed = _routed_on(router, inst, rid=f"r{heard}")
+            legs[heard] = _take(routed, inst)
+            routed.leg.heard_at = heard
         router._cut_silent(inst)
         return ([waits[b].done() for b in sorted(waits)],
                 [isinstance(legs[h].content.exception(), aiohttp.ClientConnectionError) for h in sorted(legs)])

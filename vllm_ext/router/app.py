@@ -11,18 +11,19 @@ import logging
 import os
 import secrets
 import time
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set
 
 import aiohttp
 from aiohttp import web
 
 from ..lease import messages
-from ..lease.channel import ChannelError, LeaseClient
+from ..lease.channel import ChannelError
 from ..migration import auth
 from . import legs, live, openai
 from .http import backend_session, client_auth, error, first_models, openai_app
 from .openai import ClientStream
 from .settings import MAX_STAGES_LIMIT, Settings
+from .state import Instance, Leg, Relayed, Routed, StopLeg
 
 logger = logging.getLogger("vllm_ext.router")
 
@@ -46,96 +47,6 @@ MAX_RESUME_CHECKS = 8
 # A chat stream whose instance splits reasoning off its content (--reasoning-parser) stays there:
 # a resumed leg is a completion, whose text nothing would split.
 REASONING_PINS = "its instance splits reasoning off the content (--reasoning-parser); a resumed leg would not"
-
-
-class Instance:
-    def __init__(self, url: str, lease: Optional[str], secret: Optional[bytes]):
-        self.url = url.rstrip("/")
-        self.lease = lease
-        self.control: Optional[LeaseClient] = None
-        if lease:
-            host, _, port = lease.rpartition(":")
-            self.control = LeaseClient(secret, host, int(port))
-        self.healthy = True
-        self.failed_polls = 0  # consecutive /metrics polls that failed
-        self.silent_since: Optional[float] = None  # monotonic: the first of them began
-        self.waits: Dict[asyncio.Future, float] = {}  # the router's waits for its answers (_answer): their start
-        self.draining = False
-        self.requests: Dict[str, Routed] = {}
-        self.migrating_in = 0
-        self.migrating_out = 0
-        self.metrics: Dict[str, float] = {}
-        # its lease channel's describe (seeded sampling, output limits), until it is marked down
-        self.described: Optional[messages.LeaseDescribeReply] = None
-        self.describe_after = 0.0  # monotonic: the poll asks again for a describe that failed after this
-        self.downs = 0  # times it was marked down: a describe or a limit from before one is not its own
-        self.models: Optional[Dict[str, Any]] = None  # its /v1/models answer, until it is marked down
-
-    @property
-    def load(self) -> int:
-        return len(self.requests)
-
-    def full(self, max_kv_usage: float) -> Optional[str]:
-        """Why a migration should not come here now (None: it may), from the last /metrics poll:
-        a request that has to wait for blocks here would make the moved one wait too."""
-        usage, waiting = self.metrics.get("kv_cache_usage_perc", 0.0), self.metrics.get("num_requests_waiting", 0.0)
-        if waiting > 0:
-            return f"it queues {waiting:g} requests"
-        if usage >= max_kv_usage:
-            return f"its KV cache is {100 * usage:.0f}% used (a migration goes where it is under " \
-                   f"{100 * max_kv_usage:.0f}%)"
-        return None
-
-    def max_model_len(self, body: Dict[str, Any]) -> Optional[int]:
-        """The model length it serves `body`'s model with (None: not known yet)."""
-        return legs.max_model_len(self.models, body.get("model")) if self.models is not None else None
-
-    def describe(self) -> Dict[str, Any]:
-        return {"url": self.url, "lease": self.lease, "healthy": self.healthy, "draining": self.draining,
-                "load": self.load, "requests": sorted(self.requests), "migrating_in": self.migrating_in,
-                "migrating_out": self.migrating_out, "metrics": self.metrics}
-
-
-class Routed:
-    """One client request, across its legs."""
-
-    def __init__(self, rid: str, body: Dict[str, Any], chat: bool, client: ClientStream):
-        self.rid, self.body, self.chat, self.client = rid, body, chat, client
-        # the output limit its first leg had, which every later leg carries (Router._limit): the
-        # client's until the instance of its first leg, `first` (and its `downs` then), has
-        # described its own limits; `first` is None once the limit is settled
-        self.limit: Optional[int] = legs.max_new_tokens(body, chat)
-        self.first: Optional[Tuple[Instance, int]] = None
-        self.instance: Optional[Instance] = None
-        self.mid = live.new_migration_id()  # the current leg's migration id
-        self.leg: Optional[aiohttp.ClientResponse] = None
-        self.heard_at = 0.0  # monotonic: the leg's last event (or its start)
-        self.pushback: List[bytes] = []  # lines of the leg read before the pump took it
-        self.stop_now = False  # the pump closes the leg at its next chance
-        self.stop_after_token = False  # the pump closes the leg once it relayed the next token
-        self.resumed = asyncio.Event()  # a migration's destination gave its first token
-        self.stopped: Optional[asyncio.Future] = None  # True: the pump closed the leg; False: it had ended
-        self.migration: Optional[asyncio.Task] = None
-        self.migrations: List[live.Record] = []
-        self.recoveries = 0
-        self.gone = False  # the client left, or its answer is complete
-        self.pinned: Optional[str] = None  # why it may no longer move (it began as one that could)
-        self.headers: Dict[str, str] = {}  # the client's Authorization, sent with each of its legs
-
-    def tokens(self) -> List[int]:
-        return list(self.client.prompt_token_ids or []) + self.client.token_ids
-
-    def describe(self) -> Dict[str, Any]:
-        return {"id": self.rid, "instance": self.instance.url if self.instance else None,
-                "generated": len(self.client.token_ids), "migratable": self.pinned is None,
-                "why_not": self.pinned, "migrating": self.migration is not None,
-                "migrations": len(self.migrations)}
-
-
-
-
-class _StopLeg(Exception):
-    """Wakes a pump waiting on its leg: the router stops relaying it (a migration's switch)."""
 
 
 class _Silent(aiohttp.ClientConnectionError):
@@ -167,8 +78,7 @@ class Router:
         self._by_url = {i.url: i for i in self.instances}
         self.requests: Dict[str, Routed] = {}
         self.history: List[Dict[str, Any]] = []  # finished migrations (the last 1000)
-        self.relayed: Dict[str, Dict[str, Any]] = {}  # requests that cannot move, by their key in Instance.requests
-        self._relay_legs: Dict[str, List[Any]] = {}  # their [response, monotonic of its last bytes], by that key
+        self.relayed: Dict[str, Relayed] = {}  # requests that cannot move, by their key in Instance.requests
         self._next = itertools.count()
         self._token = os.environ.get(ENV_TOKEN) or None
         # what the router asks for itself (an instance's /v1/models), under vLLM's own --api-key
@@ -238,35 +148,24 @@ class Router:
                               stops=openai.stop_strings(body),
                               include_stop=bool(body.get("include_stop_str_in_output")),
                               min_tokens=body.get("min_tokens") or 0)
-        routed = Routed(rid, body, chat, client)  # one that cannot move is relayed (Router.relayed)
-        routed.headers = client_auth(request)
+        routed = Routed(rid, body, chat, client, client_auth(request))  # one that cannot move is relayed
         self.requests[rid] = routed
         try:
             return await self._serve(request, routed)
         finally:
-            # a migration in flight notices (driver.finished) and ends on its own; a leg still
-            # open is closed, so that its instance aborts what nobody reads
-            routed.gone = True
-            if routed.stopped is not None and not routed.stopped.done():  # the pump is gone: not stopped
-                routed.stopped.set_result(False)
             self.requests.pop(rid, None)
-            if routed.instance is not None:
-                routed.instance.requests.pop(rid, None)
-            if routed.leg is not None:
-                routed.leg.close()
-                routed.leg = None
+            routed.close()  # a migration in flight notices (driver.finished) and ends on its own
 
     async def _relay(self, request: web.Request, body: Dict[str, Any], reason: str) -> web.StreamResponse:
         """A request that cannot move: relayed as is (listed by GET /requests with `reason`)."""
         for inst in self._candidates():
             key = "relay-" + secrets.token_hex(8)
-            inst.requests[key] = None
-            self.relayed[key] = {"id": key, "instance": inst.url, "migratable": False, "why_not": reason}
+            relayed = inst.requests[key] = self.relayed[key] = Relayed(key, inst, reason)
             out = None
             try:
                 async with await self._answer(inst, self.session.post(inst.url + request.path, json=body,
                                                                       headers=client_auth(request))) as r:
-                    heard = self._relay_legs[key] = [r, time.monotonic()]
+                    leg = relayed.leg = Leg(r, inst)
                     if not body.get("stream") or r.status != 200:
                         return web.Response(status=r.status, body=await _unless_client_leaves(request, r.read()),
                                             content_type=r.content_type or "application/json")
@@ -274,7 +173,7 @@ class Router:
                                                                   "Cache-Control": "no-cache"})
                     await out.prepare(request)
                     async for chunk in r.content.iter_any():
-                        heard[1] = time.monotonic()
+                        leg.heard_at = time.monotonic()
                         await self._write(out, chunk)
                     await out.write_eof()
                     return out
@@ -285,7 +184,6 @@ class Router:
             finally:
                 inst.requests.pop(key, None)
                 self.relayed.pop(key, None)
-                self._relay_legs.pop(key, None)
         return error(503, "no instance is reachable", "ServiceUnavailableError")
 
     async def _serve(self, request: web.Request, routed: Routed) -> web.StreamResponse:
@@ -295,7 +193,7 @@ class Router:
             try:
                 await self._open(routed, inst, inst.url + request.path,
                                  legs.first_leg_body(routed.body, {"migration_id": routed.mid}))
-                routed.first = (inst, inst.downs)
+                routed.limit.began_on(inst)
                 break
             except _LegFailed as e:
                 first_error = e
@@ -378,32 +276,26 @@ class Router:
             except _LegFailed:
                 r.close()
                 raise
-        self._place(routed, inst)
-        routed.leg, routed.pushback = r, pushback
-        routed.heard_at = time.monotonic()
-        routed.client.begin_leg()
-        routed.stop_now = routed.stop_after_token = False
+        routed.take(Leg(r, inst, pushback))
 
     def _full(self, inst: Instance) -> Optional[str]:
-        """Why no migration may go to `inst` now (None: it has room; Instance.full)."""
-        return inst.full(self.settings.max_destination_kv_usage)
-
-    @staticmethod
-    def _place(routed: Routed, inst: Optional["Instance"]) -> None:
-        """`routed` is `inst`'s request now (the one its recovery tries first)."""
-        if routed.instance is not None:
-            routed.instance.requests.pop(routed.rid, None)
-        routed.instance = inst
-        if inst is not None:
-            inst.requests[routed.rid] = routed
+        """Why no migration may go to `inst` now (None: it may), from the last /metrics poll:
+        a request that has to wait for blocks there would make the moved one wait too."""
+        max_kv_usage = self.settings.max_destination_kv_usage
+        usage, waiting = inst.metrics.get("kv_cache_usage_perc", 0.0), inst.metrics.get("num_requests_waiting", 0.0)
+        if waiting > 0:
+            return f"it queues {waiting:g} requests"
+        if usage >= max_kv_usage:
+            return f"its KV cache is {100 * usage:.0f}% used (a migration goes where it is under " \
+                   f"{100 * max_kv_usage:.0f}%)"
+        return None
 
     async def _run(self, routed: Routed, out) -> None:
         """Relays legs until the request ends (migrations and recoveries between them)."""
         while True:
             ended = await self._pump(routed, out)
             if routed.client.finished:
-                if routed.leg is not None:
-                    routed.leg.close()  # a stop string of the router's: the backend is still generating
+                routed.drop()  # a leg resumed meanwhile: its instance is still generating
                 return
             task = routed.migration
             if ended == "stopped" and task is not None:
@@ -425,34 +317,34 @@ class Router:
     async def _pump(self, routed: Routed, out) -> str:
         """Relays the current leg: "ended" (its stream ended), "stopped" (closed for a
         migration) or "broken"."""
-        leg, inst = routed.leg, routed.instance
-        lines = routed.pushback
-        routed.pushback = []
+        leg = routed.leg
+        inst, response = leg.instance, leg.response
+        lines, leg.pushback = leg.pushback, []
         while True:
-            if routed.stop_now:
-                leg.close()  # the instance aborts the request (its blocks stay under the final lease)
-                routed.leg = None
-                if not routed.stopped.done():  # else the migration stopped waiting (a late stop)
-                    routed.stopped.set_result(True)
+            if leg.stopping:
+                response.close()  # the instance aborts the request (its blocks stay under the final lease)
+                routed.let_go(leg, stopped=True)
                 return "stopped"
             if not lines:
                 # the loop's other work (other streams, migrations, the admin API) runs between
                 # events: a read from a buffer that holds the next event returns without yielding,
                 # so a stream arriving faster than it is relayed would hold the loop to its end
                 await asyncio.sleep(0)
-                try:  # one event ("data: ...\n\n") at a time; a stop wakes it up (_Driver.stop)
-                    event = await leg.content.readuntil(b"\n\n", **_EVENT_READ)
-                except _StopLeg:
+                try:  # one event ("data: ...\n\n") at a time; a stop wakes it up (Leg.stop)
+                    event = await response.content.readuntil(b"\n\n", **_EVENT_READ)
+                except StopLeg:
                     continue
                 except (aiohttp.ClientError, aiohttp.http_exceptions.HttpProcessingError, asyncio.TimeoutError,
                         ConnectionError) as e:
-                    leg.close()  # its connection goes (aiohttp would keep it, unclosed)
+                    response.close()  # its connection goes (aiohttp would keep it, unclosed)
                     self._mark_down(inst, e)
-                    return self._pump_ended(routed, "broken")
+                    routed.let_go(leg, stopped=False)
+                    return "broken"
                 if not event:  # EOF
-                    leg.release()
-                    return self._pump_ended(routed, "ended")
-                routed.heard_at = time.monotonic()
+                    response.release()
+                    routed.let_go(leg, stopped=False)
+                    return "ended"
+                leg.heard_at = time.monotonic()
                 lines = event.split(b"\n")
             line = lines.pop(0).strip()
             if not line.startswith(b"data:"):
@@ -464,8 +356,9 @@ class Router:
                 piece = openai.parse_chunk(json.loads(data))
             except ValueError as e:
                 logger.warning("request %s: %s sent a bad chunk: %s", routed.rid, inst.url, e)
-                leg.close()
-                return self._pump_ended(routed, "broken")
+                response.close()
+                routed.let_go(leg, stopped=False)
+                return "broken"
             if piece.reasoning and routed.pinned is None:
                 routed.pinned = REASONING_PINS
                 logger.info("request %s: %s", routed.rid, REASONING_PINS)
@@ -474,19 +367,11 @@ class Router:
                 await self._write(out, routed.client.start())
             await self._write(out, routed.client.add(piece))
             if routed.client.finished:
-                leg.close()
-                return self._pump_ended(routed, "ended")
-            if routed.stop_after_token and piece.token_ids:
-                routed.stop_now = True
-
-    @staticmethod
-    def _pump_ended(routed: Routed, how: str) -> str:
-        """The leg is done with (`how`: "ended" or "broken"); a stop waiting for the pump learns
-        that the request was not stopped."""
-        routed.leg = None
-        if routed.stopped is not None and not routed.stopped.done():
-            routed.stopped.set_result(False)
-        return how
+                response.close()
+                routed.let_go(leg, stopped=False)
+                return "ended"
+            if piece.token_ids:
+                leg.relayed_token()
 
     async def _recover(self, routed: Routed, prefer_source: bool = False) -> None:
         """The request's leg is gone (instance dead, stream broken, migration failed after the
@@ -512,12 +397,12 @@ class Router:
                 body = legs.first_leg_body(routed.body, {"migration_id": routed.mid})
             else:
                 url = inst.url + "/v1/completions"
-                body = legs.resume_leg_body(routed.body, self._limit(routed), routed.tokens(), len(client.token_ids),
+                body = legs.resume_leg_body(routed.body, routed.limit.value(), routed.tokens(), len(client.token_ids),
                                                {"migration_id": routed.mid}, inst.max_model_len(routed.body))
             try:
                 await self._open(routed, inst, url, body, first_token=not again)
                 if again:
-                    routed.first = (inst, inst.downs)
+                    routed.limit.began_on(inst)
                     logger.info("request %s: sent again to %s (its instance failed before its first token)",
                                 routed.rid, inst.url)
                 else:
@@ -570,23 +455,6 @@ class Router:
         described = await self._describe(inst)
         return described.sampler if described is not None else ""
 
-    @staticmethod
-    def _limit(routed: Routed) -> Optional[int]:
-        """The output limit `routed`'s first leg had, as its instance's OpenAI server derives it
-        (legs.output_limit with that instance's generation-config default and cap): settled
-        once that instance has described itself, unless it was marked down since the leg began
-        (it may have come back with another configuration); the client's own until then."""
-        if routed.first is not None:
-            inst, downs = routed.first
-            described = inst.described
-            if inst.downs != downs:
-                routed.first = None  # never known: the client's stays
-            elif described is not None:
-                routed.limit = legs.output_limit(routed.body, routed.chat, described.default_max_tokens,
-                                                    described.max_tokens_cap)
-                routed.first = None
-        return routed.limit
-
     # ---- migration -----------------------------------------------------------------------
     def start_migration(self, routed: Routed, dst: Instance, stages: Optional[int] = None,
                         recompute: bool = False) -> asyncio.Task:
@@ -624,14 +492,12 @@ class Router:
             except Exception as e:  # noqa: BLE001 - a bug must not take the request with it
                 logger.exception("migration %s of %s failed", record.migration_id[:8], routed.rid)
                 record.outcome, record.reason = live.Outcome.FAILED, f"{type(e).__name__}: {e}"
-                if routed.stopped is not None and not routed.stopped.done():
-                    routed.stopped.set_result(False)
+                driver.abandon()
             finally:
                 if driver.late_stop:
                     record.outcome, record.reason = live.Outcome.FAILED, driver.late_stop
-                if routed.gone and routed.leg is not None:  # resumed for a client that left meanwhile
-                    routed.leg.close()
-                    routed.leg = None
+                if routed.gone:  # resumed for a client that left meanwhile
+                    routed.drop()
                 src.migrating_out -= 1
                 dst.migrating_in -= 1
                 routed.migrations.append(record)
@@ -650,12 +516,13 @@ class Router:
         generated) of those that may move."""
         best = None
         for routed in inst.requests.values():
-            if routed is None or routed.migration is not None or routed.leg is None or routed.pinned:
+            if not isinstance(routed, Routed) or routed.migration is not None or routed.leg is None \
+                    or routed.pinned:
                 continue
             if (routed.client.prompt_token_ids is None
                     or len(routed.migrations) >= self.settings.max_migrations_per_request):
                 continue
-            limit = self._limit(routed)
+            limit = routed.limit.value()
             if limit is not None and limit - len(routed.client.token_ids) < self.settings.min_remaining_tokens:
                 continue
             if best is None or len(routed.client.token_ids) < len(best.client.token_ids):
@@ -739,17 +606,12 @@ class Router:
                 logger.warning("%s answered nothing for %.0f s and answers no poll: the wait is cut", inst.url,
                                now - began)
                 cut.set_result(None)
-        for key, routed in list(inst.requests.items()):
-            if routed is None:
-                leg, heard_at = self._relay_legs.get(key, (None, 0.0))
-            elif routed.migration is None:  # a migration has deadlines of its own
-                leg, heard_at = routed.leg, routed.heard_at
-            else:
-                continue
-            if leg is not None and now - heard_at >= self.settings.silent_s and leg.content.exception() is None:
+        for key, request in list(inst.requests.items()):
+            leg = request.watched()  # a migration has deadlines of its own
+            if leg is not None and now - leg.heard_at >= self.settings.silent_s \
+                    and leg.cut(_Silent(inst.url, self.settings.silent_s)):
                 logger.warning("request %s: %s sent nothing for %.0f s and answers no poll: its stream is cut",
-                               key, inst.url, now - heard_at)
-                leg.content.set_exception(_Silent(inst.url, self.settings.silent_s))
+                               key, inst.url, now - leg.heard_at)
 
     # ---- admin routes --------------------------------------------------------------------
     def _authorized(self, request: web.Request) -> Optional[web.Response]:
@@ -765,7 +627,7 @@ class Router:
 
     async def admin_requests(self, request: web.Request) -> web.Response:
         return self._authorized(request) or web.json_response(
-            {"running": [r.describe() for r in self.requests.values()] + list(self.relayed.values()),
+            {"running": [r.describe() for r in [*self.requests.values(), *self.relayed.values()]],
              "migrations": self.history[-100:]})
 
     async def _admin_body(self, request: web.Request, fields):
@@ -933,6 +795,7 @@ class _Driver:
         self.check_s: Optional[float] = None  # the first token's wait for the trace (a resume that loaded KV)
         self.trace: Optional[messages.MigrateTraceReply] = None  # the destination's, of a resume that loaded KV
         self.late_stop: Optional[str] = None  # why the stop was given up
+        self._stopping: Optional[Leg] = None  # the leg it stopped
 
     def finished(self) -> bool:
         return self.routed.client.finished or self.routed.gone
@@ -946,7 +809,7 @@ class _Driver:
             return self.routed.pinned
         described = await self.router._describe(self.router._by_url[destination])
         cap = described.max_tokens_cap if described is not None else 0
-        limit = self.router._limit(self.routed)
+        limit = self.routed.limit.value()
         left = None if limit is None else limit - len(self.routed.client.token_ids)
         if cap and (left is None or left > cap):
             return (f"the destination caps a request's output at {cap} tokens (its generation config), "
@@ -983,28 +846,24 @@ class _Driver:
         """Right after the source's next token reaches the client, so that the client's wait
         starts at the stop; at once when that token is late (twice the last gap between tokens,
         at most STOP_WAIT_MAX_S)."""
-        routed = self.routed
-        if routed.leg is None or routed.client.finished:
+        leg = self.routed.leg
+        if leg is None or self.routed.client.finished:
             return False
-        routed.stopped = asyncio.get_running_loop().create_future()
-        gap = routed.client.last_gap_s
-        if gap is not None:
-            routed.stop_after_token = True
-            try:
-                return await asyncio.wait_for(asyncio.shield(routed.stopped), min(2 * gap, STOP_WAIT_MAX_S))
-            except asyncio.TimeoutError:
-                pass
-        routed.stop_now = True
-        if routed.leg is not None:
-            routed.leg.content.set_exception(_StopLeg())  # a pump waiting for the next event wakes up
+        self._stopping = leg
+        gap = self.routed.client.last_gap_s
         # the pump stops at its next step: at once, or after a write to a slow client (at most the
         # timeout setting, then the client is gone)
         wait_s = self.router.settings.timeout_s + STOP_WAIT_MAX_S
         try:
-            return await asyncio.wait_for(asyncio.shield(routed.stopped), wait_s)
+            return await leg.stop(None if gap is None else min(2 * gap, STOP_WAIT_MAX_S), wait_s)
         except asyncio.TimeoutError:  # the pump stops it later, and the request is recomputed where it was
             self.late_stop = f"the stream did not stop within {wait_s:g} s"
             return False
+
+    def abandon(self) -> None:
+        """The migration failed (a bug): a stop it asked for waits no more."""
+        if self._stopping is not None:
+            self._stopping.done(False)
 
     async def resume(self, destination: str, params: Optional[Dict[str, Any]]) -> bool:
         """A resume that loaded KV is trusted only once the destination's trace says its load did
@@ -1013,7 +872,7 @@ class _Driver:
         trace is asked for with the resume and usually answers before the first token arrives."""
         routed = self.routed
         source, inst = routed.instance, self.router._by_url[destination]
-        body = legs.resume_leg_body(routed.body, self.router._limit(routed), routed.tokens(),
+        body = legs.resume_leg_body(routed.body, routed.limit.value(), routed.tokens(),
                                        len(routed.client.token_ids), params, inst.max_model_len(routed.body))
         checked = params is not None and "remote_lease" in params  # it loads KV, vouched for by the trace
         if checked:  # under the salt of the pre-copies' blocks (a recompute reads the prefix cache as any request)
@@ -1040,9 +899,8 @@ class _Driver:
                 why = "failed to load its KV with its next step in flight (its first tokens may be wrong)"
             if why is not None:
                 logger.warning("migration of %s: %s %s: dropped, recomputed", routed.rid, destination, why)
-                routed.leg.close()  # vLLM aborts it there
-                routed.leg, routed.pushback = None, []
-                self.router._place(routed, source)  # recomputed at the source first: its prefix cache holds the KV
+                routed.drop()  # vLLM aborts it there
+                routed.place(source)  # recomputed at the source first: its prefix cache holds the KV
                 return False
         routed.mid = self.next_mid
         routed.resumed.set()
