@@ -195,9 +195,9 @@ def test_a_consumer_connects_to_a_producer_that_starts_after_it(monkeypatch):
     dialling and connects once it is ready, and its failed attempts hold no pull back."""
     import socket
 
-    from vllm_ext.connector import worker as worker_mod
+    from vllm_ext.connector import receiver as receiver_mod
 
-    monkeypatch.setattr(worker_mod, "CONNECT_AHEAD_RETRY_S", (0.05, 0.2))
+    monkeypatch.setattr(receiver_mod, "CONNECT_AHEAD_RETRY_S", (0.05, 0.2))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -206,16 +206,16 @@ def test_a_consumer_connects_to_a_producer_that_starts_after_it(monkeypatch):
     sched = worker = None
     try:
         time.sleep(0.5)  # several refused dials
-        assert consumer._peers == {} and consumer._backoff == {}
+        assert consumer.receiver._peers == {} and consumer.receiver._backoff == {}
         worker = make_worker(vllm_layers(seed=1), producer=True)
         sched = make_scheduler(True, lease_port=port)
         time.sleep(0.3)  # its lease channel answers, with no KV cache registered yet: refused
         sched.set_handshake({0: worker.handshake()})
         deadline = time.monotonic() + 10
-        while not consumer._peers and time.monotonic() < deadline:
+        while not consumer.receiver._peers and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert list(consumer._peers) == [worker.endpoint.descriptor().endpoint_id]
-        assert consumer._backoff == {}
+        assert list(consumer.receiver._peers) == [worker.endpoint.descriptor().endpoint_id]
+        assert consumer.receiver._backoff == {}
     finally:
         consumer.shutdown()
         for half in (sched, worker):
@@ -230,10 +230,10 @@ def test_a_producer_connected_by_a_pull_is_not_connected_again_by_the_start_up_d
         host, port = sched.lease_address
         endpoint_id = worker.endpoint.descriptor().endpoint_id
         deadline = time.monotonic() + 10
-        peer = consumer._peer(host, port, endpoint_id, deadline)  # a pull's dial: by endpoint id
+        peer = consumer.receiver._peer(host, port, endpoint_id, deadline)  # a pull's dial: by endpoint id
         connects = []
         consumer.endpoint.connect = lambda *a, **k: connects.append(a)
-        assert consumer._peer(host, port, None, deadline) is peer and connects == []  # the start-up dial's
+        assert consumer.receiver._peer(host, port, None, deadline) is peer and connects == []  # the start-up dial's
     finally:
         consumer.shutdown()
 
@@ -481,9 +481,9 @@ def block_bytes(kv_caches, block):
 
 def test_pull_moves_the_leased_blocks_and_frees_the_lease(producer, monkeypatch):
     sched, p_worker = producer
-    monkeypatch.setattr("vllm_ext.connector.worker.SLOW_LOAD_S", 0.0)  # every load counts as slow: its line
+    monkeypatch.setattr("vllm_ext.connector.receiver.SLOW_LOAD_S", 0.0)  # every load counts as slow: its line
     lines = []
-    monkeypatch.setattr("vllm_ext.connector.worker.logger.info", lambda fmt, *args: lines.append(fmt % args))
+    monkeypatch.setattr("vllm_ext.connector.receiver.logger.info", lambda fmt, *args: lines.append(fmt % args))
     consumer_caches = vllm_layers(seed=2)
     d_sched, d_worker = make_scheduler(False), make_worker(consumer_caches, producer=False, allowed=[sched])
     try:
@@ -582,7 +582,7 @@ def test_a_silent_producer_fails_the_receive_at_the_jobs_deadline():
     import socket
 
     from vllm_ext.connector.metadata import RecvJob
-    from vllm_ext.connector.worker import CHANNEL_TIMEOUT_S
+    from vllm_ext.connector.receiver import CHANNEL_TIMEOUT_S
 
     silent = socket.create_server(("127.0.0.1", 0))  # listens, never accepts nor answers
     port = silent.getsockname()[1]
@@ -845,13 +845,46 @@ def test_a_lease_that_is_not_pulled_is_released(producer, case):
         d_worker.shutdown()
 
 
+def test_the_fault_connectors_hooks_see_every_receive_and_pull(producer):
+    """The end-to-end tests' fault connector wraps a worker's `_receive` and `_pull` (and reads
+    `_stream`): the wrappers see each job and each pull, and the receive still completes."""
+    sched, p_worker = producer
+    d_worker = make_worker(vllm_layers(seed=8), producer=False, allowed=[sched])
+    seen = []
+    try:
+        inner_receive, inner_pull = d_worker._receive, d_worker._pull
+
+        def wrapped_receive(job, deadline):
+            seen.append(("receive", job.req_id))
+            inner_receive(job, deadline)
+
+        def wrapped_pull(peer, src, dst, deadline):
+            seen.append(("pull", tuple(dst)))
+            return inner_pull(peer, src, dst, deadline)
+
+        d_worker._receive, d_worker._pull = wrapped_receive, wrapped_pull
+        assert d_worker._stream is None  # on CPU
+        _, params = finish_prefill(sched, list(range(40)))
+        step(sched, p_worker)
+        from vllm_ext.connector.metadata import RecvJob
+
+        job = RecvJob(req_id="d-0", lease=params["remote_lease"], lease_host="127.0.0.1",
+                      lease_port=params["remote_endpoint"]["lease_port"],
+                      endpoint_id=params["remote_endpoint"]["endpoint_id"], fingerprint=params["remote_fingerprint"],
+                      src_block_ids=params["remote_block_ids"], dst_block_ids=[1, 2, 3])
+        assert receive(d_worker, [job]) == ({"d-0"}, set())
+        assert seen == [("receive", "d-0"), ("pull", (1, 2, 3))]
+    finally:
+        d_worker.shutdown()
+
+
 def test_a_failed_pull_synchronises_its_stream_before_it_is_reported(producer, monkeypatch):
     """On a GPU the pull runs on the worker's own stream: when it fails, the stream is
     synchronised before failed_recving is reported (vLLM then reuses the blocks). Stood in for
     on CPU by a stream that records its synchronisations."""
     import contextlib
 
-    from vllm_ext.connector import worker as worker_mod
+    from vllm_ext.connector import receiver as receiver_mod
     from vllm_ext.migration import MigrationError
 
     sched, p_worker = producer
@@ -867,8 +900,8 @@ def test_a_failed_pull_synchronises_its_stream_before_it_is_reported(producer, m
         raise MigrationError("the source stalled past the deadline")
 
     try:
-        d_worker._stream = Stream()
-        monkeypatch.setattr(worker_mod.torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        d_worker.receiver.stream = Stream()
+        monkeypatch.setattr(receiver_mod.torch.cuda, "stream", lambda s: contextlib.nullcontext())
         monkeypatch.setattr(d_worker.endpoint, "pull", failing_pull)
         _, params = finish_prefill(sched, list(range(40)))
         step(sched, p_worker)
@@ -915,7 +948,7 @@ def _precopy(sched, worker, client, mid, req, grant=True):
     asker = threading.Thread(target=ask)
     asker.start()
     deadline = time.monotonic() + 5
-    while not sched._precopy_asks and time.monotonic() < deadline:
+    while not sched._source.has_asks() and time.monotonic() < deadline:
         time.sleep(0.01)
     meta = step(sched, worker, _step_output(req), output=grant)
     asker.join(5)
@@ -971,7 +1004,7 @@ def test_a_pre_copy_replies_once_the_worker_serves_its_blocks(producer, monkeypa
     asker = threading.Thread(target=lambda: got.update(lease=client.precopy(mid, 30)))
     asker.start()
     deadline = time.monotonic() + 5
-    while not sched._precopy_asks and time.monotonic() < deadline:
+    while not sched._source.has_asks() and time.monotonic() < deadline:
         time.sleep(0.01)
     meta = step(sched, worker, _step_output(req), output=False)  # the lease is made and granted by the worker
     (lease_id,) = meta.new_leases
@@ -1067,7 +1100,7 @@ def test_a_destination_traces_when_a_request_with_a_migration_id_arrived_and_was
     assert before <= got.seen_s <= got.scheduled_s <= time.time()
     # a request without a migration id leaves no trace; the oldest traces are forgotten
     sched.get_num_new_matched_tokens(make_request([1, 2, 3], req_id="plain"), 0)
-    monkeypatch.setattr("vllm_ext.connector.scheduler.MAX_TRACES", 3)
+    monkeypatch.setattr("vllm_ext.connector.scheduler.traces.MAX_TRACES", 3)
     for i in range(3):
         other = make_request([1, 2, 3], {"migration_id": f"{i:02x}" * 16}, req_id=f"o-{i}")
         sched.update_state_after_alloc(other, [4], 0)

@@ -1,0 +1,363 @@
+"""A consumer's pull pipeline (the worker process): each RecvJob runs on a thread of its own
+(with its own CUDA stream): describe the producer and connect to it when first seen, acquire the
+lease, pull, verify the blocks against the producer's digests, release the lease. Results are
+taken at the next get_transfer_results.
+
+A consumer dials only producers on its allow-list; every job has a deadline counted from when it
+was queued, and a producer that just failed a job is not dialled again for BACKOFF_S. At
+start-up it connects to its connect_to producers ahead of the first pull, retrying while they
+start (for CONNECT_AHEAD_S); those attempts hold no pull back.
+"""
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
+
+from .. import KVCache, ops
+from ..lease.channel import ChannelError, LeaseClient
+from ..lease.kv_params import fingerprint_mismatch
+from ..migration import MigrationEndpoint, MigrationError, PeerDescriptor
+from .metadata import RecvJob, ReleaseJob
+from .stats import VllmExtStats
+
+logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
+
+CHANNEL_TIMEOUT_S = 5.0
+MAX_CONCURRENT_PULLS = 2
+# Producers a consumer keeps a lease connection to (their addresses come from requests): past
+# this many, the least recently added is closed.
+MAX_PRODUCERS = 64
+# A producer that could not be reached (or whose endpoint failed a pull) is not dialled again
+# for this long: jobs for it fail at once meanwhile.
+BACKOFF_S = 5.0
+# a load slower than this is logged with where its time went (queued, connect, lease, pull, release)
+SLOW_LOAD_S = 1.0
+# At start-up a consumer dials its connect_to producers until it is connected or this long has
+# passed (servers of a deployment start together: a producer may take minutes to be ready).
+CONNECT_AHEAD_S = 900.0
+CONNECT_AHEAD_RETRY_S = (0.5, 5.0)  # the first wait between attempts, doubled up to the second
+
+
+class TransferFailed(RuntimeError):
+    """A receive failed for a reason worth one log line (the request is failed or recomputed)."""
+
+
+def _left(deadline: float, cap: Optional[float] = None) -> float:
+    """Seconds until `deadline` (at most `cap`); TransferFailed once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransferFailed("the pull's deadline passed")
+    return left if cap is None else min(left, cap)
+
+
+def _log_if_slow(job: RecvJob, marks: List[Tuple[str, float]]) -> None:
+    """One log line for a load slower than SLOW_LOAD_S, with where its time went. `marks`:
+    (the step just ended, monotonic time), the first being when the job was queued."""
+    total = marks[-1][1] - marks[0][1]
+    if total >= SLOW_LOAD_S:
+        split = ", ".join(f"{name} {1e3 * (t - before):.0f} ms" for (_, before), (name, t) in zip(marks, marks[1:]))
+        logger.info("request %s: loading %d blocks from %s:%d took %.2f s (%s)", job.req_id,
+                    len(job.dst_block_ids), job.lease_host, job.lease_port, total, split)
+
+
+def descriptor_from_fields(fields: Any) -> PeerDescriptor:
+    """A producer's endpoint descriptor from its lease.describe reply."""
+    if not isinstance(fields, dict):
+        raise TransferFailed(f"the producer's descriptor is malformed: {type(fields).__name__}")
+    known = {f.name for f in dataclasses.fields(PeerDescriptor)}
+    try:
+        return PeerDescriptor(**{k: v for k, v in fields.items() if k in known})
+    except TypeError as e:
+        raise TransferFailed(f"the producer's descriptor is malformed: {e}") from e
+
+
+class Receiver:
+    """Args are values: the deployment secret, the producers it may dial ("host:port"), those
+    it connects to at start-up, the pull's deadline, and whether pulls are checked against the
+    producer's digests. `start` gives it the cache, the endpoint that pulls into it, this
+    cache's fingerprint fields and the stream pulls run on (None on CPU).
+
+    `receive` and `pull` are looked up on the instance at each use: a test-only fault connector
+    may replace them (tests/e2e/live_faults.py)."""
+
+    def __init__(self, *, secret: bytes, allowed: Set[str], connect_to: List[str], pull_timeout_s: float,
+                 verify_kv: bool):
+        self._secret = secret
+        self._allowed = set(allowed)
+        self._connect_to = list(connect_to)
+        self.pull_timeout_s = pull_timeout_s
+        self.verify_kv = verify_kv
+        self.cache: Optional[KVCache] = None
+        self.endpoint: Optional[MigrationEndpoint] = None
+        self.stream = None
+        self._fingerprint_fields: Dict[str, Any] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="vllm-ext-pull")
+        self._lock = threading.Lock()  # results, clients, peers and back-off: pull threads + the worker thread
+        self._done: Set[str] = set()  # receives reported (failed ones too)
+        self._failed: Set[str] = set()
+        self._failed_blocks: Set[int] = set()  # of every failed load
+        self._sync_failed_blocks: Set[int] = set()  # of failed sync loads: always reported as invalid
+        self._stats = VllmExtStats()
+        self._clients: Dict[Tuple[str, int], LeaseClient] = {}
+        self._peers: Dict[str, PeerDescriptor] = {}
+        self._endpoint_at: Dict[Tuple[str, int], str] = {}  # producer -> the endpoint id last connected there
+        self._peer_locks: Dict[Tuple[str, int], threading.Lock] = {}
+        self._backoff: Dict[Tuple[str, int], float] = {}  # producer -> monotonic time it may be dialled again
+
+    def start(self, cache: KVCache, endpoint: MigrationEndpoint, fingerprint_fields: Dict[str, Any], stream) -> None:
+        self.cache, self.endpoint, self.stream = cache, endpoint, stream
+        self._fingerprint_fields = fingerprint_fields
+        for address in self._connect_to:
+            threading.Thread(target=self._connect_ahead, args=(address,), name="vllm-ext-connect-ahead",
+                             daemon=True).start()
+
+    # ---- the worker's thread -------------------------------------------------------------
+    def submit(self, jobs: List[RecvJob], releases: List[ReleaseJob]) -> None:
+        """A step's jobs: a refused one fails at once, a sync one is loaded now (this step's
+        forward reads its blocks), the others on the pull threads."""
+        deadline = time.monotonic() + self.pull_timeout_s
+        for job in jobs:
+            if job.error is not None:
+                self._finish(job, False, job.error)
+            elif job.sync:
+                self.receive(job, deadline)
+            else:
+                self._pool.submit(self.receive, job, deadline)
+        for release in releases:
+            self._pool.submit(self._release_only, release)
+
+    def take_finished(self) -> Tuple[Set[str], Set[str]]:
+        """(finished_recving, failed_recving) since the last call; failed receives are in
+        finished_recving too."""
+        with self._lock:
+            done, failed = self._done, self._failed
+            self._done, self._failed = set(), set()
+        return done, failed
+
+    def take_failed_blocks(self) -> Tuple[Set[int], Set[int]]:
+        """(blocks of every failed load, blocks of failed sync loads) since the last call."""
+        with self._lock:
+            blocks, self._failed_blocks = self._failed_blocks, set()
+            sync, self._sync_failed_blocks = self._sync_failed_blocks, set()
+        return blocks, sync
+
+    def take_stats(self) -> Optional[VllmExtStats]:
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, VllmExtStats()
+        return stats
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            clients = list(self._clients.values())
+        for client in clients:
+            client.close()
+        self.endpoint = None
+
+    # ---- the pull threads ----------------------------------------------------------------
+    def receive(self, job: RecvJob, deadline: float) -> None:
+        """`deadline`: monotonic time by which the job is done, counted from when it was queued."""
+        marks = [("", deadline - self.pull_timeout_s), ("queued", time.monotonic())]  # (step ended, when)
+        client, acquired, pulling = None, False, False
+        try:
+            if time.monotonic() >= deadline:
+                raise TransferFailed(f"the pull's deadline ({self.pull_timeout_s:g} s) passed while it was queued")
+            client = self._client(job.lease_host, job.lease_port)
+            peer = self._peer(job.lease_host, job.lease_port, job.endpoint_id, deadline)
+            marks.append(("connect", time.monotonic()))
+            lease_blocks, _, _, digests = client.acquire(job.lease, _left(deadline) + 5.0,
+                                                         _left(deadline, CHANNEL_TIMEOUT_S))
+            marks.append(("lease", time.monotonic()))
+            acquired = True
+            expected = job.src_block_ids
+            span = slice(job.first_block, job.first_block + len(expected))
+            if lease_blocks[span] != expected:
+                raise TransferFailed(f"lease {job.lease[:8]}: kv_transfer_params.remote_block_ids differ from the "
+                                     "lease's blocks")
+            pulling = True
+            for attempt in (1, 2):  # a pull whose blocks differ from the producer's digests: once more
+                stats = self.pull(peer, expected, job.dst_block_ids, deadline)
+                if not (self.verify_kv and digests):
+                    break
+                if self._digests(job.dst_block_ids) == digests[span]:
+                    break
+                with self._lock:
+                    self._stats.record_mismatch()
+                logger.warning("request %s: the pulled blocks differ from the producer's digests (attempt %d of 2)",
+                               job.req_id, attempt)
+                if attempt == 2:
+                    raise TransferFailed(f"lease {job.lease[:8]}: the pulled blocks differ from the producer's digests "
+                                         "twice; not used")
+            marks.append(("pull", time.monotonic()))
+            acquired = False
+            if not self._release(client, job.lease):
+                raise TransferFailed(f"lease {job.lease[:8]}: the producer could not vouch for the blocks after the "
+                                     "pull (its request was preempted meanwhile, or the release failed); not used")
+            marks.append(("release", time.monotonic()))
+            self._finish(job, True, nbytes=stats.nbytes, seconds=marks[-1][1] - marks[1][1])
+            _log_if_slow(job, marks)
+        except BaseException as e:  # noqa: BLE001 - a receive must always be reported
+            if pulling and self.stream is not None:
+                # nothing of this pull may still write into the blocks once vLLM reuses them: the
+                # endpoint has aborted the pair, what is left on the stream is local copies
+                try:
+                    self.stream.synchronize()
+                except RuntimeError as sync_error:  # a broken device: the engine fails on its own
+                    logger.error("request %s: synchronising the failed pull's stream: %s", job.req_id, sync_error)
+            if isinstance(e, MigrationError):
+                with self._lock:
+                    self._peers.pop(job.endpoint_id, None)  # connect again next time (peer may have restarted)
+                self._back_off(job.lease_host, job.lease_port)
+            if not isinstance(e, (ChannelError, MigrationError, TransferFailed, ValueError, TypeError, OSError)):
+                logger.exception("request %s: unexpected failure while receiving", job.req_id)
+            self._finish(job, False, f"{type(e).__name__}: {e}")
+        finally:
+            if client is not None and acquired:
+                self._release(client, job.lease)
+
+    def pull(self, peer: PeerDescriptor, src: List[int], dst: List[int], deadline: float):
+        if self.stream is None:
+            return self.endpoint.pull(peer, src, dst, timeout=_left(deadline))
+        with torch.cuda.stream(self.stream):
+            stats = self.endpoint.pull(peer, src, dst, timeout=_left(deadline))
+        self.stream.synchronize()
+        return stats
+
+    def _digests(self, block_ids: List[int]) -> List[int]:
+        if self.stream is None:
+            return ops.block_digests(self.cache, block_ids)
+        with torch.cuda.stream(self.stream):  # beside the engine's stream, not on it
+            return ops.block_digests(self.cache, block_ids)
+
+    def _finish(self, job: RecvJob, ok: bool, why: str = "", nbytes: int = 0, seconds: float = 0.0) -> None:
+        with self._lock:
+            if not job.sync:  # vLLM waits for an asynchronous load's report; a sync load has none
+                self._done.add(job.req_id)
+            if ok:
+                self._stats.record_transfer(nbytes, seconds)
+            else:
+                if job.sync:
+                    self._sync_failed_blocks.update(job.dst_block_ids)
+                else:
+                    self._failed.add(job.req_id)
+                self._failed_blocks.update(job.dst_block_ids)
+                self._stats.record_failure()
+        if not ok:
+            logger.warning("request %s: receiving its KV failed: %s", job.req_id, why)
+
+    def _release(self, client: LeaseClient, lease: str) -> bool:
+        """Ends the lease; False when the producer says its blocks changed owner meanwhile (a
+        running request's pre-copy, preempted), or when the release fails (the lease then
+        expires by itself, and what was pulled cannot be vouched for)."""
+        try:
+            return client.release(lease, CHANNEL_TIMEOUT_S)
+        except ChannelError as e:
+            logger.warning("lease %s: release failed (it expires by itself): %s", lease[:8], e)
+            return False
+
+    def _release_only(self, job: ReleaseJob) -> None:
+        """A lease this instance will not pull: freed now rather than at its expiry."""
+        try:
+            client = self._client(job.lease_host, job.lease_port)
+        except TransferFailed as e:
+            logger.warning("request %s: not releasing lease %s: %s", job.req_id, job.lease[:8], e)
+            return
+        self._release(client, job.lease)
+
+    # ---- producers: allow-list, back-off, lease clients, connected peers ----------------
+    def _check_allowed(self, host: str, port: int) -> None:
+        """TransferFailed unless host:port is an allowed producer not in back-off."""
+        if f"{host}:{port}" not in self._allowed:
+            raise TransferFailed(f"producer {host}:{port} is not in kv_connector_extra_config.allowed_producers "
+                                 f"(default: connect_to); not dialled")
+        with self._lock:
+            until = self._backoff.get((host, port), 0.0)
+        if time.monotonic() < until:
+            raise TransferFailed(f"producer {host}:{port} failed less than {BACKOFF_S:g} s ago; not dialled")
+
+    def _back_off(self, host: str, port: int) -> None:
+        with self._lock:
+            self._backoff[(host, port)] = time.monotonic() + BACKOFF_S
+
+    def _client(self, host: str, port: int) -> LeaseClient:
+        self._check_allowed(host, port)
+        with self._lock:
+            client = self._clients.get((host, port))
+            if client is None:
+                if len(self._clients) >= MAX_PRODUCERS:
+                    oldest = next(iter(self._clients))
+                    self._clients.pop(oldest).close()
+                client = self._clients[(host, port)] = LeaseClient(self._secret, host, port)
+                self._peer_locks.setdefault((host, port), threading.Lock())
+            return client
+
+    def _peer(self, host: str, port: int, endpoint_id: Optional[str], deadline: float,
+              back_off: bool = True) -> PeerDescriptor:
+        """The producer's descriptor, checked against this cache and connected when first
+        seen (the handshake: a layout mismatch is refused here, naming the fields). No
+        `endpoint_id`: whichever endpoint is connected there already (a pull may have connected
+        it before the start-up dial got through). A failure to reach it puts it in back-off
+        unless `back_off` is false."""
+        client = self._client(host, port)
+        with self._peer_locks[(host, port)]:
+            known = endpoint_id or self._endpoint_at.get((host, port))
+            peer = self._peers.get(known) if known else None
+            if peer is not None:
+                return peer
+            try:
+                reply = client.describe(_left(deadline, CHANNEL_TIMEOUT_S))
+            except ChannelError:
+                if back_off:
+                    self._back_off(host, port)
+                raise
+            diff = fingerprint_mismatch(self._fingerprint_fields, reply.fingerprint_fields)
+            if diff:
+                raise TransferFailed(f"producer {host}:{port} has an incompatible KV cache: {diff}")
+            peer = descriptor_from_fields(reply.descriptor)
+            if endpoint_id and peer.endpoint_id != endpoint_id:
+                raise TransferFailed(f"producer {host}:{port} serves endpoint {peer.endpoint_id[:8]}, the request "
+                                     f"names {endpoint_id[:8]} (the prefill instance restarted?)")
+            started = time.perf_counter()
+            try:
+                self.endpoint.connect(peer, timeout=_left(deadline))
+            except MigrationError:
+                if back_off:
+                    self._back_off(host, port)
+                raise
+            logger.info("vllm-ext connector: connected to producer %s:%d (%s) in %.1f ms", host, port,
+                        peer.short(), 1e3 * (time.perf_counter() - started))
+            with self._lock:
+                if len(self._peers) >= MAX_PRODUCERS:  # endpoints of restarted producers
+                    self._peers.pop(next(iter(self._peers)))
+                self._peers[peer.endpoint_id] = peer
+                self._endpoint_at[(host, port)] = peer.endpoint_id
+            return peer
+
+    def _connect_ahead(self, address: str) -> None:
+        """Its own thread: connects to a connect_to producer before a pull needs it, trying again
+        while the producer starts; a failure here puts it in no back-off (a pull dials it anew)."""
+        host, _, port = address.rpartition(":")
+        give_up = time.monotonic() + CONNECT_AHEAD_S
+        wait, most = CONNECT_AHEAD_RETRY_S
+        attempts = 0
+        while self.endpoint is not None:
+            attempts += 1
+            try:
+                self._peer(host, int(port), None, time.monotonic() + max(self.pull_timeout_s, 10.0), back_off=False)
+                return
+            except (ChannelError, MigrationError, TransferFailed, ValueError, OSError) as e:
+                if attempts == 1:
+                    logger.info("vllm-ext connector: producer %s not ready yet (%s); trying again", address, e)
+                if time.monotonic() + wait > give_up:
+                    logger.warning("vllm-ext connector: connecting ahead to %s failed %d times in %g s (a pull "
+                                   "dials it anew): %s", address, attempts, CONNECT_AHEAD_S, e)
+                    return
+            time.sleep(wait)
+            wait = min(2 * wait, most)

@@ -1,0 +1,161 @@
+"""The consumer's admission of remote KV (engine thread only): a request whose
+kv_transfer_params come from a producer reports the tokens beyond its local prefix-cache hit as an
+external hit (asynchronous, or loaded before its first step's forward with `sync_load`), and
+hands the worker a RecvJob; a lease it will not pull, a ReleaseJob. A seeded request resumed here
+with `sampled_tokens` has its random stream skip those tokens' draws (skip_draws)."""
+
+import logging
+from typing import Any, Dict, List, Optional, Tuple
+
+from ...lease.kv_params import ParamsError, RemoteKV, lease_ref, parse_remote_params, prompt_hash, sampled_tokens_of
+from ..metadata import RecvJob, ReleaseJob
+
+logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
+
+# Refused requests remembered for one log line each (vLLM may ask about a waiting request many times).
+MAX_WARNED = 10000
+
+
+class Consumer:
+    """Args are values: the engine's block size, `kv_load_failure_policy` ("fail" or
+    "recompute") and whether loads stop at the last whole block before a request's last token.
+    `fingerprint`: this instance's KV cache layout, once its worker registered it."""
+
+    def __init__(self, *, block_size: int, failure_policy: str, whole_blocks: bool):
+        self.block_size = block_size
+        self.failure_policy = failure_policy
+        self.whole_blocks = whole_blocks
+        self.fingerprint: Optional[str] = None
+        self._recvs: List[RecvJob] = []
+        self._releases: List[ReleaseJob] = []
+        self._warned: set = set()
+
+    def remote(self, request) -> Tuple[Optional[RemoteKV], Optional[str]]:
+        """(RemoteKV, None), (None, why it is refused), or (None, None) when the request has no
+        KV to receive."""
+        params = request.kv_transfer_params
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return None, None
+        try:
+            remote = parse_remote_params(params, self.block_size)
+            if self.fingerprint is not None and remote.fingerprint != self.fingerprint:
+                raise ParamsError(
+                    f"kv_transfer_params.remote_fingerprint: {remote.fingerprint} is not this instance's "
+                    f"{self.fingerprint}: the prefill instance's KV cache differs (layout, attention "
+                    "backend, dtype, block size, layers or heads); the lease channel handshake names the fields")
+            if remote.num_tokens > request.num_tokens:
+                raise ParamsError(f"kv_transfer_params.remote_num_tokens: {remote.num_tokens} exceeds this "
+                                  f"request's {request.num_tokens} tokens")
+            if prompt_hash(request.all_token_ids[:remote.num_tokens]) != remote.prompt_hash:
+                raise ParamsError("kv_transfer_params.remote_prompt_hash: the producer's prompt differs from this "
+                                  "request's (another tokenizer or chat template?)")
+            return remote, None
+        except ParamsError as e:
+            return None, str(e)
+
+    def matched_tokens(self, request, num_computed_tokens: int) -> Tuple[int, bool]:
+        """The external tokens beyond the (block-aligned) local hit, and whether they load
+        asynchronously (vLLM's get_num_new_matched_tokens; no side effect but one log line)."""
+        remote, error = self.remote(request)
+        if error is not None:
+            self._warn_once(request.request_id, error)
+            if self.failure_policy == "fail" and request.num_tokens - 1 > num_computed_tokens:
+                return request.num_tokens - 1 - num_computed_tokens, True  # failed by the worker at once
+            return 0, False
+        end = self._load_end(request, remote) if remote is not None else 0
+        if end <= num_computed_tokens:
+            return 0, False
+        return end - num_computed_tokens, not remote.sync
+
+    def _load_end(self, request, remote: RemoteKV) -> int:
+        """Tokens [0, end) come from the producer. With whole_blocks, `end` stops at the last
+        block boundary before the request's last token, so that the step after the load starts
+        on a block boundary as after a local prefix hit (the rest, < one block, is computed here)."""
+        if not self.whole_blocks:
+            return remote.num_tokens
+        return min(remote.num_tokens, request.num_tokens - 1) // self.block_size * self.block_size
+
+    def allocated(self, request, block_ids: List[int], num_external_tokens: int) -> Optional[RecvJob]:
+        """vLLM allocated the request's blocks (`block_ids`: all of them, local-hit blocks
+        first): the receive it needs, if any (also returned). It is called for every request
+        scheduled from the waiting queue, also when nothing is loaded (a full local hit, nothing
+        beyond it, skip_reading_prefix_cache, refused params): then the lease is released at once,
+        so the producer frees its blocks now and not at expiry."""
+        remote, error = self.remote(request)
+        if remote is None and error is None:
+            return None
+        request.kv_transfer_params["do_remote_prefill"] = False  # once: a preempted request recomputes
+        if num_external_tokens <= 0 or error is not None:
+            job = None
+            if error is not None and num_external_tokens > 0:
+                # the blocks of the external hit get_num_new_matched_tokens reported (policy "fail"):
+                # releases without failed_recving (0.26) learn of the failure only from its blocks
+                end = request.num_tokens - 1
+                first, last = (end - num_external_tokens) // self.block_size, -(-end // self.block_size)
+                job = RecvJob(req_id=request.request_id, error=error, dst_block_ids=list(block_ids[first:last]))
+                self._recvs.append(job)
+            self.release(request.request_id, request.kv_transfer_params)
+            return job
+        end = self._load_end(request, remote)
+        start = end - num_external_tokens
+        first, last = start // self.block_size, -(-end // self.block_size)
+        job = RecvJob(
+            req_id=request.request_id, lease=remote.lease, lease_host=remote.lease_host,
+            lease_port=remote.lease_port, endpoint_id=remote.endpoint_id, fingerprint=remote.fingerprint,
+            first_block=first, src_block_ids=remote.block_ids[first:last], dst_block_ids=list(block_ids[first:last]),
+            sync=remote.sync)
+        self._recvs.append(job)
+        return job
+
+    def request_finished(self, request) -> None:
+        """A request never scheduled (aborted while waiting): nothing will pull its lease."""
+        params = request.kv_transfer_params
+        if isinstance(params, dict) and params.get("do_remote_prefill"):
+            params["do_remote_prefill"] = False
+            self.release(request.request_id, params)
+
+    def release(self, req_id: str, params: Any) -> None:
+        """A release-only job for the lease named by `params`, when its lease fields are well
+        formed (the worker dials only allowed producers)."""
+        ref = lease_ref(params)
+        if ref is not None:
+            self._releases.append(ReleaseJob(req_id=req_id, lease=ref[0], lease_host=ref[1], lease_port=ref[2]))
+
+    def take_jobs(self) -> Tuple[List[RecvJob], List[ReleaseJob]]:
+        jobs = self._recvs, self._releases
+        self._recvs, self._releases = [], []
+        return jobs
+
+    def _warn_once(self, req_id: str, error: str) -> None:
+        """One log line per refused request."""
+        if req_id in self._warned:
+            return
+        if len(self._warned) > MAX_WARNED:
+            self._warned.clear()
+        self._warned.add(req_id)
+        logger.warning("request %s: refusing its kv_transfer_params (policy %r: %s): %s", req_id,
+                       self.failure_policy, "it fails" if self.failure_policy == "fail" else "computed here",
+                       error)
+
+
+def skip_draws(scheduler_output) -> Dict[str, int]:
+    """The seeded requests first scheduled in this step that were resumed here with
+    `sampled_tokens` (their random stream skips those tokens' draws)."""
+    if scheduler_output is None:
+        return {}
+    from vllm.sampling_params import SamplingType
+
+    skips = {}
+    for new in getattr(scheduler_output, "scheduled_new_reqs", ()):
+        sampling = new.sampling_params
+        if sampling is None or sampling.sampling_type != SamplingType.RANDOM_SEED:
+            continue
+        params = (sampling.extra_args or {}).get("kv_transfer_params")
+        try:
+            n = sampled_tokens_of(params, len(new.prompt_token_ids or ()))
+        except ParamsError as e:
+            logger.warning("request %s: %s: its seeded random stream restarts here", new.req_id, e)
+            continue
+        if n:
+            skips[new.req_id] = n
+    return skips

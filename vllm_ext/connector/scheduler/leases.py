@@ -1,0 +1,138 @@
+"""The producer's leases: a request's blocks held for consumers, until released or expired.
+
+A lease is made on the engine thread (a finished `do_remote_decode` request's, or a running
+request's complete blocks for a migration's pre-copy), granted by the worker in the next step
+(its endpoint then serves the blocks; the step's output says so, with the blocks' digests),
+taken by one consumer's acquire and ended by its release or at expiry. What the table learns in
+between goes to the worker with the next step's metadata: leases made (to grant), leases ended
+(to revoke), requests whose blocks go back to vLLM (finished_sending).
+
+Not thread-safe: SchedulerHalf calls it under its lock (engine thread and lease channel threads).
+"""
+
+import dataclasses
+import secrets
+from typing import Callable, Dict, List, Optional
+
+
+@dataclasses.dataclass(eq=False)
+class Lease:
+    """A request's blocks held for consumers (producer side): a finished request's (P/D), or a
+    running request's complete blocks (a migration's pre-copy: `migration_id` set)."""
+
+    lease_id: str
+    req_id: str
+    block_ids: List[int]
+    num_tokens: int
+    prompt_hash: str  # of the request's first num_tokens token ids
+    expires_at: float
+    granted: bool  # the worker's endpoint serves block_ids
+    taken: bool = False  # a consumer's acquire holds it
+    # migration leases: the request's migration id, its tokens so far, its prompt's length, and
+    # its preemption count when the lease was made (a preemption gives its blocks back to vLLM)
+    migration_id: Optional[str] = None
+    token_ids: List[int] = dataclasses.field(default_factory=list)
+    num_prompt_tokens: int = 0
+    preemptions: Optional[int] = None
+    digests: List[int] = dataclasses.field(default_factory=list)  # the blocks', from the worker that serves them
+    known_digests: List[int] = dataclasses.field(default_factory=list)  # of its first blocks, known when made
+
+
+@dataclasses.dataclass(frozen=True)
+class Digested:
+    """A running request's last granted lease: its preemption count then, its blocks and their
+    digests. A complete block's bytes do not change while the request holds it, so a later lease
+    of the same request digests only the blocks after these."""
+
+    preemptions: Optional[int]
+    block_ids: List[int]
+    digests: List[int]
+
+
+@dataclasses.dataclass
+class LeaseChanges:
+    """What the worker learns at the next step (VllmExtMetadata's producer fields)."""
+
+    new_leases: Dict[str, List[int]] = dataclasses.field(default_factory=dict)  # lease id -> blocks to grant
+    digest_from: Dict[str, int] = dataclasses.field(default_factory=dict)  # lease id -> first blocks known
+    ended_leases: List[str] = dataclasses.field(default_factory=list)  # grants to revoke
+    finished_sending: List[str] = dataclasses.field(default_factory=list)  # requests whose blocks go back
+
+
+class LeaseTable:
+    """Args are values: how long an untaken lease lives, the clock it is counted on, and whether
+    a lease waits for the worker's grant (False: releases without worker metadata, served at once)."""
+
+    def __init__(self, *, lease_s: float, clock: Callable[[], float], wait_for_grant: bool):
+        self.lease_s = lease_s
+        self._clock = clock
+        self._wait_for_grant = wait_for_grant
+        self._leases: Dict[str, Lease] = {}
+        self._changes = LeaseChanges()
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def get(self, lease_id: str) -> Optional[Lease]:
+        return self._leases.get(lease_id)
+
+    def is_live(self, lease: Lease) -> bool:
+        return self._leases.get(lease.lease_id) is lease
+
+    def add(self, req_id: str, block_ids: List[int], num_tokens: int, prompt_hash: str, *,
+            migration_id: Optional[str] = None, token_ids: Optional[List[int]] = None, num_prompt_tokens: int = 0,
+            preemptions: Optional[int] = None, last: Optional[Digested] = None) -> Lease:
+        """A new lease, granted by the worker at the next step. `last`: the request's last
+        granted lease (a migration's): the digests of the blocks they share are reused."""
+        lease = Lease(secrets.token_hex(16), req_id, list(block_ids), num_tokens, prompt_hash,
+                      self._clock() + self.lease_s, granted=not self._wait_for_grant, migration_id=migration_id,
+                      token_ids=token_ids or [], num_prompt_tokens=num_prompt_tokens, preemptions=preemptions)
+        self._leases[lease.lease_id] = lease
+        self._changes.new_leases[lease.lease_id] = lease.block_ids
+        if last is not None and last.preemptions == preemptions:
+            k = 0
+            while k < min(len(last.block_ids), len(block_ids)) and last.block_ids[k] == block_ids[k]:
+                k += 1
+            if k:
+                lease.known_digests = last.digests[:k]
+                self._changes.digest_from[lease.lease_id] = k
+        return lease
+
+    def expired(self) -> List[Lease]:
+        now = self._clock()
+        return [lease for lease in self._leases.values() if lease.expires_at <= now]
+
+    def take(self, lease: Lease, hold_s: float) -> None:
+        """A consumer's acquire found the lease served: it lives at least `hold_s` more."""
+        lease.expires_at = max(lease.expires_at, self._clock() + hold_s)
+
+    def end(self, lease: Lease) -> None:
+        """Its grant is revoked at the next step (its blocks go back with `free`)."""
+        del self._leases[lease.lease_id]
+        self._changes.ended_leases.append(lease.lease_id)
+
+    def free(self, req_id: str) -> None:
+        """The request's blocks go back to vLLM at the next step (the worker reports it in
+        finished_sending)."""
+        self._changes.finished_sending.append(req_id)
+
+    def grant(self, lease_ids: List[str], digests: Dict[str, List[int]]) -> List[Lease]:
+        """The worker serves these leases' blocks now; returns those whose digests are complete."""
+        digested = []
+        for lease_id in lease_ids:
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                continue
+            lease.granted = True
+            found = digests.get(lease_id)
+            if found is not None and len(lease.known_digests) + len(found) == len(lease.block_ids):
+                lease.digests = lease.known_digests + list(found)
+                digested.append(lease)
+        return digested
+
+    def take_changes(self) -> LeaseChanges:
+        changes, self._changes = self._changes, LeaseChanges()
+        return changes
+
+    def has_pending_frees(self) -> bool:
+        return bool(self._changes.finished_sending)
