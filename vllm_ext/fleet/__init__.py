@@ -16,6 +16,7 @@ that watch them.
 models.py     model folders: random Llamas, config-only folders, their tokenizers (tokenizers.py)
 process.py    a child process in its own group, free ports, /health, POST and /metrics
 servers.py    vLLM servers per kind of device (DEVICES), their environment and arguments
+real_model.py the real test model (SmolLM2-135M-Instruct), fetched, checked and converted once
 
 Importing it loads no torch, vLLM or aiohttp: a writer imports torch and transformers when it
 runs, and servers run in their own processes.
@@ -34,11 +35,13 @@ from .models import (
     write_word_tokenizer,
 )
 from .process import REQUEST_TIMEOUT_S, STARTUP_TIMEOUT_S, Process, free_port, metrics, post, stop_all
+from .real_model import RealModelError, real_model_folder
 from .servers import BLOCK_SIZE, CPU, DEVICES, SECRET, Device, start_vllm, vllm_env, write_checkpoint
 
 __all__ = [
     "BLOCK_SIZE", "CPU", "DEVICES", "LLAMA_7B", "REQUEST_TIMEOUT_S", "SECRET", "STARTUP_TIMEOUT_S", "TINY",
-    "TINY_GPU", "VOCAB_SIZE", "Device", "Process", "free_port", "metrics", "post", "start_vllm", "stop_all",
+    "TINY_GPU", "VOCAB_SIZE", "Device", "Process", "RealModelError", "free_port", "metrics", "post",
+    "real_model_folder", "start_vllm", "stop_all",
     "vllm_env", "write_7b_config", "write_chat_model", "write_checkpoint", "write_config", "write_random_llama",
     "write_text_model", "write_word_tokenizer",
 ]
