@@ -13,8 +13,10 @@ pytest.importorskip("aiohttp", reason="the router needs aiohttp (a vLLM dependen
 import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 
-from vllm_ext.router.app import ENV_TOKEN, build_app  # noqa: E402
+from vllm_ext.router.app import ENV_TOKEN, Router, build_app  # noqa: E402
+from vllm_ext.router.relay import ClientGone, LegFailed  # noqa: E402
 from vllm_ext.router.settings import Settings  # noqa: E402
+from vllm_ext.router.state import Routed  # noqa: E402
 
 
 def dead_url():
@@ -201,23 +203,22 @@ def _token_event(token_id, prompt=None, finish=None):
 def _switch(gap_s, tokens_after_stop):
     """A routed request with a leg; the driver's stop while the pump relays. Returns (what stop
     returned, the client's token ids, the leg, seconds the stop took)."""
-    from vllm_ext.router import app as router_app
     from vllm_ext.router.openai import ClientStream
 
     async def go():
-        router = router_app.Router(["http://127.0.0.1:9"], None, Settings())
+        router = Router(["http://127.0.0.1:9"], None, Settings())
         client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
         client.prompt_token_ids = [1, 2]
-        routed = router_app.Routed("c", {"model": "m"}, False, client)
+        routed = Routed("c", {"model": "m"}, False, client)
         leg = _take(routed, router.instances[0])
         out = _Out()
         for t in (10, 11):  # two tokens: the client's last gap between tokens is known
             await leg.content.events.put(_token_event(t))
-        pump = asyncio.ensure_future(router._pump(routed, out))
+        pump = asyncio.ensure_future(router.relay.pump(routed, out))
         while len(client.token_ids) < 2:
             await asyncio.sleep(0.005)
         client.last_gap_s = gap_s
-        driver = router_app._Driver(router, routed)
+        driver = router.migrations.driver(routed)
         started = asyncio.get_running_loop().time()
         stop = asyncio.ensure_future(driver.stop())
         await asyncio.sleep(0.05)
@@ -233,7 +234,7 @@ def _switch(gap_s, tokens_after_stop):
 
 
 def test_the_stop_comes_right_after_the_sources_next_token(monkeypatch):
-    monkeypatch.setattr("vllm_ext.router.app.STOP_WAIT_MAX_S", 60.0)  # a slow host does not make the token late
+    monkeypatch.setattr("vllm_ext.router.driver.STOP_WAIT_MAX_S", 60.0)  # a slow host does not make the token late
     stopped, ids, leg, _ = _switch(gap_s=30.0, tokens_after_stop=[12, 13, 14])
     # 12 reached the client, then the leg closed: 13 and 14 were never relayed
     assert stopped is True and ids == [10, 11, 12] and leg.closed
@@ -259,14 +260,13 @@ class _Buffered:
 def test_a_stream_that_arrives_faster_than_it_is_relayed_does_not_hold_the_loop():
     """Other streams, migrations and the admin API run between a stream's events, also while
     the next event is already buffered (an aiohttp read then returns without yielding)."""
-    from vllm_ext.router import app as router_app
     from vllm_ext.router.openai import ClientStream
 
     async def go():
-        router = router_app.Router(["http://127.0.0.1:9"], None, Settings())
+        router = Router(["http://127.0.0.1:9"], None, Settings())
         client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
         client.prompt_token_ids = [1, 2]
-        routed = router_app.Routed("c", {"model": "m"}, False, client)
+        routed = Routed("c", {"model": "m"}, False, client)
         _take(routed, router.instances[0]).content = _Buffered([_token_event(t) for t in range(100, 300)])
         seen = []  # the client's token count each time the other task ran
 
@@ -274,7 +274,7 @@ def test_a_stream_that_arrives_faster_than_it_is_relayed_does_not_hold_the_loop(
             for _ in range(5):
                 seen.append(len(client.token_ids))
                 await asyncio.sleep(0)
-        pump = asyncio.ensure_future(router._pump(routed, _Out()))
+        pump = asyncio.ensure_future(router.relay.pump(routed, _Out()))
         others = asyncio.ensure_future(other())
         assert await pump == "ended" and len(client.token_ids) == 200
         await others
@@ -304,7 +304,6 @@ def _describing_lease_servers(secret: str, replies):
 def test_a_seeded_request_moves_only_between_instances_that_sample_alike(monkeypatch):
     """The router asks each instance's lease channel (real lease servers here) how it samples:
     a seeded request may go only where its random stream goes on; others go anywhere."""
-    from vllm_ext.router.app import Routed, Router, _Driver
     from vllm_ext.router.openai import ClientStream
 
     secret = "router-unit-test-deployment-secret"
@@ -318,7 +317,7 @@ def test_a_seeded_request_moves_only_between_instances_that_sample_alike(monkeyp
         def refusal(body, to):
             routed = Routed("cmpl-1", body, False, ClientStream("cmpl-1", False, "m", False, want_usage=False))
             routed.instance = router.instances[0]
-            return asyncio.run(_Driver(router, routed).refuse(urls[to]))
+            return asyncio.run(router.migrations.driver(routed).refuse(urls[to]))
 
         seeded = {"prompt": [1, 2], "seed": 5, "temperature": 0.8}
         assert refusal(seeded, "B") is None
@@ -352,23 +351,22 @@ class _StuckOut:
 def test_a_client_that_stopped_reading_does_not_hold_a_migrations_stop():
     """The pump's write to the client has the timeout setting's deadline (the client is then
     gone), and the stop waits for the pump at most that long (plus STOP_WAIT_MAX_S)."""
-    from vllm_ext.router import app as router_app
     from vllm_ext.router.openai import ClientStream
 
     async def go():
-        router = router_app.Router(["http://127.0.0.1:9"], None, Settings(timeout_s=0.2))
+        router = Router(["http://127.0.0.1:9"], None, Settings(timeout_s=0.2))
         client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
         client.prompt_token_ids = [1, 2]
-        routed = router_app.Routed("c", {"model": "m"}, False, client)
+        routed = Routed("c", {"model": "m"}, False, client)
         leg = _take(routed, router.instances[0])
         for t in (10, 11, 12):
             await leg.content.events.put(_token_event(t))
-        pump = asyncio.ensure_future(router._pump(routed, _StuckOut()))
+        pump = asyncio.ensure_future(router.relay.pump(routed, _StuckOut()))
         while len(client.token_ids) < 3:
             await asyncio.sleep(0.01)
-        driver = router_app._Driver(router, routed)
+        driver = router.migrations.driver(routed)
         stopped = await asyncio.wait_for(driver.stop(), 60)
-        with pytest.raises(router_app._ClientGone, match="the client took nothing for 0.2 s"):
+        with pytest.raises(ClientGone, match="the client took nothing for 0.2 s"):
             await pump
         return stopped, driver.late_stop
 
@@ -562,13 +560,12 @@ def test_a_client_that_leaves_before_its_whole_answer_has_its_request_aborted(mo
 
 
 def _routed_on(router, inst, tokens=(5, 6), rid="c"):
-    from vllm_ext.router import app as router_app
     from vllm_ext.router.openai import ClientStream
 
     client = ClientStream(rid, False, "m", want_ids=True, want_usage=False)
     client.prompt_token_ids = [1, 2]
     client.token_ids = list(tokens)
-    routed = router_app.Routed(rid, {"model": "m", "prompt": [1, 2], "max_tokens": 9}, False, client)
+    routed = Routed(rid, {"model": "m", "prompt": [1, 2], "max_tokens": 9}, False, client)
     routed.instance = inst
     return routed
 
@@ -576,18 +573,17 @@ def _routed_on(router, inst, tokens=(5, 6), rid="c"):
 def test_only_a_resume_that_loads_kv_reads_the_migrations_salted_blocks():
     """The moved KV is cached under the migration's salt; a recompute resume has none, so it
     reads the destination's prefix cache like any request (a prefix it holds is not recomputed)."""
-    from vllm_ext.router import app as router_app
 
     async def go():
-        router = router_app.Router(["http://127.0.0.1:9", "http://127.0.0.1:10"], None, Settings())
+        router = Router(["http://127.0.0.1:9", "http://127.0.0.1:10"], None, Settings())
         a, b = router.instances
         sent = []
 
         async def fake_open(routed, inst, url, body, first_token=False):
             sent.append((inst, url, body, first_token))
             _take(routed, inst)
-        router._open = fake_open
-        driver = router_app._Driver(router, _routed_on(router, a))
+        router.relay.open = fake_open
+        driver = router.migrations.driver(_routed_on(router, a))
         await driver.resume(b.url, {"migration_id": driver.next_mid})
         lease = {"migration_id": driver.next_mid, "remote_lease": "l", "do_remote_prefill": True}
         await driver.resume(b.url, lease)
@@ -627,13 +623,12 @@ def test_a_resume_that_loaded_kv_is_kept_only_when_the_destination_vouches_for_t
     request is the source's again: its recovery tries the source first (whose prefix cache
     holds the request's blocks)."""
     from vllm_ext.lease import messages
-    from vllm_ext.router import app as router_app
 
     def trace(unsafe=False, settled=True):
         return messages.MigrateTraceReply(1.0, 2.0, 3.0, unsafe=unsafe, settled=settled, load_failed=unsafe)
 
     async def go():
-        router = router_app.Router(["http://127.0.0.1:9", "http://127.0.0.1:10"], None, Settings())
+        router = Router(["http://127.0.0.1:9", "http://127.0.0.1:10"], None, Settings())
         a, b = router.instances
         b.control = {"vouched": _Control(trace()), "unsafe": _Control(trace(unsafe=True)),
                      "unsettled": _Control(trace(settled=False)), "silent": _Control(None),
@@ -643,18 +638,18 @@ def test_a_resume_that_loaded_kv_is_kept_only_when_the_destination_vouches_for_t
         async def fake_open(routed, inst, url, body, first_token=False):
             tried.append(inst)
             legs.append(_take(routed, inst))
-        router._open = fake_open
+        router.relay.open = fake_open
         routed = _routed_on(router, a)
         a.requests[routed.rid] = routed
-        driver = router_app._Driver(router, routed)
+        driver = router.migrations.driver(routed)
         lease = {"migration_id": driver.next_mid, "remote_lease": "l", "do_remote_prefill": True}
         try:
             kept = await driver.resume(b.url, lease)
             where = (routed.instance, sorted(a.requests), sorted(b.requests))
             if not kept:
-                await router._recover(routed, prefer_source=True)
+                await router.relay.recover(routed, prefer_source=True)
         finally:
-            router.checks.shutdown(wait=True)
+            router.migrations.checks.shutdown(wait=True)
         return kept, where, legs, [router.instances.index(i) for i in tried], (a, b)
 
     kept, (inst, on_a, on_b), legs, tried, (a, b) = asyncio.run(go())
@@ -666,20 +661,19 @@ def test_a_resume_that_loaded_kv_is_kept_only_when_the_destination_vouches_for_t
 
 
 def test_a_recovery_after_a_failed_move_prefers_the_source_unless_it_drains():
-    from vllm_ext.router import app as router_app
 
     async def go(draining):
-        router = router_app.Router(["http://127.0.0.1:9", "http://127.0.0.1:10"], None, Settings())
+        router = Router(["http://127.0.0.1:9", "http://127.0.0.1:10"], None, Settings())
         a, b = router.instances
         a.draining = draining
         tried = []
 
         async def fake_open(routed, inst, url, body, first_token=False):
             tried.append(inst)
-            raise router_app._LegFailed("no")
-        router._open = fake_open
-        with pytest.raises(router_app._LegFailed, match="no instance could continue it"):
-            await router._recover(_routed_on(router, a), prefer_source=True)
+            raise LegFailed("no")
+        router.relay.open = fake_open
+        with pytest.raises(LegFailed, match="no instance could continue it"):
+            await router.relay.recover(_routed_on(router, a), prefer_source=True)
         return [router.instances.index(i) for i in tried]
 
     assert asyncio.run(go(False)) == [0, 1]
@@ -699,7 +693,7 @@ def test_migrate_refuses_a_destination_that_is_down_draining_or_busy_and_undrain
         rb, up = await _backend(_empty, metrics)  # B is up until the test marks it down
         app = build_app([dead_url(), up], None, Settings(health_interval_s=60))
         router = next(h.__self__ for r in app.router.routes() for h in [r.handler]
-                      if getattr(h, "__name__", "") == "admin_migrate")
+                      if getattr(h, "__name__", "") == "completions")
         a, b = router.instances
         routed = _routed_on(router, a)
         _take(routed, a)
@@ -745,11 +739,10 @@ def test_migrate_refuses_a_destination_that_is_down_draining_or_busy_and_undrain
 def test_a_request_without_a_limit_resumes_up_to_the_destinations_model_length():
     """A chat request without max_tokens: its resumed leg (a /v1/completions request, whose
     default is 16 tokens) asks for the destination's max_model_len, from its /v1/models."""
-    from vllm_ext.router import app as router_app
     from vllm_ext.router.openai import ClientStream
 
     async def go():
-        router = router_app.Router(["http://127.0.0.1:9", "http://127.0.0.1:10"], None, Settings())
+        router = Router(["http://127.0.0.1:9", "http://127.0.0.1:10"], None, Settings())
         a, b = router.instances
         b.models = {"object": "list", "data": [{"id": "other", "max_model_len": 64},
                                                {"id": "m", "max_model_len": 4096}]}
@@ -758,14 +751,14 @@ def test_a_request_without_a_limit_resumes_up_to_the_destinations_model_length()
         async def fake_open(routed, inst, url, body, first_token=False):
             sent.append(body)
             _take(routed, inst)
-        router._open = fake_open
+        router.relay.open = fake_open
         client = ClientStream("c", True, "m", want_ids=False, want_usage=False)
         client.prompt_token_ids, client.token_ids = [1, 2, 3], [4]
-        routed = router_app.Routed("c", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, True,
+        routed = Routed("c", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, True,
                                    client)
         routed.instance = a
-        await router_app._Driver(router, routed).resume(b.url, None)
-        await router._recover(routed, prefer_source=True)  # where it is, B, first
+        await router.migrations.driver(routed).resume(b.url, None)
+        await router.relay.recover(routed, prefer_source=True)  # where it is, B, first
         return sent
 
     resumed, recovered = asyncio.run(go())
@@ -781,7 +774,6 @@ def test_a_moved_request_keeps_the_output_limit_its_first_instance_gave_it(monke
     200 keeps the cap where there is none; one whose first instance was marked down before it
     described itself keeps the client's limit; and none moves to an instance that caps what it
     has left below it."""
-    from vllm_ext.router import app as router_app
     from vllm_ext.router.openai import ClientStream
 
     secret = "router-unit-test-deployment-secret"
@@ -790,7 +782,7 @@ def test_a_moved_request_keeps_the_output_limit_its_first_instance_gave_it(monke
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
     async def go():
-        router = router_app.Router(["http://a.invalid", "http://b.invalid", "http://c.invalid"],
+        router = Router(["http://a.invalid", "http://b.invalid", "http://c.invalid"],
                                    [f"127.0.0.1:{s.port}" for s in servers], Settings())
         a, b, c = router.instances
         b.models = {"object": "list", "data": [{"id": "m", "max_model_len": 4096}]}
@@ -799,12 +791,12 @@ def test_a_moved_request_keeps_the_output_limit_its_first_instance_gave_it(monke
         async def fake_open(routed, inst, url, body, first_token=False):
             sent.append(body)
             _take(routed, inst)
-        router._open = fake_open
+        router.relay.open = fake_open
 
         def routed_on(first, body):
             client = ClientStream("c", True, "m", want_ids=False, want_usage=False)
             client.prompt_token_ids, client.token_ids = [1, 2, 3], [4, 5]
-            routed = router_app.Routed("c", body, True, client)
+            routed = Routed("c", body, True, client)
             routed.instance = first
             routed.limit.began_on(first)  # its first leg began there
             return routed
@@ -813,12 +805,12 @@ def test_a_moved_request_keeps_the_output_limit_its_first_instance_gave_it(monke
             first.described = None  # not described when the request's first leg began
             routed = routed_on(first, body)
             if down:
-                router._mark_down(first, OSError("test"))
-            assert await router._describe(first) is not None  # it describes itself now
-            await router_app._Driver(router, routed).resume(b.url, None)
+                router.fleet.mark_down(first, OSError("test"))
+            assert await router.fleet.describe(first) is not None  # it describes itself now
+            await router.migrations.driver(routed).resume(b.url, None)
         legs = [leg["max_tokens"] for leg in sent]
         # to C, which caps output at 200: only a request with at most 200 tokens left
-        refusals = [await router_app._Driver(router, routed_on(a, body)).refuse(c.url)
+        refusals = [await router.migrations.driver(routed_on(a, body)).refuse(c.url)
                     for body in (chat, dict(chat, max_tokens=202), dict(chat, max_tokens=203))]
         for inst in router.instances:
             inst.control.close()
@@ -879,7 +871,7 @@ def test_a_request_that_cannot_move_is_listed_with_its_reason_while_it_runs(monk
 def test_a_chat_stream_whose_instance_parses_reasoning_relays_it_and_stays_there(monkeypatch):
     """Its reasoning reaches the client apart from the content; from its first reasoning delta
     the request is listed as unmovable, with why, and /migrate refuses it by that reason."""
-    from vllm_ext.router.app import REASONING_PINS
+    from vllm_ext.router.relay import REASONING_PINS
 
     monkeypatch.setenv(ENV_TOKEN, "s3cret")
     admin = {"Authorization": "Bearer s3cret"}
@@ -947,7 +939,7 @@ def test_a_drain_moves_each_request_to_the_least_loaded_instance_with_no_migrati
         backends = [await _backend(_empty) for _ in range(3)]  # up: the router's polls find them
         app = build_app([url for _, url in backends], None, Settings(health_interval_s=60))
         router = next(h.__self__ for r in app.router.routes() for h in [r.handler]
-                      if getattr(h, "__name__", "") == "admin_drain")
+                      if getattr(h, "__name__", "") == "completions")
         a, b, c = router.instances
         b.migrating_in = 1
         c.requests.update({key: Relayed(key, c, "n > 1") for key in ("x", "y")})
@@ -961,7 +953,7 @@ def test_a_drain_moves_each_request_to_the_least_loaded_instance_with_no_migrati
             done = asyncio.get_running_loop().create_future()
             done.set_result(live.Record("ab" * 16, routed_.rid, a.url, dst.url, outcome=live.Outcome.MOVED))
             return done
-        router.start_migration = start_migration
+        router.migrations.start = start_migration
         runner, url = await _serving(app)
         try:
             async with aiohttp.ClientSession(headers={"Authorization": "Bearer t"}) as s:
@@ -991,7 +983,7 @@ def test_no_migration_goes_to_an_instance_whose_kv_cache_is_full_or_that_queues_
         backends = [await _backend(_empty, metrics(u, w)) for u, w in ((0.1, 0), (0.95, 0), (0.2, 3), (0.5, 0))]
         app = build_app([url for _, url in backends], None, Settings(health_interval_s=60))
         router = next(h.__self__ for r in app.router.routes() for h in [r.handler]
-                      if getattr(h, "__name__", "") == "admin_drain")
+                      if getattr(h, "__name__", "") == "completions")
         runner, url = await _serving(app)
         a, full, queues, roomy = router.instances
         try:
@@ -1012,7 +1004,7 @@ def test_no_migration_goes_to_an_instance_whose_kv_cache_is_full_or_that_queues_
                     chosen.append(dst)
                     a.requests.pop(routed_.rid)
                     return _done(dst)
-                router.start_migration = start_migration
+                router.migrations.start = start_migration
                 async with s.post(url + "/migrate", json={"request_id": "c"}) as r:
                     assert r.status == 200, await r.text()
                 a.requests["c"] = routed
@@ -1047,13 +1039,13 @@ def test_a_drain_waits_for_a_migration_already_leaving_the_instance(monkeypatch)
         backends = [await _backend(_empty) for _ in range(2)]
         app = build_app([url for _, url in backends], None, Settings(health_interval_s=60))
         router = next(h.__self__ for r in app.router.routes() for h in [r.handler]
-                      if getattr(h, "__name__", "") == "admin_drain")
+                      if getattr(h, "__name__", "") == "completions")
         a, _ = router.instances
         a.migrating_out = 1  # a /migrate of another of A's requests is under way
         routed = _routed_on(router, a)
         _take(routed, a)
         router.requests["c"] = routed
-        router.start_migration = lambda *args, **kwargs: started.append(args)
+        router.migrations.start = lambda *args, **kwargs: started.append(args)
         runner, url = await _serving(app)
         try:
             async with aiohttp.ClientSession(headers={"Authorization": "Bearer t"}) as s:
@@ -1071,21 +1063,20 @@ def test_a_drain_waits_for_a_migration_already_leaving_the_instance(monkeypatch)
 def test_a_broken_leg_is_closed_and_an_ended_one_released():
     """The pump lets go of a leg's connection either way (a broken one left open stays in
     aiohttp's hands, unclosed)."""
-    from vllm_ext.router import app as router_app
     from vllm_ext.router.openai import ClientStream
 
     async def pump(end):
-        router = router_app.Router(["http://127.0.0.1:9"], None, Settings())
+        router = Router(["http://127.0.0.1:9"], None, Settings())
         client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
         client.prompt_token_ids = [1, 2]
-        routed = router_app.Routed("c", {"model": "m"}, False, client)
+        routed = Routed("c", {"model": "m"}, False, client)
         leg = _take(routed, router.instances[0])
         await leg.content.events.put(_token_event(7))
         if end == "broken":
             leg.content.set_exception(aiohttp.ClientPayloadError("cut"))
         else:
             await leg.content.events.put(b"")
-        how = await router._pump(routed, _Out())
+        how = await router.relay.pump(routed, _Out())
         return how, leg.closed, leg.released, client.token_ids, routed.leg
 
     assert asyncio.run(pump("broken")) == ("broken", True, False, [], None)  # (the error comes first)
@@ -1170,11 +1161,10 @@ def test_the_streams_and_waits_of_a_silent_instance_are_cut_and_continued_elsewh
 def test_a_silent_instance_cuts_what_waited_as_long_even_if_it_began_after_the_silence():
     """The rule is per stream and per wait: silent_s without a word from it (and no poll answered
     for as long), whether it began before the instance went silent or after."""
-    from vllm_ext.router import app as router_app
 
     async def go():
-        router = router_app.Router(["http://127.0.0.1:9"], None, Settings(silent_s=10.0))
-        inst, now = router.instances[0], router_app.time.monotonic()
+        router = Router(["http://127.0.0.1:9"], None, Settings(silent_s=10.0))
+        inst, now = router.instances[0], time.monotonic()
         inst.silent_since = now - 30
         waits = {began: asyncio.get_running_loop().create_future() for began in (now - 11, now - 9)}
         for began, cut in waits.items():
@@ -1184,7 +1174,7 @@ def test_a_silent_instance_cuts_what_waited_as_long_even_if_it_began_after_the_s
             routed = _routed_on(router, inst, rid=f"r{heard}")
             legs[heard] = _take(routed, inst)
             routed.leg.heard_at = heard
-        router._cut_silent(inst)
+        router.fleet.cut_silent(inst)
         return ([waits[b].done() for b in sorted(waits)],
                 [isinstance(legs[h].content.exception(), aiohttp.ClientConnectionError) for h in sorted(legs)])
 

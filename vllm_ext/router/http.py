@@ -3,6 +3,7 @@ error bodies, an app with the OpenAI routes and JSON answers for unknown routes,
 client session to the vLLM servers."""
 
 import asyncio
+from typing import Optional
 
 import aiohttp
 from aiohttp import web
@@ -21,6 +22,14 @@ def backend_session(read_timeout_s: float):
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=BACKEND_KEEPALIVE_S),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=read_timeout_s))
+
+
+class Refused(Exception):
+    """An instance's (or the admin API's) refusal, relayed with its status."""
+
+    def __init__(self, status: int, body: bytes, content_type: Optional[str]):
+        super().__init__(f"HTTP {status}: {body[:300]!r}")
+        self.status, self.body, self.content_type = status, body, content_type or "application/json"
 
 
 def error(status: int, message: str, kind: str) -> web.Response:

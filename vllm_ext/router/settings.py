@@ -5,8 +5,8 @@ import argparse
 import dataclasses
 
 from . import live
+from .placement import POLICIES, check_policy
 
-POLICIES = ("round_robin", "least_loaded")
 MAX_STAGES_LIMIT = 16  # pre-copy stages of one migration (the setting and /migrate's "stages")
 
 
@@ -31,8 +31,7 @@ class Settings:
     # that queues requests), as its last /metrics poll said: the resume would wait there
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
+        check_policy(self.policy)
         for name in ("timeout_s", "balance_interval_s", "health_interval_s", "health_timeout_s", "silent_s"):
             value = getattr(self, name)
             if not value > 0:
