@@ -3,15 +3,8 @@ peer access. Without them the tests are skipped with the reason; they never pass
 Tests live by area (ops/, migration/, e2e/, build/, docs/); their shared code in helpers/,
 imported as `tests.helpers.<module>`."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-# Until tests/migration/ and tests/connector/test_halves.py import their helpers as
-# `tests.helpers.<module>`, helpers/ stays on sys.path for their plain `from specs import ...`.
-sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 
 def _gpu_state():

@@ -1113,7 +1113,7 @@ def test_a_destination_traces_when_a_request_with_a_migration_id_arrived_and_was
 def test_block_digests_of_vllms_layers_follow_the_definition():
     """vLLM's own per-layer tensors (layout `blocks`) as the worker wraps them: the digests
     equal the header's definition over each block's row (fresh random KV)."""
-    from reference import ref_block_digests
+    from tests.helpers.reference import ref_block_digests
 
     from vllm_ext.connector.worker import wrap_kv_caches
 

@@ -10,9 +10,9 @@ import time
 
 import pytest
 import torch
-from migration_harness import Worker, make_cache
-from specs import SMALL_SPEC
 
+from tests.helpers.migration_harness import Worker, make_cache
+from tests.helpers.specs import SMALL_SPEC
 from vllm_ext.migration import (
     BACKEND_NAMES,
     MigrationEndpoint,
@@ -129,9 +129,8 @@ def test_a_process_that_pulled_over_gloo_exits_cleanly_after_close():
     """close() waits for the threads serving its connections, which release the source's gloo
     pairs. Left to the interpreter's exit, gloo's threads aborted the process ("terminate
     called without an active exception", exit code 134) after a clean pull and close."""
-    helpers = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
-    code = (f"import sys; sys.path.insert(0, {helpers!r})\n"
-            "from migration_harness import make_cache\n"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("from tests.helpers.migration_harness import make_cache\n"
             "from vllm_ext.migration import MigrationEndpoint\n"
             f"spec = {SPEC!r}\n"
             "b = MigrationEndpoint(make_cache(dict(spec, seed=2)), backend='gloo', stripes=1)\n"
@@ -140,7 +139,8 @@ def test_a_process_that_pulled_over_gloo_exits_cleanly_after_close():
             "a.close()\n"
             "b.close()\n"
             "print('closed')\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and "closed" in out.stdout, out.stderr[-3000:]
     assert "terminate called" not in out.stderr
 

@@ -8,9 +8,9 @@ import time
 
 import pytest
 import torch
-from migration_harness import StallFaults, expected_blocks, make_cache
-from specs import SMALL_SPEC
 
+from tests.helpers.migration_harness import StallFaults, expected_blocks, make_cache
+from tests.helpers.specs import SMALL_SPEC
 from vllm_ext.migration import (
     ClosedError,
     MigrationEndpoint,
@@ -43,7 +43,7 @@ def test_local_pull_between_two_endpoints(local_pair):
 
 
 def expected_blocks_of(ep, ids):
-    from migration_harness import block_rows
+    from tests.helpers.migration_harness import block_rows
 
     return block_rows(ep.cache, ids)
 

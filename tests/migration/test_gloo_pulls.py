@@ -7,8 +7,9 @@ import time
 
 import pytest
 import torch
-from migration_harness import RemoteError, Worker, close_quietly, expected_blocks
-from specs import LAYOUT_PAIRS, random_spec, same_geometry
+
+from tests.helpers.migration_harness import RemoteError, Worker, close_quietly, expected_blocks
+from tests.helpers.specs import LAYOUT_PAIRS, random_spec, same_geometry
 
 NUM_CASES = 6
 # Small chunks so even small pulls run through the multi-chunk, two-slot pipeline.

@@ -14,8 +14,9 @@ import time
 
 import pytest
 import torch
-from migration_harness import RemoteError, Worker, close_quietly, start_workers
-from specs import LAYOUT_PAIRS, random_spec, same_geometry
+
+from tests.helpers.migration_harness import RemoteError, Worker, close_quietly, start_workers
+from tests.helpers.specs import LAYOUT_PAIRS, random_spec, same_geometry
 
 NUM_CASES = 4
 OPTIONS = {

@@ -12,9 +12,8 @@ import torch
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install vllm-ext[ray])")
 
-from migration_harness import make_cache  # noqa: E402
-from specs import LAYOUT_PAIRS, random_spec, same_geometry  # noqa: E402
-
+from tests.helpers.migration_harness import make_cache  # noqa: E402
+from tests.helpers.specs import LAYOUT_PAIRS, random_spec, same_geometry  # noqa: E402
 from vllm_ext.migration import MigrationEndpoint  # noqa: E402
 
 OPTIONS = {"chunk_bytes": 48 << 10}  # several chunks per pull
@@ -73,11 +72,8 @@ class Instance:
 
 @pytest.fixture(scope="module")
 def ray_node():
-    here = os.path.dirname(os.path.abspath(__file__))
-    tests = os.path.dirname(here)
-    root = os.path.dirname(tests)
-    path = os.pathsep.join(p for p in (here, os.path.join(tests, "helpers"), root, os.environ.get("PYTHONPATH"))
-                           if p)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)  # the workers import tests.*
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield
