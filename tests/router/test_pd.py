@@ -1,10 +1,11 @@
-"""The proxy's backend choice and argument checks (no servers)."""
+"""The P/D proxy: its backend choice (the router's order, placement.Turns) and argument checks,
+then the proxy against fake backends."""
 
 import pytest
 
 pytest.importorskip("aiohttp", reason="the proxy needs aiohttp (a vLLM dependency)")
 
-from vllm_ext.proxy import Pool, build_app  # noqa: E402
+from vllm_ext.router.pd import Pool, build_app  # noqa: E402
 
 
 def test_round_robin_starts_at_the_next_server_each_time():
@@ -32,6 +33,14 @@ def test_bad_arguments_are_refused(prefill, decode, policy, match):
         build_app(prefill, decode, policy)
 
 
+def test_python_m_vllm_ext_proxy_is_the_p_d_proxy():
+    """vllm_ext/proxy.py, which `python -m vllm_ext.proxy` runs, is router/pd.py under its old name."""
+    from vllm_ext import proxy
+    from vllm_ext.router import pd
+
+    assert proxy.main is pd.main and proxy.build_app is pd.build_app and proxy.Pool is pd.Pool
+
+
 # ---- the proxy against fake backends (aiohttp servers in this process) ------------------------
 def run_with_backends(prefill_handler, decode_handler, client_calls):
     """Starts a fake prefill and decode server and the proxy on free ports of 127.0.0.1, runs
@@ -53,13 +62,13 @@ def run_with_backends(prefill_handler, decode_handler, client_calls):
                 runners.append(runner)
                 site = web.TCPSite(runner, "127.0.0.1", 0)
                 await site.start()
-                urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+                urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
             runner = web.AppRunner(build_app([urls[0]], [urls[1]], timeout_s=30))
             await runner.setup()
             runners.append(runner)
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
-            proxy_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+            proxy_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
                 return await client_calls(session, proxy_url)
         finally:
