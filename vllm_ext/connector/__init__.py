@@ -41,6 +41,9 @@ def register() -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     except ImportError:
         return
+    from .detokenize import install
+
+    install()  # a moved request's text goes on where the client's stopped (detokenize.py)
     registry = getattr(KVConnectorFactory, "_registry", None)
     if isinstance(registry, dict) and CONNECTOR_NAME in registry:
         return
