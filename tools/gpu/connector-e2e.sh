@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# connector-e2e.sh OUT_DIR: the connector's end-to-end suite on one CUDA GPU. Run it from the
+# connector-e2e.sh OUT_DIR: the connector's end-to-end suite (or any -m gpu selection) on one CUDA GPU. Run it from the
 # repository root of a machine whose $PYTHON has torch with CUDA and a CUDA build of vLLM
 # (0.26 to 0.33); it needs no network (the tests write their own seeded random checkpoint and
 # tokenizer). Steps, each timed:
 #   1. check: a GPU, vLLM and torch are there (versions and the GPU's state into the summary);
 #   2. build: vllm-ext in place, editable (pip --no-build-isolation --no-deps -e .), so that
 #      every vLLM process finds VllmExtConnector through the vllm.general_plugins entry point;
-#   3. test: pytest -m gpu tests/e2e/test_pd.py, the same tests as on CPU: a prefill and two
-#      decode servers on the one GPU (started one after the other), P/D over ipc, the proxy.
-#      A test run where nothing ran, or anything was skipped, fails.
+#   3. test: pytest -m gpu $TESTS (default tests/e2e/test_pd.py, the same tests as on CPU: a
+#      prefill and two decode servers on the one GPU, started one after the other, P/D over ipc,
+#      the proxy). A test run where nothing ran, or anything was skipped, fails.
 # Written into OUT_DIR (created): summary.txt (versions, GPU, revision, step times, outcome),
 # junit.xml, pytest.log (every test's outcome, -rA), build.log, gpu.csv (memory and utilisation
 # every 5 s), logs/ (every server's and proxy's log; the checkpoint is not kept).
 # Environment: PYTHON (python3); TEST_TIMEOUT (seconds pytest may run, 420: then it is interrupted,
-#   still writes its reports and stops its servers); PYTEST_ARGS (more pytest arguments, e.g. -x).
+#   still writes its reports and stops its servers); PYTEST_ARGS (more pytest arguments, e.g. -x);
+#   TESTS (the test paths); SKIP_BUILD=1 (vllm-ext is installed already: several runs at once);
+#   FLEET_GPU_MEMORY (each server's share of the GPU, default 0.25: lower it for runs at once).
 # About 4 minutes: build ~15 s, three server start-ups ~50 s each, the tests ~1 minute.
 # Exit status: the first failed step's (3: no GPU or no vLLM; pytest's own; 4: tests skipped or none ran).
 set -euo pipefail
@@ -41,7 +43,9 @@ cleanup() {
   fi
   # vLLM processes the tests left on the GPU (none when the servers stopped as they should)
   left=$(comm -13 <(printf '%s\n' "${gpu_before:-}") <(gpu_pids) | grep . || true)
-  if [ -n "$left" ]; then
+  if [ -n "$left" ] && [ "${SKIP_BUILD:-0}" = 1 ]; then  # other runs share the GPU: theirs may be among them
+    echo "GPU processes besides those before this run: $(echo "$left" | tr '\n' ' ')" | tee -a "$summary"
+  elif [ -n "$left" ]; then
     echo "GPU processes left after the tests (stopped now): $(echo "$left" | tr '\n' ' ')" | tee -a "$summary"
     for pid in $left; do kill -9 "$pid" 2>/dev/null || true; done
   fi
@@ -76,9 +80,12 @@ revision=$(git rev-parse HEAD 2>/dev/null || echo "unknown (not a git checkout)"
 ! git status --porcelain 2>/dev/null | grep -q . || revision+=" with uncommitted changes"
 echo "revision $revision" | tee -a "$summary"
 
+TESTS=${TESTS:-tests/e2e/test_pd.py}
 stamp "build (editable install; log: build.log)"
 t0=$(date +%s)
-if ! VLLM_EXT_TARGET_DEVICE=cuda "$PYTHON" -m pip install -v --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1; then
+if [ "${SKIP_BUILD:-0}" = 1 ]; then
+  echo "build skipped (SKIP_BUILD=1)" | tee -a "$summary"
+elif ! VLLM_EXT_TARGET_DEVICE=cuda "$PYTHON" -m pip install -v --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1; then
   tail -n 40 "$out/build.log"
   echo "the build failed; see build.log" | tee -a "$summary"
   exit 1
@@ -86,14 +93,14 @@ fi
 "$PYTHON" -m vllm_ext.info 2>&1 | tee -a "$summary"
 echo "build: $(( $(date +%s) - t0 )) s" | tee -a "$summary"
 
-stamp "test (pytest -m gpu tests/e2e/test_pd.py; log: pytest.log)"
+stamp "test (pytest -m gpu $TESTS; log: pytest.log)"
 nvidia-smi --query-gpu=timestamp,memory.used,memory.total,utilization.gpu --format=csv -l 5 >"$out/gpu.csv" 2>&1 &
 monitor=$!
 t0=$(date +%s)
 status=0
 # shellcheck disable=SC2086  # PYTEST_ARGS: words
 VLLM_EXT_REQUIRE_VLLM=1 timeout -s INT -k 30 "$TEST_TIMEOUT" "$PYTHON" -m pytest -m gpu -rA -p no:cacheprovider \
-  --basetemp "$work/pytest" --junitxml "$out/junit.xml" ${PYTEST_ARGS:-} tests/e2e/test_pd.py \
+  --basetemp "$work/pytest" --junitxml "$out/junit.xml" ${PYTEST_ARGS:-} $TESTS \
   2>&1 | tee "$out/pytest.log" || status=$?
 echo "test: $(( $(date +%s) - t0 )) s, pytest exit status $status$([ "$status" = 124 ] && echo " (interrupted after ${TEST_TIMEOUT} s)")" \
   | tee -a "$summary"

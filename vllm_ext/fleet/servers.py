@@ -51,8 +51,10 @@ DEVICES = {
     # other (vLLM sizes its cache from the memory free when it starts). float16, not bfloat16:
     # its 8x finer rounding keeps the decode side's first step (one token over the pulled KV) and
     # the single instance's prefill from parting at a near-tie of a random model's logits.
+    # FLEET_GPU_MEMORY lowers the share where several test runs share the GPU.
     "cuda": Device(name="cuda", dtype="float16", backend="ipc", sequential_start=True,
-                   server_args=("--gpu-memory-utilization", "0.25"), model_config=models.TINY_GPU),
+                   server_args=("--gpu-memory-utilization", os.environ.get("FLEET_GPU_MEMORY", "0.25")),
+                   model_config=models.TINY_GPU),
 }
 CPU = DEVICES["cpu"]  # the default of the functions below
 
