@@ -871,6 +871,7 @@ def test_the_fault_connectors_hooks_see_every_receive_and_pull(producer):
         job = RecvJob(req_id="d-0", lease=params["remote_lease"], lease_host="127.0.0.1",
                       lease_port=params["remote_endpoint"]["lease_port"],
                       endpoint_id=params["remote_endpoint"]["endpoint_id"], fingerprint=params["remote_fingerprint"],
+                      num_tokens=40, prompt_hash=prompt_hash(range(40)),  # the request's own tokens
                       src_block_ids=params["remote_block_ids"], dst_block_ids=[1, 2, 3])
         assert receive(d_worker, [job]) == ({"d-0"}, set())
         assert seen == [("receive", "d-0"), ("pull", (1, 2, 3))]
@@ -910,6 +911,7 @@ def test_a_failed_pull_synchronises_its_stream_before_it_is_reported(producer, m
         job = RecvJob(req_id="d-0", lease=params["remote_lease"], lease_host="127.0.0.1",
                       lease_port=params["remote_endpoint"]["lease_port"],
                       endpoint_id=params["remote_endpoint"]["endpoint_id"], fingerprint=params["remote_fingerprint"],
+                      num_tokens=40, prompt_hash=prompt_hash(range(40)),  # the request's own tokens
                       src_block_ids=params["remote_block_ids"], dst_block_ids=[1, 2, 3])
         done, failed = receive(d_worker, [job])
         assert failed == {"d-0"} and events == ["pull", "synchronize"]
@@ -1114,7 +1116,6 @@ def test_block_digests_of_vllms_layers_follow_the_definition():
     """vLLM's own per-layer tensors (layout `blocks`) as the worker wraps them: the digests
     equal the header's definition over each block's row (fresh random KV)."""
     from tests.helpers.reference import ref_block_digests
-
     from vllm_ext.connector.worker import wrap_kv_caches
 
     cache, _ = wrap_kv_caches(vllm_layers(seed=int(time.time())))

@@ -400,3 +400,69 @@ def test_killed_prefill_server_gives_the_failure_policy(servers):
     status, _ = fleet.post(servers["proxy"].url + "/v1/completions", {"model": "tiny", "prompt": [1, 2, 3]})
     assert status == 503  # the proxy skips the dead prefill server and says none is left
     assert "prefill server" in servers["proxy"].log_tail() and "is down" in servers["proxy"].log_tail()
+
+
+@pytest.fixture(scope="module", params=[pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
+def pd_pair(request, tmp_path_factory):
+    """A prefill and a decode server of their own (the shared prefill server is killed by the
+    test before): plain VllmExtConnectors, the decode side with policy "recompute", checking no
+    digests (a lease's digests are its own blocks': they vouch for no prompt) and loading every
+    block."""
+    device = fleet.DEVICES[request.param]
+    work = tmp_path_factory.mktemp(f"pair-{device.name}")
+    model = fleet.write_checkpoint(work / "model", device=device)
+    fleet.write_word_tokenizer(model)
+    lease_port = fleet.free_port()
+    extra = {"lease_s": LEASE_S, "pull_timeout_s": PULL_TIMEOUT_S, "load_whole_blocks": False}
+    started = []
+    try:
+        prefill = fleet.start_vllm(
+            "prefill", model, work, device=device, core="0", extra_args=["--no-enable-prefix-caching"], tokenizer=True,
+            kv_config={"kv_connector": "VllmExtConnector", "kv_role": "kv_producer",
+                       "kv_connector_extra_config": dict(extra, lease_port=lease_port)})
+        started.append(prefill)
+        if device.sequential_start:
+            prefill.wait_healthy()
+        decode = fleet.start_vllm(
+            "decode", model, work, device=device, core="1", tokenizer=True,
+            kv_config={"kv_connector": "VllmExtConnector", "kv_role": "kv_consumer",
+                       "kv_load_failure_policy": "recompute",
+                       "kv_connector_extra_config": dict(extra, verify_kv=False,
+                                                         connect_to=[f"127.0.0.1:{lease_port}"])})
+        started.append(decode)
+        for server in started:
+            server.wait_healthy()
+        yield {"prefill": prefill, "decode": decode}
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+def test_a_lease_for_another_prompt_is_never_loaded(pd_pair):
+    """KV poisoning: a client gets P's lease on prompt X (do_remote_decode), then sends D prompt Y
+    with those params and remote_prompt_hash rewritten to Y's hash. D must not load X's KV: its
+    answer for Y, and later answers for Y and for a prompt extending Y (from D's prefix cache),
+    equal a single instance's; D's metrics and log show the refusal, and P's lease is released."""
+    from vllm_ext.lease.kv_params import prompt_hash
+
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    x, y = ([rng.randrange(3, 1000) for _ in range(100)] for _ in range(2))
+    more = y + [rng.randrange(3, 1000) for _ in range(20)]
+    p, d = pd_pair["prefill"].url, pd_pair["decode"].url
+    single = {"y": complete(p, y)[0], "more": complete(p, more)[0]}  # P has no prefix cache
+    _, leg = complete(p, x, 1, kv_transfer_params={"do_remote_decode": True})
+    forged = dict(leg["kv_transfer_params"], remote_prompt_hash=prompt_hash(y))
+    before = fleet.metrics(d)
+    got = complete(d, y, kv_transfer_params=forged)[0]
+    assert got == single["y"], f"seed {seed}: D answered Y from X's KV: {got} != {single['y']}"
+    after = fleet.metrics(d)
+    for name, delta in (("vllm:vllm_ext_refused_leases_total", 1), ("vllm:vllm_ext_failed_transfers_total", 1),
+                        ("vllm:vllm_ext_transfers_total", 0)):
+        assert after.get(name, 0) - before.get(name, 0) == delta, (name, before.get(name), after.get(name))
+    log = pd_pair["decode"].log_path.read_text(errors="replace")
+    assert "tokens of another prompt" in log and "refused before any pull" in log, pd_pair["decode"].log_tail()
+    for key, prompt in (("y", y), ("more", more)):  # what D's prefix cache now holds for Y is Y's
+        got = complete(d, prompt)[0]
+        assert got == single[key], f"seed {seed}: D's cache serves other KV for {key}: {got} != {single[key]}"
+    assert_prefill_drained(pd_pair)

@@ -32,6 +32,10 @@ class RecvJob:
     endpoint_id: str = ""
     fingerprint: str = ""
     first_block: int = 0  # index into the lease's blocks of src_block_ids[0]
+    # what the lease must hold, its acquire's reply says: this request's own first num_tokens
+    # tokens, by their prompt_hash (computed from the request's token ids, never from the params)
+    num_tokens: int = 0
+    prompt_hash: str = ""
     src_block_ids: List[int] = dataclasses.field(default_factory=list)
     dst_block_ids: List[int] = dataclasses.field(default_factory=list)
     error: Optional[str] = None

@@ -1,7 +1,8 @@
 """A consumer's pull pipeline (the worker process): each RecvJob runs on a thread of its own
 (with its own CUDA stream): describe the producer and connect to it when first seen, acquire the
-lease, pull, verify the blocks against the producer's digests, release the lease. Results are
-taken at the next get_transfer_results.
+lease, check that it holds the request's own tokens (the producer binds a lease to the tokens it
+computed), pull, verify the blocks against the producer's digests, release the lease. Results
+are taken at the next get_transfer_results.
 
 A consumer dials only producers on its allow-list; every job has a deadline counted from when it
 was queued, and a producer that just failed a job is not dialled again for BACKOFF_S. At
@@ -172,10 +173,18 @@ class Receiver:
             client = self._client(job.lease_host, job.lease_port)
             peer = self._peer(job.lease_host, job.lease_port, job.endpoint_id, deadline)
             marks.append(("connect", time.monotonic()))
-            lease_blocks, _, _, digests = client.acquire(job.lease, _left(deadline) + 5.0,
-                                                         _left(deadline, CHANNEL_TIMEOUT_S))
+            lease_blocks, lease_tokens, lease_hash, digests = client.acquire(job.lease, _left(deadline) + 5.0,
+                                                                             _left(deadline, CHANNEL_TIMEOUT_S))
             marks.append(("lease", time.monotonic()))
             acquired = True
+            if (lease_tokens, lease_hash) != (job.num_tokens, job.prompt_hash):
+                # the params (the client's) name a lease on other tokens: their KV would be cached
+                # here under this request's block hashes, for every later request sharing its prefix
+                with self._lock:
+                    self._stats.record_refusal()
+                raise TransferFailed(f"lease {job.lease[:8]}: it holds {lease_tokens} tokens of another prompt "
+                                     f"(hash {lease_hash[:8]}), not this request's first {job.num_tokens} "
+                                     f"(hash {job.prompt_hash[:8]}); refused before any pull")
             expected = job.src_block_ids
             span = slice(job.first_block, job.first_block + len(expected))
             if lease_blocks[span] != expected:

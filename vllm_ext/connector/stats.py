@@ -4,6 +4,7 @@
     vllm:vllm_ext_failed_transfers_total   receives that failed (pull, lease, or bad params)
     vllm:vllm_ext_expired_leases_total     producer leases that expired unused
     vllm:vllm_ext_digest_mismatches_total  pulls whose blocks differed from the producer's digests
+    vllm:vllm_ext_refused_leases_total     loads refused before the pull: the lease holds other tokens
     vllm:vllm_ext_transfer_bytes_total     bytes pulled
     vllm:vllm_ext_pull_seconds             histogram of pull time (lease acquire to blocks written)
 """
@@ -17,11 +18,11 @@ check_vllm_version()  # before importing what another release may lack: one clea
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats  # noqa: E402
 
-_COUNTS = ("transfers", "failed", "expired", "bytes", "mismatches")
+_COUNTS = ("transfers", "failed", "expired", "bytes", "mismatches", "refused")
 
 
 def _empty() -> Dict[str, Any]:
-    return {"transfers": 0, "failed": 0, "expired": 0, "bytes": 0, "mismatches": 0, "seconds": []}
+    return {"transfers": 0, "failed": 0, "expired": 0, "bytes": 0, "mismatches": 0, "refused": 0, "seconds": []}
 
 
 @dataclasses.dataclass
@@ -44,6 +45,9 @@ class VllmExtStats(KVConnectorStats):
     def record_mismatch(self) -> None:
         self.data["mismatches"] += 1
 
+    def record_refusal(self) -> None:
+        self.data["refused"] = self.data.get("refused", 0) + 1
+
     def reset(self):
         self.data = _empty()
 
@@ -59,11 +63,11 @@ class VllmExtStats(KVConnectorStats):
         seconds = self.data["seconds"]
         return {"transfers": self.data["transfers"], "failed": self.data["failed"],
                 "expired_leases": self.data["expired"], "bytes": self.data["bytes"],
-                "digest_mismatches": self.data.get("mismatches", 0),
+                "digest_mismatches": self.data.get("mismatches", 0), "refused_leases": self.data.get("refused", 0),
                 "avg_pull_ms": round(1e3 * sum(seconds) / len(seconds), 3) if seconds else 0.0}
 
     def is_empty(self) -> bool:
-        return not any(self.data[k] for k in _COUNTS) and not self.data["seconds"]
+        return not any(self.data.get(k, 0) for k in _COUNTS) and not self.data["seconds"]
 
 
 class VllmExtPromMetrics(KVConnectorPromMetrics):
@@ -83,6 +87,8 @@ class VllmExtPromMetrics(KVConnectorPromMetrics):
         self.bytes = counter("vllm:vllm_ext_transfer_bytes", "KV bytes pulled by vllm-ext's connector")
         self.mismatches = counter("vllm:vllm_ext_digest_mismatches",
                                   "KV pulls whose blocks differed from the producer's digests")
+        self.refused = counter("vllm:vllm_ext_refused_leases",
+                               "KV loads refused before the pull: the producer's lease holds other tokens")
         hist = self._histogram_cls(
             name="vllm:vllm_ext_pull_seconds", documentation="time of one KV pull (lease to blocks written)",
             buckets=[1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0], labelnames=labelnames)
@@ -90,7 +96,8 @@ class VllmExtPromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0):
         for metric, key in ((self.transfers, "transfers"), (self.failed, "failed"),
-                            (self.expired, "expired"), (self.bytes, "bytes"), (self.mismatches, "mismatches")):
+                            (self.expired, "expired"), (self.bytes, "bytes"), (self.mismatches, "mismatches"),
+                            (self.refused, "refused")):
             value = int(transfer_stats_data.get(key, 0))
             if value:
                 metric[engine_idx].inc(value)

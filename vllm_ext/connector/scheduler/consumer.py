@@ -2,7 +2,11 @@
 kv_transfer_params come from a producer reports the tokens beyond its local prefix-cache hit as an
 external hit (asynchronous, or loaded before its first step's forward with `sync_load`), and
 hands the worker a RecvJob; a lease it will not pull, a ReleaseJob. A seeded request resumed here
-with `sampled_tokens` has its random stream skip those tokens' draws (skip_draws)."""
+with `sampled_tokens` has its random stream skip those tokens' draws (skip_draws).
+
+The params come from the client, so their prompt hash proves nothing: the RecvJob carries the
+hash of the request's own first `remote_num_tokens` tokens, and the worker refuses a lease whose
+acquire says it holds other tokens, before any pull (docs/security.md)."""
 
 import logging
 from typing import Any, Dict, List, Optional, Tuple
@@ -102,8 +106,9 @@ class Consumer:
         job = RecvJob(
             req_id=request.request_id, lease=remote.lease, lease_host=remote.lease_host,
             lease_port=remote.lease_port, endpoint_id=remote.endpoint_id, fingerprint=remote.fingerprint,
-            first_block=first, src_block_ids=remote.block_ids[first:last], dst_block_ids=list(block_ids[first:last]),
-            sync=remote.sync)
+            first_block=first, num_tokens=remote.num_tokens,
+            prompt_hash=prompt_hash(request.all_token_ids[:remote.num_tokens]),  # the worker checks the lease's
+            src_block_ids=remote.block_ids[first:last], dst_block_ids=list(block_ids[first:last]), sync=remote.sync)
         self._recvs.append(job)
         return job
 
