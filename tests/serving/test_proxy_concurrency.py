@@ -2,7 +2,7 @@
 aiohttp's default connection pool holds (100) must all go through. The CPU serving run (600
 requests at 10 req/s, 142 in flight) saw the 101st wait for a pooled connection to the decode
 server until its connect deadline (5 s) ran out, and the proxy then answered 503 as if the
-server were down. Fake backends in this process (tests/connector/test_proxy.py's)."""
+server were down. Fake backends in this process (tests/router/test_pd.py's)."""
 
 import os
 
@@ -13,7 +13,7 @@ if os.environ.get("VLLM_EXT_REQUIRE_VLLM") == "1":  # in .venv-vllm (CI): a miss
 else:
     pytest.importorskip("aiohttp", reason="the proxy needs aiohttp (a vLLM dependency)")
 
-from tests.connector.test_proxy import open_stream, prefill_answer, run_with_backends  # noqa: E402
+from tests.router.test_pd import open_stream, prefill_answer, run_with_backends  # noqa: E402
 
 IN_FLIGHT = 130
 HOLD_S = 6.0  # each answer streams longer than the proxy's connect deadline
