@@ -14,6 +14,9 @@ from .openai import ClientStream
 
 
 class Instance:
+    """One vLLM instance at `url`, with its lease channel at `lease` (host:port; None: none, so
+    its requests cannot move): what the fleet's polls found, and the requests it runs now."""
+
     def __init__(self, url: str, lease: Optional[str], secret: Optional[bytes]):
         self.url = url.rstrip("/")
         self.lease = lease
