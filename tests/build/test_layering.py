@@ -13,6 +13,8 @@ packages alike, at any depth of a file: lazy imports count); besides it: no impo
 inside vllm_ext, and only _lib.py and _nccl_lib.py load shared libraries."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -159,3 +161,16 @@ def test_only_the_two_loaders_load_shared_libraries():
         text = path.read_text()
         if path.name not in loaders:
             assert "CDLL" not in text and "LoadLibrary" not in text and "dlopen" not in text, path
+
+
+def test_the_fronts_and_the_contract_load_no_endpoint_torch_or_vllm():
+    """At run time too: importing the router, the P/D proxy and the lease channel (the fronts'
+    start-up) loads neither torch nor vLLM nor the transport's endpoint."""
+    code = ("import sys, vllm_ext.router.app, vllm_ext.router.pd, vllm_ext.lease\n"
+            "print(' '.join(m for m in ('torch', 'vllm', 'vllm_ext.migration.endpoint', 'vllm_ext.ops') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if "No module named 'aiohttp'" in out.stderr:
+        pytest.skip("the fronts need aiohttp (requirements-test.txt)")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [], out.stdout
