@@ -14,7 +14,7 @@
 # every 5 s), logs/ (every server's and proxy's log; the checkpoint is not kept).
 # Environment: PYTHON (python3); TEST_TIMEOUT (seconds pytest may run, 420: then it is interrupted,
 #   still writes its reports and stops its servers); PYTEST_ARGS (more pytest arguments, e.g. -x);
-#   TESTS (the test paths); SKIP_BUILD=1 (vllm-ext is installed already: several runs at once);
+#   TESTS (the test paths); TESTS_K (a pytest -k expression); SKIP_BUILD=1 (vllm-ext is installed already: several runs at once);
 #   FLEET_GPU_MEMORY (each server's share of the GPU, default 0.25: lower it for runs at once).
 # About 4 minutes: build ~15 s, three server start-ups ~50 s each, the tests ~1 minute.
 # Exit status: the first failed step's (3: no GPU or no vLLM; pytest's own; 4: tests skipped or none ran).
@@ -100,7 +100,7 @@ t0=$(date +%s)
 status=0
 # shellcheck disable=SC2086  # PYTEST_ARGS: words
 VLLM_EXT_REQUIRE_VLLM=1 timeout -s INT -k 30 "$TEST_TIMEOUT" "$PYTHON" -m pytest -m gpu -rA -p no:cacheprovider \
-  --basetemp "$work/pytest" --junitxml "$out/junit.xml" ${PYTEST_ARGS:-} $TESTS \
+  --basetemp "$work/pytest" --junitxml "$out/junit.xml" ${PYTEST_ARGS:-} ${TESTS_K:+-k "$TESTS_K"} $TESTS \
   2>&1 | tee "$out/pytest.log" || status=$?
 echo "test: $(( $(date +%s) - t0 )) s, pytest exit status $status$([ "$status" = 124 ] && echo " (interrupted after ${TEST_TIMEOUT} s)")" \
   | tee -a "$summary"
