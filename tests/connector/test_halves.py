@@ -998,7 +998,7 @@ def test_a_pre_copy_replies_once_the_worker_serves_its_blocks(producer, monkeypa
     the destination's acquire, under its resume's first step, need not wait for this engine."""
     sched, worker = producer
     monkeypatch.setattr("vllm_ext.connector.scheduler.PRECOPY_GRANT_WAIT_S", 60.0)
-    monkeypatch.setattr("vllm_ext.connector.scheduler.GRANT_WAIT_S", 0.0)  # an acquire finds it served, or fails
+    monkeypatch.setattr("vllm_ext.connector.scheduler.GRANT_STALL_S", 0.0)  # an acquire finds it served, or fails
     mid = "12" * 16
     req = _running(sched, list(range(3, 3 + 40)), mid, [4, 7, 8])
     client = lease_client(sched)
@@ -1024,13 +1024,12 @@ def test_a_pre_copy_replies_once_the_worker_serves_its_blocks(producer, monkeypa
 def test_a_pre_copy_whose_blocks_are_not_served_in_time_still_replies(producer, monkeypatch):
     sched, worker = producer
     monkeypatch.setattr("vllm_ext.connector.scheduler.PRECOPY_GRANT_WAIT_S", 0.05)
-    monkeypatch.setattr("vllm_ext.connector.scheduler.GRANT_WAIT_S", 0.05)
     mid = "34" * 16
     req = _running(sched, list(range(3, 3 + 40)), mid, [4, 7, 8])
     client = lease_client(sched)
     lease, _ = _precopy(sched, worker, client, mid, req, grant=False)  # the step's output never came
-    with pytest.raises(ChannelRefused, match="not served yet"):  # the acquire waits as before, then refuses
-        client.acquire(lease.lease, 5, 5)
+    with pytest.raises(ChannelRefused, match="not served yet"):  # the acquire waits as before, up to its hold
+        client.acquire(lease.lease, 0.5, 5)
     client.close()
 
 

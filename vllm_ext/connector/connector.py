@@ -11,6 +11,9 @@ WorkerHalf; each half gets values, not this object. Configuration
     lease_host       address the producer's lease channel binds and advertises (default 127.0.0.1)
     lease_port       its port (default 0: any free port)
     lease_s          how long a producer holds a finished request's blocks (default 30)
+    max_leased_fraction  the share of a producer's cache that P/D leases may hold together (default
+                     0.5): past it the oldest untaken leases end early, and a prefill that still
+                     does not fit is answered without a lease (its decode side computes the prompt)
     pull_timeout_s   deadline of one pull on the consumer (default 10)
     connect_to       ["host:port", ...] producers' lease channels to connect to at start-up
     allowed_producers  ["host:port", ...] the only lease channels a consumer dials (default: connect_to)
@@ -21,7 +24,8 @@ WorkerHalf; each half gets values, not this object. Configuration
                      starts inside a block)
 
 The deployment secret (VLLM_EXT_AUTH_SECRET or VLLM_EXT_AUTH_SECRET_FILE) must be set on every
-instance. Failed receives follow vLLM's `kv_load_failure_policy` ("fail" or "recompute").
+instance. Failed receives follow vLLM's `kv_load_failure_policy` ("fail" or "recompute"): only
+"recompute" never loses a request (a consumer with vLLM's default, "fail", warns at start-up).
 """
 
 import logging
@@ -86,11 +90,33 @@ def _addresses(extra, key, default):
     raise ValueError(f"kv_connector_extra_config.{key}: expected a list of 'host:port', got {value!r}")
 
 
-def _check_number(extra, key, default, low, high):
+def _check_number(extra, key, default, low, high, what="seconds"):
     value = extra.get(key, default)
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not low < value <= high:
-        raise ValueError(f"kv_connector_extra_config.{key}: expected seconds in ({low}, {high}], got {value!r}")
+        raise ValueError(f"kv_connector_extra_config.{key}: expected {what} in ({low}, {high}], got {value!r}")
     return float(value)
+
+
+def _max_leased_blocks(extra, vllm_config, kv_cache_config) -> Optional[int]:
+    """max_leased_fraction of the cache's blocks (None when the engine did not say how many)."""
+    fraction = _check_number(extra, "max_leased_fraction", 0.5, 0, 1, what="a fraction of the KV cache")
+    num_blocks = getattr(kv_cache_config, "num_blocks", None) or vllm_config.cache_config.num_gpu_blocks
+    if not num_blocks:
+        logger.warning("VllmExtConnector: the KV cache's size is unknown here: P/D leases are not bounded "
+                       "(kv_connector_extra_config.max_leased_fraction is not applied)")
+        return None
+    return max(1, int(fraction * num_blocks))
+
+
+def _warn_if_requests_can_be_lost(config) -> None:
+    """A consumer whose failed loads fail their requests (vLLM's default policy) loses a request
+    whenever a producer is slow, busy, restarted or bounded; the connector cannot tell vLLM's
+    default from a chosen "fail", so it says so once."""
+    if config.is_kv_consumer and getattr(config, "kv_load_failure_policy", "fail") == "fail":
+        logger.warning('VllmExtConnector: kv_load_failure_policy is "fail" (vLLM\'s default): a request whose KV '
+                       "cannot be loaded (a busy or restarted producer, a lease expired or ended to make room) ends "
+                       'with an error. Set "kv_load_failure_policy": "recompute" in --kv-transfer-config so that '
+                       "such a request is computed here instead and never lost.")
 
 
 class VllmExtConnector(KVConnectorBase_V1):
@@ -113,6 +139,7 @@ class VllmExtConnector(KVConnectorBase_V1):
             from .scheduler import SchedulerHalf
 
             policy = getattr(config, "kv_load_failure_policy", "fail")
+            _warn_if_requests_can_be_lost(config)
             self._scheduler = SchedulerHalf(
                 is_producer=config.is_kv_producer, is_consumer=config.is_kv_consumer,
                 block_size=vllm_config.cache_config.block_size,
@@ -122,7 +149,9 @@ class VllmExtConnector(KVConnectorBase_V1):
                 whole_blocks=bool(extra.get("load_whole_blocks", vllm_config.device_config.device_type == "cpu")),
                 wait_for_grant=VllmExtWorkerMetadata is not None,
                 async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
-                max_tokens_limits=_max_tokens_limits(vllm_config.model_config))
+                max_tokens_limits=_max_tokens_limits(vllm_config.model_config),
+                max_leased_blocks=_max_leased_blocks(extra, vllm_config, kv_cache_config)
+                if config.is_kv_producer else None)
         else:
             from .worker import WorkerHalf
 

@@ -2,7 +2,9 @@
 (with its own CUDA stream): describe the producer and connect to it when first seen, acquire the
 lease, check that it holds the request's own tokens (the producer binds a lease to the tokens it
 computed), pull, verify the blocks against the producer's digests, release the lease. Results
-are taken at the next get_transfer_results.
+are taken at the next get_transfer_results. An acquire may wait, up to the job's deadline, for a
+busy producer to serve the lease's blocks; each pull thread has its own lease connection to a
+producer, so that one such wait holds no other job's lease requests back.
 
 A consumer dials only producers on its allow-list; every job has a deadline counted from when it
 was queued, and a producer that just failed a job is not dialled again for BACKOFF_S. At
@@ -20,7 +22,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 
 from .. import KVCache, ops
-from ..lease.channel import ChannelError, LeaseClient
+from ..lease.channel import ChannelError, ChannelRefused, LeaseClient
 from ..lease.kv_params import fingerprint_mismatch
 from ..migration import MigrationEndpoint, MigrationError, PeerDescriptor
 from .metadata import RecvJob, ReleaseJob
@@ -30,9 +32,10 @@ logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
 CHANNEL_TIMEOUT_S = 5.0
 MAX_CONCURRENT_PULLS = 2
-# Producers a consumer keeps a lease connection to (their addresses come from requests): past
-# this many, the least recently added is closed.
+# Producers a consumer keeps lease connections to (their addresses come from requests): past
+# this many connections (one per producer and thread), the least recently opened is closed.
 MAX_PRODUCERS = 64
+MAX_LEASE_CLIENTS = MAX_PRODUCERS * (MAX_CONCURRENT_PULLS + 2)  # the pull threads, the worker's, a dial's
 # A producer that could not be reached (or whose endpoint failed a pull) is not dialled again
 # for this long: jobs for it fail at once meanwhile.
 BACKOFF_S = 5.0
@@ -104,7 +107,7 @@ class Receiver:
         self._failed_blocks: Set[int] = set()  # of every failed load
         self._sync_failed_blocks: Set[int] = set()  # of failed sync loads: always reported as invalid
         self._stats = VllmExtStats()
-        self._clients: Dict[Tuple[str, int], LeaseClient] = {}
+        self._clients: Dict[Tuple[str, int, int], LeaseClient] = {}  # (host, port, thread id) -> its connection
         self._peers: Dict[str, PeerDescriptor] = {}
         self._endpoint_at: Dict[Tuple[str, int], str] = {}  # producer -> the endpoint id last connected there
         self._peer_locks: Dict[Tuple[str, int], threading.Lock] = {}
@@ -173,8 +176,14 @@ class Receiver:
             client = self._client(job.lease_host, job.lease_port)
             peer = self._peer(job.lease_host, job.lease_port, job.endpoint_id, deadline)
             marks.append(("connect", time.monotonic()))
-            lease_blocks, lease_tokens, lease_hash, digests = client.acquire(job.lease, _left(deadline) + 5.0,
-                                                                             _left(deadline, CHANNEL_TIMEOUT_S))
+            try:  # the producer answers once its worker serves the blocks: a busy one takes a while
+                lease_blocks, lease_tokens, lease_hash, digests = client.acquire(job.lease, _left(deadline) + 5.0,
+                                                                                 _left(deadline))
+            except ChannelRefused:
+                raise
+            except ChannelError:  # no answer by the deadline: free the lease the producer may hold for it
+                self._pool.submit(self._release, client, job.lease)
+                raise
             marks.append(("lease", time.monotonic()))
             acquired = True
             if (lease_tokens, lease_hash) != (job.num_tokens, job.prompt_hash):
@@ -296,14 +305,16 @@ class Receiver:
             self._backoff[(host, port)] = time.monotonic() + BACKOFF_S
 
     def _client(self, host: str, port: int) -> LeaseClient:
+        """This thread's lease connection to the producer (an acquire may wait on it)."""
         self._check_allowed(host, port)
+        key = (host, port, threading.get_ident())
         with self._lock:
-            client = self._clients.get((host, port))
+            client = self._clients.get(key)
             if client is None:
-                if len(self._clients) >= MAX_PRODUCERS:
+                if len(self._clients) >= MAX_LEASE_CLIENTS:
                     oldest = next(iter(self._clients))
                     self._clients.pop(oldest).close()
-                client = self._clients[(host, port)] = LeaseClient(self._secret, host, port)
+                client = self._clients[key] = LeaseClient(self._secret, host, port)
                 self._peer_locks.setdefault((host, port), threading.Lock())
             return client
 

@@ -7,6 +7,9 @@
     vllm:vllm_ext_refused_leases_total     loads refused before the pull: the lease holds other tokens
     vllm:vllm_ext_transfer_bytes_total     bytes pulled
     vllm:vllm_ext_pull_seconds             histogram of pull time (lease acquire to blocks written)
+    vllm:vllm_ext_leased_blocks            (gauge) the producer's blocks that P/D leases hold now
+    vllm:vllm_ext_evicted_leases_total     untaken producer leases ended early to make room for new ones
+    vllm:vllm_ext_unleased_prefills_total  prefills answered without a lease (max_leased_fraction reached)
 """
 
 import dataclasses
@@ -18,11 +21,13 @@ check_vllm_version()  # before importing what another release may lack: one clea
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats  # noqa: E402
 
-_COUNTS = ("transfers", "failed", "expired", "bytes", "mismatches", "refused")
+_COUNTS = ("transfers", "failed", "expired", "bytes", "mismatches", "refused", "evicted", "unleased")
+LEASED = "leased_blocks"  # a gauge: the latest value wins when stats are merged
 
 
 def _empty() -> Dict[str, Any]:
-    return {"transfers": 0, "failed": 0, "expired": 0, "bytes": 0, "mismatches": 0, "refused": 0, "seconds": []}
+    return {"transfers": 0, "failed": 0, "expired": 0, "bytes": 0, "mismatches": 0, "refused": 0, "evicted": 0,
+            "unleased": 0, "seconds": []}
 
 
 @dataclasses.dataclass
@@ -48,6 +53,15 @@ class VllmExtStats(KVConnectorStats):
     def record_refusal(self) -> None:
         self.data["refused"] = self.data.get("refused", 0) + 1
 
+    def record_eviction(self) -> None:
+        self.data["evicted"] = self.data.get("evicted", 0) + 1
+
+    def record_unleased(self) -> None:
+        self.data["unleased"] = self.data.get("unleased", 0) + 1
+
+    def record_leased_blocks(self, n: int) -> None:
+        self.data[LEASED] = int(n)
+
     def reset(self):
         self.data = _empty()
 
@@ -57,6 +71,8 @@ class VllmExtStats(KVConnectorStats):
             for key in _COUNTS:
                 merged[key] += int(source.get(key, 0))
             merged["seconds"].extend(source.get("seconds", []))
+            if LEASED in source:  # `other` is the newer
+                merged[LEASED] = int(source[LEASED])
         return VllmExtStats(data=merged)
 
     def reduce(self) -> Dict[str, Any]:
@@ -64,10 +80,12 @@ class VllmExtStats(KVConnectorStats):
         return {"transfers": self.data["transfers"], "failed": self.data["failed"],
                 "expired_leases": self.data["expired"], "bytes": self.data["bytes"],
                 "digest_mismatches": self.data.get("mismatches", 0), "refused_leases": self.data.get("refused", 0),
+                "evicted_leases": self.data.get("evicted", 0), "unleased_prefills": self.data.get("unleased", 0),
+                **({LEASED: self.data[LEASED]} if LEASED in self.data else {}),
                 "avg_pull_ms": round(1e3 * sum(seconds) / len(seconds), 3) if seconds else 0.0}
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k, 0) for k in _COUNTS) and not self.data["seconds"]
+        return not any(self.data.get(k, 0) for k in _COUNTS) and not self.data["seconds"] and LEASED not in self.data
 
 
 class VllmExtPromMetrics(KVConnectorPromMetrics):
@@ -89,6 +107,13 @@ class VllmExtPromMetrics(KVConnectorPromMetrics):
                                   "KV pulls whose blocks differed from the producer's digests")
         self.refused = counter("vllm:vllm_ext_refused_leases",
                                "KV loads refused before the pull: the producer's lease holds other tokens")
+        self.evicted = counter("vllm:vllm_ext_evicted_leases",
+                               "untaken producer leases ended early to make room for new ones (max_leased_fraction)")
+        self.unleased = counter("vllm:vllm_ext_unleased_prefills",
+                                "prefills answered without a lease: P/D leases held max_leased_fraction of the cache")
+        self.leased = create_metric_per_engine(
+            self._gauge_cls(name="vllm:vllm_ext_leased_blocks", multiprocess_mode="mostrecent", labelnames=labelnames,
+                            documentation="KV blocks the producer's P/D leases hold"), per_engine_labelvalues)
         hist = self._histogram_cls(
             name="vllm:vllm_ext_pull_seconds", documentation="time of one KV pull (lease to blocks written)",
             buckets=[1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0], labelnames=labelnames)
@@ -97,9 +122,11 @@ class VllmExtPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0):
         for metric, key in ((self.transfers, "transfers"), (self.failed, "failed"),
                             (self.expired, "expired"), (self.bytes, "bytes"), (self.mismatches, "mismatches"),
-                            (self.refused, "refused")):
+                            (self.refused, "refused"), (self.evicted, "evicted"), (self.unleased, "unleased")):
             value = int(transfer_stats_data.get(key, 0))
             if value:
                 metric[engine_idx].inc(value)
+        if LEASED in transfer_stats_data:
+            self.leased[engine_idx].set(int(transfer_stats_data[LEASED]))
         for s in transfer_stats_data.get("seconds", []):
             self.seconds[engine_idx].observe(s)

@@ -5,7 +5,8 @@ Producer: a finished `do_remote_decode` request's blocks stay allocated under a 
 engine keeps them until the worker reports the request in finished_sending); the lease's
 blocks are described in the returned kv_transfer_params and served to consumers through the
 authenticated lease channel (lease/channel.py), which also frees them. A lease that nobody
-takes or releases expires after `lease_s` (leases.py).
+takes or releases expires after `lease_s`; P/D leases together hold at most
+`max_leased_fraction` of the cache, the oldest untaken ones ending early to make room (leases.py).
 
 Consumer: a request whose kv_transfer_params come from a producer reports the tokens beyond
 its local prefix-cache hit as an asynchronous external hit, and hands the worker a RecvJob
@@ -40,9 +41,14 @@ logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 # A consumer's acquire may extend a lease by at most this much beyond its remaining time (the
 # pull's deadline): a lease is never freed under a pull in progress, nor held forever.
 MAX_HOLD_S = 900.0  # a pull's deadline is at most 600 s (pull_timeout_s)
-# An acquire waits at most this long for the producer's worker to serve the lease's blocks (it
-# grants them in the engine step after the lease is made: milliseconds).
-GRANT_WAIT_S = 3.0
+# An acquire waits for the producer's worker to serve the lease's blocks (it grants them in the
+# engine step after the lease is made, and says so in that step's output: milliseconds when idle,
+# a forward's time on a busy host) for as long as the engine makes progress, at most the hold
+# the acquire asks for (the consumer's deadline); it is refused once the engine has been between
+# steps, none in flight, for this long (a stuck engine).
+GRANT_STALL_S = 3.0
+# Unleased prefills and early-ended leases are logged at most this often (a flood is one line).
+BOUND_LOG_S = 10.0
 # A pre-copy asked on the lease channel waits at most this long for the engine's next step.
 PRECOPY_WAIT_S = 2.0
 # Then its reply waits at most this long for the worker to serve the lease's blocks (the step's
@@ -51,15 +57,33 @@ PRECOPY_WAIT_S = 2.0
 PRECOPY_GRANT_WAIT_S = 1.0
 
 
+class ProducerParams(dict):
+    """The kv_transfer_params a producer answers a prefill with. vLLM's scheduler adds the
+    request's local prefix-cache hit to them (`remote_prefill_cached_tokens`, for the decode
+    side's usage report): an oracle that tells any client how much of a guessed prompt this
+    instance has cached. This dict does not take that key; nothing else needs it (the decode side
+    then reports its own hit)."""
+
+    def __setitem__(self, key, value):
+        if key != "remote_prefill_cached_tokens":
+            super().__setitem__(key, value)
+
+
+# What a producer answers when it makes no lease (max_leased_fraction reached): the decode side
+# computes the prompt itself, under either failure policy.
+UNLEASED = {"do_remote_prefill": False, "do_remote_decode": False}
+
+
 class SchedulerHalf:
-    """Args are values: the roles, the engine's block size, the lease settings, the
-    deployment secret and `kv_load_failure_policy` ("fail" or "recompute")."""
+    """Args are values: the roles, the engine's block size, the lease settings (the most blocks
+    P/D leases may hold together: None, no bound), the deployment secret and
+    `kv_load_failure_policy` ("fail" or "recompute")."""
 
     def __init__(self, *, is_producer: bool, is_consumer: bool, block_size: int, lease_s: float,
                  lease_host: str, lease_port: int, secret: bytes, failure_policy: str,
                  whole_blocks: bool = False, clock: Callable[[], float] = time.monotonic,
                  wait_for_grant: bool = True, async_scheduling: bool = False,
-                 max_tokens_limits: Tuple[int, int] = (0, 0)):
+                 max_tokens_limits: Tuple[int, int] = (0, 0), max_leased_blocks: Optional[int] = None):
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.block_size = block_size
@@ -75,8 +99,13 @@ class SchedulerHalf:
         self.max_tokens_limits = max_tokens_limits
         # the leases and the migrating requests: the engine thread and the lease channel's threads
         self._lock = threading.Lock()
-        self._granted = threading.Condition(self._lock)  # a lease was granted or ended
-        self._leases = LeaseTable(lease_s=lease_s, clock=clock, wait_for_grant=wait_for_grant)
+        self._granted = threading.Condition(self._lock)  # a lease was granted or ended, or a step passed
+        self._leases = LeaseTable(lease_s=lease_s, clock=clock, wait_for_grant=wait_for_grant,
+                                  max_blocks=max_leased_blocks)
+        # the engine's progress, for an acquire's wait (real time: `clock` may be a test's)
+        self._last_step_at = time.monotonic()  # a step scheduled or its output in
+        self._steps_in_flight = 0  # scheduled, output not in yet
+        self._bound_log = {"evicted": 0, "unleased": 0, "logged_at": 0.0}
         self._source = MigrationSource(block_size=block_size)
         self._traces = Traces()  # a lock of its own
         self._consumer = Consumer(block_size=block_size, failure_policy=failure_policy,
@@ -86,8 +115,9 @@ class SchedulerHalf:
         self._server = None
         if is_producer:
             self._server = LeaseServer(secret, self._serve, host=lease_host, port=lease_port)
-            logger.info("vllm-ext connector: lease channel at %s:%d (lease %g s)",
-                        self._server.host, self._server.port, lease_s)
+            logger.info("vllm-ext connector: lease channel at %s:%d (lease %g s, P/D leases hold at most %s blocks)",
+                        self._server.host, self._server.port, lease_s,
+                        "any number of" if max_leased_blocks is None else max_leased_blocks)
 
     # ---- start-up ------------------------------------------------------------------------
     def set_handshake(self, metadata: Dict[int, VllmExtHandshake]) -> None:
@@ -160,19 +190,41 @@ class SchedulerHalf:
         nblocks = -(-num_tokens // self.block_size)
         if num_tokens <= 0 or nblocks > len(block_ids):
             return False, None
+        leased = list(block_ids[:nblocks])
         with self._lock:
-            lease = self._leases.add(request.request_id, list(block_ids[:nblocks]), num_tokens,
+            room = self._leases.make_room(leased)
+            if room is None:  # taken leases hold the bound: this prompt is computed again by its consumer
+                self._stats.record_unleased()
+                self._note_bound("unleased")
+                return False, dict(UNLEASED)
+            for old in room:
+                self._end_lease(old, "evicted")
+            lease = self._leases.add(request.request_id, leased, num_tokens,
                                      prompt_hash(request.all_token_ids[:num_tokens]))
+            self._stats.record_leased_blocks(self._leases.leased_blocks)
         desc = self._handshake.descriptor
         host, port = self.lease_address
-        return True, RemoteKV(
+        return True, ProducerParams(RemoteKV(
             lease=lease.lease_id, block_ids=lease.block_ids, num_tokens=num_tokens, prompt_hash=lease.prompt_hash,
             fingerprint=self._handshake.fingerprint, lease_host=host, lease_port=port,
-            endpoint_id=desc["endpoint_id"], backend=desc["backend"], lease_s=self.lease_s).to_params()
+            endpoint_id=desc["endpoint_id"], backend=desc["backend"], lease_s=self.lease_s).to_params())
+
+    def _note_bound(self, what: str) -> None:
+        """With the lock held: one log line per BOUND_LOG_S for the leases the bound ended early
+        and the prefills it left unleased (a client flooding prefills would write one a request)."""
+        self._bound_log[what] += 1
+        now = time.monotonic()
+        if now - self._bound_log["logged_at"] >= BOUND_LOG_S:
+            logger.warning("P/D leases hold their bound of %d blocks (kv_connector_extra_config.max_leased_fraction): "
+                           "%d untaken leases ended early and %d prefills left unleased (their decode side computes "
+                           "the prompt) since the last such line", self._leases.max_blocks,
+                           self._bound_log["evicted"], self._bound_log["unleased"])
+            self._bound_log.update(evicted=0, unleased=0, logged_at=now)
 
     # ---- every step (engine thread) ------------------------------------------------------
     def build_connector_meta(self, scheduler_output=None) -> VllmExtMetadata:
         with self._lock:
+            self._step_passed(+1)
             if self.is_producer:
                 self._reap_expired()
                 self._source.follow_blocks(scheduler_output)
@@ -207,13 +259,17 @@ class SchedulerHalf:
         meta = getattr(output, "kv_connector_worker_meta", None)
         self._traces.step_reported(getattr(output, "invalid_block_ids", None), getattr(meta, "loaded", None) or ())
         granted = getattr(meta, "granted", None)
-        if not granted:
-            return
         with self._lock:
-            for lease in self._leases.grant(granted, getattr(meta, "digests", None) or {}):
+            self._step_passed(-1)
+            for lease in self._leases.grant(granted or [], getattr(meta, "digests", None) or {}):
                 if lease.migration_id is not None:
                     self._source.digested(lease)
-            self._granted.notify_all()
+
+    def _step_passed(self, scheduled: int) -> None:
+        """With the lock held: a step was scheduled (+1) or its output came in (-1)."""
+        self._steps_in_flight = max(0, self._steps_in_flight + scheduled)
+        self._last_step_at = time.monotonic()
+        self._granted.notify_all()
 
     def has_pending_frees(self) -> bool:
         """Leases ended whose blocks go back at the next step (live leases are not counted: a
@@ -227,8 +283,13 @@ class SchedulerHalf:
         its request finished and its last lease ended)."""
         self._leases.end(lease)
         self._granted.notify_all()
+        if lease.migration_id is None:
+            self._stats.record_leased_blocks(self._leases.leased_blocks)
         if lease.migration_id is None or self._source.lease_ended(lease.migration_id, lease.lease_id):
             self._leases.free(lease.req_id)
+        if why == "evicted":
+            self._stats.record_eviction()
+            self._note_bound("evicted")
         if why == "expired":
             self._stats.record_expiry()
             logger.warning("lease %s (request %s, %d blocks) expired unused after %g s; blocks freed",
@@ -280,18 +341,34 @@ class SchedulerHalf:
             if lease.taken:
                 raise ValueError(f"lease {lease_id[:8]}: already taken by another pull")
             lease.taken = True  # before waiting: a second acquire is refused meanwhile
-            waited = self._granted.wait_for(lambda: lease.granted or not self._leases.is_live(lease),
-                                            timeout=GRANT_WAIT_S)
+            why = self._wait_for_grant(lease, hold_s)
             if not self._leases.is_live(lease):
                 raise ValueError(f"lease {lease_id[:8]}: released or expired")
-            if not waited:
+            if why:
                 lease.taken = False
-                raise ValueError(f"lease {lease_id[:8]}: its blocks are not served yet (the producer's worker "
-                                 f"did not grant them within {GRANT_WAIT_S:g} s)")
+                raise ValueError(f"lease {lease_id[:8]}: its blocks are not served yet ({why})")
             self._leases.take(lease, hold_s)
             return (messages.LeaseAcquireReply(len(lease.block_ids), lease.num_tokens, lease.prompt_hash,
                                                len(lease.digests)),
                     protocol.encode_ids(lease.block_ids + lease.digests))
+
+    def _wait_for_grant(self, lease: Lease, hold_s: float) -> str:
+        """With the lock held: waits until the worker serves the lease's blocks or the lease
+        ended; "" then, else why it gave up. It waits while the engine makes progress (a step in
+        flight, or one scheduled or ended in the last GRANT_STALL_S: on a busy host one step may
+        take seconds), at most `hold_s` (the consumer's deadline)."""
+        give_up = time.monotonic() + hold_s
+        while not lease.granted and self._leases.is_live(lease):
+            now = time.monotonic()
+            if now >= give_up:
+                return f"the producer's engine did not serve them within the acquire's {hold_s:g} s"
+            until = give_up
+            if self._steps_in_flight == 0:
+                if now - self._last_step_at >= GRANT_STALL_S:
+                    return f"the producer's engine took no step for {GRANT_STALL_S:g} s"
+                until = min(until, self._last_step_at + GRANT_STALL_S)
+            self._granted.wait(until - now)
+        return ""
 
     def _serve_release(self, lease_id: str):
         """A pre-copy lease's blocks were its request's throughout unless it was preempted
@@ -353,10 +430,16 @@ class SchedulerHalf:
 
     # ---- accounting ----------------------------------------------------------------------
     def get_stats(self) -> Optional[VllmExtStats]:
-        if self._stats.is_empty():
-            return None
-        stats, self._stats = self._stats, VllmExtStats()
+        with self._lock:  # the lease channel's threads record too
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, VllmExtStats()
         return stats
+
+    def leased_blocks(self) -> int:
+        """The distinct blocks P/D leases hold now (the vllm:vllm_ext_leased_blocks gauge)."""
+        with self._lock:
+            return self._leases.leased_blocks
 
     def num_leases(self) -> int:
         with self._lock:

@@ -7,9 +7,16 @@ taken by one consumer's acquire and ended by its release or at expiry. What the 
 between goes to the worker with the next step's metadata: leases made (to grant), leases ended
 (to revoke), requests whose blocks go back to vLLM (finished_sending).
 
+What P/D leases hold is bounded (`max_blocks`, the producer's `max_leased_fraction` of its
+cache): the blocks of finished prompts that nobody pulls would otherwise pin the cache for
+`lease_s` (a client that asks for prefills and never decodes them starves everyone else).
+`make_room` says which of the oldest untaken leases to end so that a new one fits; a migration's
+leases (a running request's own blocks, asked by the router) are not counted.
+
 Not thread-safe: SchedulerHalf calls it under its lock (engine thread and lease channel threads).
 """
 
+import collections
 import dataclasses
 import secrets
 from typing import Callable, Dict, List, Optional
@@ -60,14 +67,18 @@ class LeaseChanges:
 
 
 class LeaseTable:
-    """Args are values: how long an untaken lease lives, the clock it is counted on, and whether
-    a lease waits for the worker's grant (False: releases without worker metadata, served at once)."""
+    """Args are values: how long an untaken lease lives, the clock it is counted on, whether a
+    lease waits for the worker's grant (False: releases without worker metadata, served at once),
+    and the most blocks P/D leases may hold together (None: no bound)."""
 
-    def __init__(self, *, lease_s: float, clock: Callable[[], float], wait_for_grant: bool):
+    def __init__(self, *, lease_s: float, clock: Callable[[], float], wait_for_grant: bool,
+                 max_blocks: Optional[int] = None):
         self.lease_s = lease_s
+        self.max_blocks = max_blocks
         self._clock = clock
         self._wait_for_grant = wait_for_grant
-        self._leases: Dict[str, Lease] = {}
+        self._leases: Dict[str, Lease] = {}  # in the order they were made
+        self._held: collections.Counter = collections.Counter()  # block -> P/D leases holding it
         self._changes = LeaseChanges()
 
     def __len__(self) -> int:
@@ -79,6 +90,33 @@ class LeaseTable:
     def is_live(self, lease: Lease) -> bool:
         return self._leases.get(lease.lease_id) is lease
 
+    @property
+    def leased_blocks(self) -> int:
+        """The distinct blocks P/D leases hold (a block two leases share counts once)."""
+        return len(self._held)
+
+    def make_room(self, block_ids: List[int]) -> Optional[List[Lease]]:
+        """The untaken P/D leases, oldest first, to end so that a new P/D lease of `block_ids`
+        fits under max_blocks ([] when it fits now), or None when it cannot fit (the leases
+        taken by a pull, which are never ended under it, hold too much, or it is larger than
+        the bound). Changes nothing."""
+        if self.max_blocks is None or self._fits(self._held, block_ids):
+            return []
+        held = collections.Counter(self._held)
+        evict: List[Lease] = []
+        for lease in self._leases.values():
+            if lease.taken or lease.migration_id is not None:
+                continue
+            evict.append(lease)
+            held.subtract(lease.block_ids)
+            held += collections.Counter()  # drops the blocks no lease holds any more
+            if self._fits(held, block_ids):
+                return evict
+        return None
+
+    def _fits(self, held: collections.Counter, block_ids: List[int]) -> bool:
+        return len(held) + len(set(block_ids).difference(held)) <= self.max_blocks
+
     def add(self, req_id: str, block_ids: List[int], num_tokens: int, prompt_hash: str, *,
             migration_id: Optional[str] = None, token_ids: Optional[List[int]] = None, num_prompt_tokens: int = 0,
             preemptions: Optional[int] = None, last: Optional[Digested] = None) -> Lease:
@@ -88,6 +126,8 @@ class LeaseTable:
                       self._clock() + self.lease_s, granted=not self._wait_for_grant, migration_id=migration_id,
                       token_ids=token_ids or [], num_prompt_tokens=num_prompt_tokens, preemptions=preemptions)
         self._leases[lease.lease_id] = lease
+        if migration_id is None:
+            self._held.update(lease.block_ids)
         self._changes.new_leases[lease.lease_id] = lease.block_ids
         if last is not None and last.preemptions == preemptions:
             k = 0
@@ -109,6 +149,9 @@ class LeaseTable:
     def end(self, lease: Lease) -> None:
         """Its grant is revoked at the next step (its blocks go back with `free`)."""
         del self._leases[lease.lease_id]
+        if lease.migration_id is None:
+            self._held.subtract(lease.block_ids)
+            self._held += collections.Counter()  # drops the blocks no lease holds any more
         self._changes.ended_leases.append(lease.lease_id)
 
     def free(self, req_id: str) -> None:
