@@ -466,3 +466,118 @@ def test_a_lease_for_another_prompt_is_never_loaded(pd_pair):
         got = complete(d, prompt)[0]
         assert got == single[key], f"seed {seed}: D's cache serves other KV for {key}: {got} != {single[key]}"
     assert_prefill_drained(pd_pair)
+
+
+# ---- hostile clients and a saturated host ---------------------------------------------------------
+BOUNDED_CACHE_BLOCKS = 200  # the prefill server's whole KV cache
+BOUNDED_LEASE_BLOCKS = BOUNDED_CACHE_BLOCKS // 2  # what its leases may hold: max_leased_fraction's default
+FLOOD_BLOCKS = 4  # each cheap request's prompt
+
+
+@pytest.fixture(scope="module", params=[pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
+def bounded(request, tmp_path_factory):
+    """A prefill server with a small cache (BOUNDED_CACHE_BLOCKS) and the default lease bound,
+    whose steps that grant leases end late while the file `slow` names holds a number of seconds
+    (tests/e2e/busy_producer.py); a decode server with policy "fail" (a failed load is a failed
+    request); and the proxy before them."""
+    device = fleet.DEVICES[request.param]
+    work = tmp_path_factory.mktemp(f"bounded-{device.name}")
+    model = fleet.write_checkpoint(work / "model", device=device)
+    fleet.write_word_tokenizer(model)
+    slow = work / "slow-grant"
+    lease_port = fleet.free_port()
+    extra = {"lease_s": LEASE_S, "pull_timeout_s": PULL_TIMEOUT_S, "load_whole_blocks": False}
+    started = []
+    try:
+        prefill = fleet.start_vllm(
+            "prefill", model, work, device=device, core="0", tokenizer=True, extra_pythonpath=str(ROOT),
+            extra_args=["--no-enable-prefix-caching", "--num-gpu-blocks-override", str(BOUNDED_CACHE_BLOCKS)],
+            extra_env={"VLLM_EXT_TEST_SLOW_GRANT": str(slow)},
+            kv_config={"kv_connector": "BusyProducerConnector", "kv_connector_module_path": "tests.e2e.busy_producer",
+                       "kv_role": "kv_producer", "kv_connector_extra_config": dict(extra, lease_port=lease_port)})
+        started.append(prefill)
+        if device.sequential_start:
+            prefill.wait_healthy()
+        decode = fleet.start_vllm(
+            "decode", model, work, device=device, core="1", tokenizer=True,
+            kv_config={"kv_connector": "VllmExtConnector", "kv_role": "kv_consumer", "kv_load_failure_policy": "fail",
+                       "kv_connector_extra_config": dict(extra, connect_to=[f"127.0.0.1:{lease_port}"])})
+        started.append(decode)
+        for server in started:
+            server.wait_healthy()
+        port = fleet.free_port()
+        proxy = fleet.Process("proxy", [sys.executable, "-m", "vllm_ext.proxy", "--prefill", prefill.url,
+                                        "--decode", decode.url, "--port", str(port)],
+                              fleet.vllm_env(device=device), work / "proxy.log", port)
+        started.append(proxy)
+        proxy.wait_healthy(timeout=60)
+        yield {"prefill": prefill, "decode": decode, "proxy": proxy, "slow": slow}
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+def test_prefills_that_are_never_decoded_cannot_pin_the_producers_cache(bounded):
+    """The pinning attack: cheap requests straight to the prefill server, with do_remote_decode,
+    whose leases nobody pulls, for more than 90% of its cache. Its leases never hold more than
+    the bound (the oldest end early, and say so in the metrics), its answers carry no prefix-cache
+    oracle, and a normal request through the proxy afterwards finds room on the prefill server,
+    gets a lease, and its KV is pulled (not recomputed): the right tokens."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    p, d = bounded["prefill"].url, bounded["decode"].url
+    normal = [rng.randrange(3, 1000) for _ in range(30 * fleet.BLOCK_SIZE - 10)]  # 30 blocks
+    want = complete(p, normal)[0]  # before the flood: P has room for it
+    flood = 45  # 180 blocks of leases without a bound: the normal prompt would find no room for lease_s
+    before = fleet.metrics(p)
+    for i in range(flood):
+        prompt = [rng.randrange(3, 1000) for _ in range(FLOOD_BLOCKS * fleet.BLOCK_SIZE - 5)]
+        _, body = complete(p, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+        params = body["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and len(params["remote_block_ids"]) == FLOOD_BLOCKS, params
+        assert "remote_prefill_cached_tokens" not in params, f"P's answer tells the client its cache hit: {params}"
+        if i % 5 == 4:
+            held = fleet.metrics(p).get("vllm:vllm_ext_leased_blocks", 0)
+            assert held <= BOUNDED_LEASE_BLOCKS, f"seed {seed}: after {i + 1} requests P's leases hold {held} blocks"
+    after = fleet.metrics(p)
+    assert after["vllm:vllm_ext_leased_blocks"] == BOUNDED_LEASE_BLOCKS, after
+    evicted = after.get("vllm:vllm_ext_evicted_leases_total", 0) - before.get("vllm:vllm_ext_evicted_leases_total", 0)
+    assert evicted == flood - BOUNDED_LEASE_BLOCKS // FLOOD_BLOCKS, (seed, evicted)
+    assert after["vllm:kv_cache_usage_perc"] <= BOUNDED_LEASE_BLOCKS / BOUNDED_CACHE_BLOCKS + 0.01, after
+
+    transfers = fleet.metrics(d).get("vllm:vllm_ext_transfers_total", 0)
+    got, _ = complete(bounded["proxy"].url, normal)  # within the request timeout: P had room
+    assert got == want, f"seed {seed}: {got} != {want}"
+    assert fleet.metrics(d)["vllm:vllm_ext_transfers_total"] == transfers + 1  # its KV came from P's lease
+    assert fleet.metrics(p).get("vllm:vllm_ext_unleased_prefills_total", 0) == 0
+
+
+def test_pd_requests_on_a_saturated_host_are_answered(bounded):
+    """Both cores busy with other work, and the prefill server's steps that grant a lease ending
+    seconds late (longer than the 3 s an acquire used to wait): every P/D request through the
+    proxy is answered with a single instance's greedy tokens, with its KV pulled, and no load
+    fails on the decode server, whose policy "fail" would fail the request."""
+    import concurrent.futures
+    import subprocess
+
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    cases = [[rng.randrange(3, 1000) for _ in range(rng.randrange(40, 300))] for _ in range(4)]
+    wants = [complete(bounded["prefill"].url, prompt)[0] for prompt in cases]
+    d = bounded["decode"].url
+    before = fleet.metrics(d)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    bounded["slow"].write_text("4")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+            gots = list(pool.map(lambda prompt: complete(bounded["proxy"].url, prompt)[0], cases))
+    finally:
+        bounded["slow"].unlink()
+        for hog in hogs:
+            hog.kill()
+            hog.wait(timeout=30)
+    for prompt, got, want in zip(cases, gots, wants):
+        assert got == want, f"seed {seed}: prompt of {len(prompt)} tokens: P/D {got} != single instance {want}"
+    after = fleet.metrics(d)
+    assert after["vllm:vllm_ext_failed_transfers_total"] == before.get("vllm:vllm_ext_failed_transfers_total", 0)
+    assert after["vllm:vllm_ext_transfers_total"] - before.get("vllm:vllm_ext_transfers_total", 0) == len(cases)
