@@ -32,6 +32,24 @@ def check_vllm_version(version=None) -> None:
                            f"this is vLLM {version}")
 
 
+def declare_environment() -> None:
+    """vLLM warns of every VLLM_* variable it does not know ("Unknown vLLM environment variable
+    detected"), which reads as if vllm-ext's own (VLLM_EXT_AUTH_SECRET, ...) were ignored: they
+    are declared to it here, before it checks (its plugins load as it parses its arguments)."""
+    import functools
+    import os
+
+    try:
+        from vllm import envs
+    except ImportError:
+        return
+    known = getattr(envs, "environment_variables", None)
+    if isinstance(known, dict):
+        for name in os.environ:
+            if name.startswith("VLLM_EXT_"):
+                known.setdefault(name, functools.partial(os.environ.get, name))
+
+
 def register() -> None:
     """The `vllm.general_plugins` entry point: registers VllmExtConnector with vLLM's factory
     (idempotent; every vLLM process calls it). Never fails a vLLM that does not use it."""
@@ -44,6 +62,7 @@ def register() -> None:
     from .detokenize import install
 
     install()  # a moved request's text goes on where the client's stopped (detokenize.py)
+    declare_environment()
     registry = getattr(KVConnectorFactory, "_registry", None)
     if isinstance(registry, dict) and CONNECTOR_NAME in registry:
         return
