@@ -83,3 +83,23 @@ def test_vllms_detokenizer_resumes_exactly_once_the_plugin_is_registered(tokeniz
     for _ in range(CUTS // 4):
         ids, cut = next(cuts)
         assert _emitted(tok, ids[:cut]) + _resumed_text(tokenizer, ids[:cut], ids[cut:]) == _emitted(tok, ids)
+
+
+def test_a_cut_in_a_long_run_of_broken_characters_resumes_exactly():
+    """Bytes that no later token completes (invalid UTF-8: multi-byte text with tokens dropped,
+    as a random byte-level model writes it) keep a stream's text held back for as long as it
+    ends in U+FFFD, over any number of tokens: a cut anywhere in such a run resumes exactly."""
+    tokenizer = tokenizers.byte_level()
+    tok = tokenizer.backend_tokenizer
+    rng = random.Random(random.randrange(1 << 30))
+    longest = 0
+    for _ in range(CUTS // 4):
+        ids = [t for t in tokenizer.encode("ok " + "中文日本語🙂👍🏽∑" * 6, add_special_tokens=False)
+               if rng.random() < 0.8]
+        cut = rng.randint(1, len(ids) - 1)
+        held = detokenize.held_back(tok, ids[:cut], True)
+        longest = max(longest, held)
+        stream = detokenize.primed_stream(tok, ids[:cut], True) or DecodeStream(ids=ids[:cut], skip_special_tokens=True)
+        assert _emitted(tok, ids[:cut]) + "".join(stream.step(tok, t) or "" for t in ids[cut:]) == _emitted(tok, ids), \
+            (ids, cut)
+    assert longest > 8, longest  # runs longer than any character's bytes were cut

@@ -21,20 +21,25 @@ from typing import List, Optional
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
-WINDOW = 16  # prompt tokens decoded to tell whether it ends inside a character
-MAX_HELD = 8  # trailing tokens a character may span (one byte each, for byte-level tokenizers)
+WINDOW = 16  # tokens decoded before a point to tell whether the text there ends inside a character
 REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a character
 
 
 def held_back(tokenizer, prompt_ids: List[int], skip_special_tokens: bool) -> int:
-    """How many of the prompt's last tokens hold an incomplete character (0: none)."""
-    window = list(prompt_ids[-WINDOW:])
-    if not tokenizer.decode(window, skip_special_tokens=skip_special_tokens).endswith(REPLACEMENT):
+    """How many of the prompt's last tokens a stream that generated them still holds back: those
+    after the last point where the text ends on a whole character (0: none). A DecodeStream
+    holds text while it ends in U+FFFD (an incomplete character, but also invalid bytes, which
+    no later token completes), so such a run can be any length."""
+    def ends_inside(end: int) -> bool:
+        window = list(prompt_ids[max(0, end - WINDOW):end])
+        return tokenizer.decode(window, skip_special_tokens=skip_special_tokens).endswith(REPLACEMENT)
+
+    if not ends_inside(len(prompt_ids)):
         return 0
-    for held in range(1, min(MAX_HELD, len(window) - 1) + 1):
-        if not tokenizer.decode(window[:-held], skip_special_tokens=skip_special_tokens).endswith(REPLACEMENT):
-            return held
-    return 0  # a run longer than any character (or the model's own U+FFFD): vLLM's priming
+    for end in range(len(prompt_ids) - 1, 0, -1):
+        if not ends_inside(end):
+            return len(prompt_ids) - end
+    return 0  # nothing but such text: vLLM's priming
 
 
 def primed_stream(tokenizer, prompt_ids: List[int], skip_special_tokens: bool):
