@@ -208,3 +208,35 @@ def test_a_moved_request_keeps_the_output_limit_its_first_instance_gave_it(monke
     finally:
         for s in servers:
             s.close()
+
+
+def test_a_request_whose_client_left_between_the_stop_and_the_resume_leaves_no_load_behind(monkeypatch):
+    """The client leaves after a migration's stop, before the resume: the resume still places
+    the request on the destination, and the migration's end takes it off again (else the
+    destination's load counts it for ever)."""
+    from vllm_ext.router import live
+
+    async def go():
+        router = Router(["http://127.0.0.1:9", "http://127.0.0.1:10"], None, Settings())
+        a, b = router.instances
+        a.control = Control(None)
+        routed = routed_on(router, a)
+        take(routed, a)
+
+        async def fake_open(routed, inst, url, body, first_token=False):
+            take(routed, inst)
+        router.relay.open = fake_open
+
+        async def migrate(record, source, driver, **_):
+            routed.let_go(routed.leg, stopped=True)  # the stop
+            routed.close()  # the client leaves (app.Router.completions' finally)
+            await driver.resume(b.url, {"migration_id": driver.next_mid})  # recompute: no trace asked
+            record.outcome = live.Outcome.RECOMPUTED
+            return record
+        monkeypatch.setattr(live, "migrate", migrate)
+        await router.migrations.start(routed, b)
+        return a, b, routed
+
+    a, b, routed = asyncio.run(go())
+    assert routed.gone and routed.leg is None
+    assert a.load == 0 and b.load == 0, (a.requests, b.requests)

@@ -80,8 +80,8 @@ class Migrations:
             finally:
                 if driver.late_stop:
                     record.outcome, record.reason = live.Outcome.FAILED, driver.late_stop
-                if routed.gone:  # resumed for a client that left meanwhile
-                    routed.drop()
+                if routed.gone:  # resumed for a client that left meanwhile: no instance keeps it
+                    routed.close()
                 src.migrating_out -= 1
                 dst.migrating_in -= 1
                 routed.migrations.append(record)
@@ -166,11 +166,12 @@ class RouterDriver:
             return False
         self._stopping = leg
         gap = self.routed.client.last_gap_s
-        # the pump stops at its next step: at once, or after a write to a slow client (at most the
-        # timeout setting, then the client is gone)
+        # the pump stops at its next step, or at once while it waits on a write to the client
+        # (Leg.writing): a slow client holds no stop
         wait_s = self.settings.timeout_s + STOP_WAIT_MAX_S
         try:
-            return await leg.stop(None if gap is None else min(2 * gap, STOP_WAIT_MAX_S), wait_s)
+            stopped = await leg.stop(None if gap is None else min(2 * gap, STOP_WAIT_MAX_S), wait_s)
+            return stopped and not self.routed.client.finished  # a stop during the last write: nothing to move
         except asyncio.TimeoutError:  # the pump stops it later, and the request is recomputed where it was
             self.late_stop = f"the stream did not stop within {wait_s:g} s"
             return False
