@@ -392,3 +392,271 @@ def test_a_chat_stream_whose_instance_parses_reasoning_relays_it_and_stays_there
     assert status == 409 and REASONING_PINS in refusal["error"]["message"], refusal
     deltas = [e["choices"][0]["delta"] for e in events_of(text) if e.get("choices")]
     assert {"content": "", "reasoning": "two and two"} in deltas and {"content": "4"} in deltas, deltas
+
+
+# ---- hostile clients, hostile backends, a saturated host ---------------------------------------
+def _router_for(handlers, settings, calls, models=None):
+    """The router (in this process) over fake instances serving `handlers`; `calls(session, url,
+    router)`'s result."""
+    async def go():
+        servers = []
+        for handler in handlers:
+            app = web.Application()
+            for path in ("/v1/completions", "/v1/chat/completions"):
+                app.router.add_post(path, handler)
+            app.router.add_get("/metrics", empty)
+            app.router.add_get("/health", empty)
+            if models is not None:
+                app.router.add_get("/v1/models", models)
+            servers.append(await serving(app))
+        app = build_app([u for _, u in servers], None, settings)
+        router = next(h.__self__ for r in app.router.routes() for h in [r.handler]
+                      if getattr(h, "__name__", "") == "completions")
+        runner, url = await serving(app)
+        try:
+            async with aiohttp.ClientSession() as s:
+                return await calls(s, url, router)
+        finally:
+            for x in (runner, *(r for r, _ in servers)):
+                await x.cleanup()
+    return asyncio.run(go())
+
+
+def _stream_of(chunks):
+    async def handler(request):
+        await request.json()
+        r = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        for chunk in chunks:
+            await r.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await r.write(b"data: [DONE]\n\n")
+        return r
+    return handler
+
+
+def _token(i, prompt=None, finish=None):
+    choice = {"index": 0, "text": f" t{i}", "token_ids": [i], "finish_reason": finish}
+    if prompt is not None:
+        choice["prompt_token_ids"] = prompt
+    return {"id": "x", "choices": [choice]}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_backend_that_sends_past_max_tokens_is_cut_there(stream):
+    """The finding: the router relayed tokens past the client's max_tokens. It ends the answer
+    at the client's limit, "length", whatever the backend sends on."""
+    chunks = [_token(10, prompt=[1, 2])] + [_token(i) for i in range(11, 16)] + [_token(16, finish="length")]
+
+    async def calls(s, url, router):
+        body = {"model": "m", "prompt": [1, 2], "max_tokens": 3, "stream": stream, "return_token_ids": True}
+        async with s.post(url + "/v1/completions", json=body) as r:
+            return r.status, await r.text()
+
+    status, text = _router_for([_stream_of(chunks)], Settings(health_interval_s=60), calls)
+    assert status == 200, text
+    if stream:
+        events = [e for e in events_of(text) if e.get("choices")]
+        ids = [t for e in events for t in e["choices"][0].get("token_ids") or []]
+        finish = [e["choices"][0]["finish_reason"] for e in events if e["choices"][0]["finish_reason"]]
+        assert ids == [10, 11, 12] and finish == ["length"], text
+    else:
+        choice = json.loads(text)["choices"][0]
+        assert choice["token_ids"] == [10, 11, 12] and choice["finish_reason"] == "length"
+        assert choice["text"] == " t10 t11 t12"
+
+
+def test_a_backend_event_past_max_event_bytes_breaks_only_that_leg():
+    """The finding: the router buffered one 64 MiB event of a backend. An event larger than
+    max_event_bytes breaks its leg (the request goes on elsewhere); the instance is not marked
+    down for it."""
+    huge = _stream_of([dict(_token(10, prompt=[1, 2]), pad="x" * 8192)])
+    fine = _stream_of([_token(20, prompt=[1, 2], finish="length")])
+
+    async def calls(s, url, router):
+        body = {"model": "m", "prompt": [1, 2], "max_tokens": 1, "return_token_ids": True}
+        async with s.post(url + "/v1/completions", json=body) as r:
+            return r.status, await r.json(), [i.healthy for i in router.instances]
+
+    status, body, healthy = _router_for([huge, fine], Settings(policy="round_robin", health_interval_s=60,
+                                                               max_event_bytes=4096), calls)
+    assert status == 200 and body["choices"][0]["token_ids"] == [20] and healthy == [True, True], body
+
+
+def test_a_request_relayed_as_is_gets_no_backend_params():
+    """A producer's kv_transfer_params (remote_prefill_cached_tokens: how much of the prompt its
+    cache holds) never reach a client, also of a request relayed as is."""
+    async def answers(request):
+        await request.json()
+        return web.json_response({"id": "x", "choices": [{"index": i, "text": "a"} for i in range(2)],
+                                  "kv_transfer_params": {"remote_prefill_cached_tokens": 64}})
+
+    async def calls(s, url, router):
+        async with s.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "n": 2}) as r:
+            return r.status, await r.json()
+
+    status, body = _router_for([answers], Settings(health_interval_s=60), calls)
+    assert status == 200 and len(body["choices"]) == 2 and "kv_transfer_params" not in body, body
+
+
+def test_health_models_and_errors_tell_no_instance_address_or_model_path():
+    async def fails(request):
+        await request.json()
+        return web.json_response({"error": "boom"}, status=500)
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": "m", "root": "/srv/models/m-7b", "parent": None,
+                                                              "max_model_len": 64}]})
+
+    async def calls(s, url, router):
+        async with s.post(url + "/v1/completions", json={"model": "m", "prompt": [1]}) as r:
+            failed = r.status, await r.text()
+        async with s.get(url + "/health") as r:
+            health = r.status, await r.json()
+        async with s.get(url + "/v1/models") as r:
+            listed = r.status, await r.text()
+        return failed, health, listed, [i.url for i in router.instances]
+
+    (fs, failed), (hs, health), (ls, listed), urls = _router_for([fails], Settings(health_interval_s=60), calls,
+                                                                 models=models)
+    assert fs == 503 and "no instance is reachable" in failed and hs == 200 and health == {"instances": [True]}
+    assert ls == 200 and '"root": "m"' in listed and "/srv/models" not in listed and '"max_model_len": 64' in listed
+    for url in urls:
+        assert url not in failed and url.split("//")[1] not in failed, failed
+
+
+def test_a_body_too_large_gets_413_and_requests_over_the_limit_503_with_retry_after():
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def holds(request):
+        await request.json()
+        started.set()
+        r = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        await r.write(b"data: " + json.dumps(_token(10, prompt=[1])).encode() + b"\n\n")
+        await release.wait()
+        return r
+
+    async def calls(s, url, router):
+        async with s.post(url + "/v1/completions", json={"model": "m", "prompt": "x" * 5000}) as r:
+            large = r.status, await r.json()
+        held = asyncio.ensure_future(s.post(url + "/v1/completions", json={"model": "m", "prompt": [1],
+                                                                           "stream": True}))
+        await asyncio.wait_for(started.wait(), 30)
+        async with s.post(url + "/v1/completions", json={"model": "m", "prompt": [1]},
+                          timeout=aiohttp.ClientTimeout(total=20)) as r:  # bounded: without the limit it waits
+            busy = r.status, r.headers.get("Retry-After"), await r.json()
+        async with s.get(url + "/health") as r:
+            health = r.status  # not counted: a saturated router still says it is up
+        (await held).close()
+        release.set()
+        return large, busy, health
+
+    (s1, b1), (s2, retry, b2), health = _router_for(
+        [holds], Settings(health_interval_s=60, max_requests=1, max_body_bytes=4096), calls)
+    assert s1 == 413 and "larger than 4096 bytes" in b1["error"]["message"]
+    assert s2 == 503 and retry == "1" and "limit of 1 requests at once" in b2["error"]["message"] and health == 200
+
+
+def test_a_local_limit_marks_no_instance_down():
+    """The router's own limit (EMFILE: 'Too many open files') says nothing of an instance: the
+    request gets 503 with Retry-After and every instance stays up."""
+    import errno
+
+    from vllm_ext.router.app import Router
+
+    async def go():
+        router = Router(["http://127.0.0.1:9", "http://127.0.0.1:10"], None, Settings())
+
+        def post(*args, **kwargs):
+            raise aiohttp.ClientConnectorError(aiohttp.client_reqrep.ConnectionKey(
+                "127.0.0.1", 9, False, True, None, None, None), OSError(errno.EMFILE, "Too many open files"))
+
+        class Session:
+            pass
+        router.fleet.session = Session()
+        router.fleet.session.post = post
+        app = web.Application()
+        app.router.add_post("/v1/completions", router.completions)
+        runner, url = await serving(app)
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/completions", json={"model": "m", "prompt": [1]}) as r:
+                    return r.status, r.headers.get("Retry-After"), await r.json(), [i.healthy for i in router.instances]
+        finally:
+            await runner.cleanup()
+
+    status, retry, body, healthy = asyncio.run(go())
+    assert status == 503 and retry == "1" and "Too many open files" in body["error"]["message"], body
+    assert healthy == [True, True]
+
+
+def test_under_a_low_file_limit_the_excess_gets_503_and_no_instance_is_marked_down(tmp_path):
+    """The finding: under `ulimit -n 400`, 600 streams marked both healthy instances down and
+    their clients got 503. A router under a file limit of 400 (its default max_requests follows
+    it) and 250 streams at once (each would hold two files): each gets its answer or a 503 with
+    Retry-After, and both instances stay up."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    from vllm_ext.fleet import free_port
+
+    async def slow(request):
+        await request.json()
+        r = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        for i in range(10):
+            await r.write(b"data: " + json.dumps(_token(10 + i, prompt=[1] if i == 0 else None,
+                                                        finish="length" if i == 9 else None)).encode() + b"\n\n")
+            await asyncio.sleep(0.1)
+        await r.write(b"data: [DONE]\n\n")
+        return r
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (400, 400))
+
+    async def go():
+        servers = [await backend(slow) for _ in range(2)]
+        port = free_port()
+        env = dict(os.environ, VLLM_EXT_ROUTER_TOKEN="t")
+        log = open(tmp_path / "router.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "vllm_ext.router", "--instance", *(u for _, u in servers),
+                                 "--port", str(port), "--health-interval-s", "0.2"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, preexec_fn=limit)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                             timeout=aiohttp.ClientTimeout(total=120)) as s:
+                for _ in range(300):
+                    try:
+                        async with s.get(url + "/health") as r:
+                            if r.status == 200:
+                                break
+                    except aiohttp.ClientError:
+                        pass
+                    await asyncio.sleep(0.1)
+
+                async def one():
+                    body = {"model": "m", "prompt": [1], "max_tokens": 10, "stream": True, "return_token_ids": True}
+                    async with s.post(url + "/v1/completions", json=body) as r:
+                        return r.status, r.headers.get("Retry-After"), await r.text()
+                results = await asyncio.gather(*(one() for _ in range(250)))
+                async with s.get(url + "/instances", headers={"Authorization": "Bearer t"}) as r:
+                    instances = await r.json()
+            return results, instances
+        finally:
+            proc.terminate()
+            proc.wait(20)
+            log.close()
+            for runner, _ in servers:
+                await runner.cleanup()
+
+    results, instances = asyncio.run(go())
+    log = (tmp_path / "router.log").read_text(errors="replace")
+    served = [text for status, _, text in results if status == 200]
+    refused = [retry for status, retry, _ in results if status == 503]
+    assert len(served) + len(refused) == 250, ([s for s, _, _ in results], log[-3000:])
+    assert all(retry == "1" for retry in refused) and served, log[-3000:]
+    assert all('"token_ids": [19]' in text and text.endswith("data: [DONE]\n\n") for text in served)
+    assert all(i["healthy"] for i in instances) and "is down" not in log, log[-3000:]

@@ -42,9 +42,10 @@ def test_python_m_vllm_ext_proxy_is_the_p_d_proxy():
 
 
 # ---- the proxy against fake backends (aiohttp servers in this process) ------------------------
-def run_with_backends(prefill_handler, decode_handler, client_calls):
+def run_with_backends(prefill_handler, decode_handler, client_calls, settings=None, health=None, models=None):
     """Starts a fake prefill and decode server and the proxy on free ports of 127.0.0.1, runs
-    `client_calls(session, proxy_url)`, stops everything; returns its result."""
+    `client_calls(session, proxy_url)`, stops everything; returns its result. A handler may be
+    a list (one server each, in that order); `health`, `models`: the servers' GET handlers."""
     import asyncio
 
     import aiohttp
@@ -53,17 +54,24 @@ def run_with_backends(prefill_handler, decode_handler, client_calls):
     async def main():
         runners = []
         try:
-            urls = []
-            for handler in (prefill_handler, decode_handler):
-                app = web.Application()
-                app.router.add_post("/v1/completions", handler)
-                runner = web.AppRunner(app)
-                await runner.setup()
-                runners.append(runner)
-                site = web.TCPSite(runner, "127.0.0.1", 0)
-                await site.start()
-                urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
-            runner = web.AppRunner(build_app([urls[0]], [urls[1]], timeout_s=30))
+            urls = {"prefill": [], "decode": []}
+            for stage, handlers in (("prefill", prefill_handler), ("decode", decode_handler)):
+                for handler in handlers if isinstance(handlers, list) else [handlers]:
+                    app = web.Application()
+                    app.router.add_post("/v1/completions", handler)
+                    app.router.add_post("/v1/chat/completions", handler)
+                    if health is not None:
+                        app.router.add_get("/health", health)
+                    if models is not None:
+                        app.router.add_get("/v1/models", models)
+                    runner = web.AppRunner(app, shutdown_timeout=1)
+                    await runner.setup()
+                    runners.append(runner)
+                    site = web.TCPSite(runner, "127.0.0.1", 0)
+                    await site.start()
+                    urls[stage].append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+            runner = web.AppRunner(build_app(urls["prefill"], urls["decode"], timeout_s=30, settings=settings),
+                                   shutdown_timeout=1)
             await runner.setup()
             runners.append(runner)
             site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -112,7 +120,7 @@ def test_client_params_are_dropped_headers_forwarded_and_prefill_asks_one_choice
         return web.json_response({"choices": [{"text": "hello"}]})
 
     async def calls(session, url):
-        body = {"model": "m", "prompt": "hi", "n": 3, "max_tokens": 5,
+        body = {"model": "m", "prompt": "hi", "n": 1, "max_tokens": 5,
                 "kv_transfer_params": {"do_remote_prefill": True, "remote_endpoint": {"lease_host": "10.0.0.1"}}}
         async with session.post(url + "/v1/completions", json=body,
                                 headers={"Authorization": "Bearer k", "X-Request-Id": "rid-7"}) as r:
@@ -123,7 +131,7 @@ def test_client_params_are_dropped_headers_forwarded_and_prefill_asks_one_choice
     p_body, p_headers = seen["prefill"]
     d_body, d_headers = seen["decode"]
     assert p_body["n"] == 1 and p_body["max_tokens"] == 1 and p_body["kv_transfer_params"] == {"do_remote_decode": True}
-    assert d_body["kv_transfer_params"] == PARAMS and d_body["n"] == 3  # the prefill leg's, not the client's
+    assert d_body["kv_transfer_params"] == PARAMS and d_body["max_tokens"] == 5  # the prefill leg's, not the client's
     for headers in (p_headers, d_headers):
         assert headers["authorization"] == "Bearer k" and headers["x-request-id"] == "rid-7"
 
@@ -193,3 +201,242 @@ def test_unknown_routes_get_a_json_404():
         raise AssertionError("no backend is asked")
 
     assert run_with_backends(unused, unused, calls) == (404, {"detail": "Not Found"})
+
+
+# ---- hostile clients and failing decode legs ---------------------------------------------------
+SECRET = "proxy-unit-test-deployment-secret"
+LEASE = "cd" * 16
+
+
+class ReleasingProducer:
+    """A prefill server's lease channel (a real LeaseServer) recording the leases released, and
+    its prefill answer naming a lease on it."""
+
+    def __init__(self):
+        from vllm_ext.lease import messages
+        from vllm_ext.lease.channel import LeaseServer
+
+        self.released, self.asked = [], 0
+
+        def handler(request):
+            assert isinstance(request, messages.LeaseRelease)
+            self.released.append(request.lease)
+            return messages.LeaseReleaseReply(True), b""
+        self.server = LeaseServer(SECRET.encode(), handler)
+        self.params = {"do_remote_prefill": True, "remote_lease": LEASE, "remote_prefill_cached_tokens": 3,
+                       "remote_endpoint": {"lease_host": "127.0.0.1", "lease_port": self.server.port}}
+
+    async def answer(self, request):
+        from aiohttp import web
+
+        self.asked += 1
+        await request.json()
+        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": self.params})
+
+    def wait_released(self, n=1, within_s=10.0):
+        import time
+
+        deadline = time.monotonic() + within_s
+        while len(self.released) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return list(self.released)
+
+
+@pytest.fixture
+def producer(monkeypatch):
+    monkeypatch.setenv("VLLM_EXT_AUTH_SECRET", SECRET)
+    p = ReleasingProducer()
+    yield p
+    p.server.close()
+
+
+async def never(request):
+    import asyncio
+
+    await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize("body,match", [
+    ({"stream": False, "stream_options": {"include_usage": True}}, "Stream options can only be defined when"),
+    ({"n": 2}, "one choice per request"),
+    ({"best_of": 3}, "one choice per request"),
+    ({"max_tokens": -1}, "max_tokens must be at least 1, got -1"),
+    ({"max_tokens": "5"}, "max_tokens: expected an integer, got '5'"),
+    ({"max_tokens": 4, "min_tokens": 9}, "min_tokens must be less than or equal to max_tokens=4, got 9"),
+])
+def test_what_the_decode_server_would_refuse_is_refused_before_the_prefill_server(producer, body, match):
+    """Fields the prefill leg does not carry (it asks one token, one choice, not streamed): a
+    request the decode server would refuse over them gets vLLM's 400 from the proxy, and no
+    prefill server is asked (no lease is made for it)."""
+    async def decode(request):
+        raise AssertionError("the decode server must not be asked")
+
+    async def calls(session, url):
+        async with session.post(url + "/v1/completions", json=dict({"model": "m", "prompt": "hi"}, **body)) as r:
+            return r.status, await r.json()
+
+    status, answer = run_with_backends(producer.answer, decode, calls)
+    assert status == 400 and match in answer["error"]["message"] and answer["error"]["type"] == "BadRequestError"
+    assert producer.asked == 0
+
+
+def _decode_fails(producer, decode, body=None, settings=None, health=None, client_timeout=20.0, release_s=10.0):
+    import asyncio
+
+    import aiohttp
+
+    async def calls(session, url):
+        request = dict({"model": "m", "prompt": "hi", "max_tokens": 4}, **(body or {}))
+        try:
+            async with session.post(url + "/v1/completions", json=request,
+                                    timeout=aiohttp.ClientTimeout(total=client_timeout)) as r:
+                return r.status, await r.read()
+        except asyncio.TimeoutError:
+            return "left", b""
+    result = run_with_backends(producer.answer, decode, calls, settings=settings, health=health)
+    return result, producer.wait_released(within_s=release_s)
+
+
+def test_a_decode_server_that_refuses_frees_the_prefill_lease_at_once(producer):
+    """The finding: D refused (vLLM's rejection hook does not run there) and P kept the blocks
+    leased until they expired. The proxy releases the lease over P's lease channel at once."""
+    from aiohttp import web
+
+    async def refuses(request):
+        return web.json_response({"error": {"message": "no", "type": "BadRequestError", "code": 400}}, status=400)
+
+    (status, _), released = _decode_fails(producer, refuses)
+    assert status == 400 and released == [LEASE]
+
+
+def test_a_decode_server_that_dies_frees_the_prefill_lease(producer):
+    async def dies(request):  # its connection drops before any answer
+        await request.read()
+        request.transport.close()
+
+    (status, body), released = _decode_fails(producer, dies)
+    assert status == 503 and b"no decode server is reachable" in body and released == [LEASE]
+
+
+def test_a_stalled_decode_server_gives_504_and_frees_the_prefill_lease(producer):
+    """A decode server that begins no answer within first_byte_s and answers no /health (a
+    SIGSTOPped one) is given up: 504 when no other is left, and P's lease is released."""
+    from vllm_ext.router.settings import ProxySettings
+
+    (status, body), released = _decode_fails(producer, never, settings=ProxySettings(first_byte_s=0.3,
+                                                                                     health_timeout_s=0.3),
+                                             health=never)
+    assert status == 504 and b"no decode server answered within 0.3 s" in body and released == [LEASE]
+
+
+def test_a_client_that_leaves_frees_the_prefill_lease(producer):
+    async def slow(request):  # answers /health: alive, only slow
+        await never(request)
+
+    async def alive(request):
+        from aiohttp import web
+        return web.Response(text="")
+
+    from vllm_ext.router.settings import ProxySettings
+
+    (status, _), released = _decode_fails(producer, slow, settings=ProxySettings(first_byte_s=0.2),
+                                          health=alive, client_timeout=1.0)
+    assert status == "left" and released == [LEASE]
+
+
+def test_a_served_request_releases_nothing_and_its_answer_carries_no_backend_params(producer):
+    """A decode server's whole answer reaches the client without its kv_transfer_params (a
+    producer's tell how much of the prompt its cache holds)."""
+    from aiohttp import web
+
+    async def decode(request):
+        assert (await request.json())["kv_transfer_params"] == producer.params
+        return web.json_response({"choices": [{"text": "hello"}], "kv_transfer_params": producer.params})
+
+    (status, body), released = _decode_fails(producer, decode, release_s=0.5)
+    import json
+    assert status == 200 and json.loads(body) == {"choices": [{"text": "hello"}]} and released == []
+
+
+def test_a_stalled_prefill_server_is_skipped():
+    """The first prefill server begins no answer and answers no /health: the next one serves."""
+    import aiohttp
+    from aiohttp import web
+
+    from vllm_ext.router.settings import ProxySettings
+
+    health = {"stalled": False}
+
+    async def stalls(request):
+        health["stalled"] = True
+        await never(request)
+
+    async def ready(request):
+        if health["stalled"]:
+            await never(request)  # every fake shares the handler: the first asked is the stalled one
+        return web.Response(text="")
+
+    async def decode(request):
+        return web.json_response({"choices": [{"text": "hello"}]})
+
+    async def calls(session, url):  # bounded: without the deadline the proxy waits on the stalled one
+        async with session.post(url + "/v1/completions", json={"model": "m", "prompt": "hi"},
+                                timeout=aiohttp.ClientTimeout(total=20)) as r:
+            return r.status, await r.json()
+
+    status, body = run_with_backends([stalls, prefill_answer], decode, calls,
+                                     settings=ProxySettings(first_byte_s=0.3, health_timeout_s=0.3), health=ready)
+    assert status == 200 and body["choices"][0]["text"] == "hello"
+
+
+def test_health_and_models_tell_no_address_or_path():
+    """/health says each server's state in command-line order, not its URL; /v1/models gives
+    each model's id where vLLM puts its path (root)."""
+    from aiohttp import web
+
+    async def ok(request):
+        return web.Response(text="")
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "root": "/srv/models/tiny-7b",
+                                                              "parent": None, "max_model_len": 2048}]})
+
+    async def calls(session, url):
+        async with session.get(url + "/health") as r:
+            health = r.status, await r.json()
+        async with session.get(url + "/v1/models") as r:
+            return health, (r.status, await r.text())
+
+    (hs, health), (ms, text) = run_with_backends(prefill_answer, prefill_answer, calls, health=ok, models=models)
+    assert hs == 200 and health == {"prefill": [True], "decode": [True]}
+    assert ms == 200 and "/srv/models" not in text and '"root": "tiny"' in text and '"max_model_len": 2048' in text
+
+
+def test_a_body_too_large_gets_413_and_requests_over_the_limit_503_with_retry_after():
+    import asyncio
+
+    import aiohttp
+
+    from vllm_ext.router.settings import ProxySettings
+
+    started = asyncio.Event()
+
+    async def decode(request):
+        started.set()
+        await never(request)
+
+    async def calls(session, url):
+        async with session.post(url + "/v1/completions", json={"model": "m", "prompt": "x" * 5000}) as r:
+            large = r.status, await r.json()
+        held = asyncio.ensure_future(session.post(url + "/v1/completions", json={"model": "m", "prompt": "hi"}))
+        await asyncio.wait_for(started.wait(), 30)
+        async with session.post(url + "/v1/completions", json={"model": "m", "prompt": "hi"},
+                                timeout=aiohttp.ClientTimeout(total=20)) as r:  # bounded: without the limit it waits
+            busy = r.status, r.headers.get("Retry-After"), await r.json()
+        held.cancel()
+        return large, busy
+
+    (s1, b1), (s2, retry, b2) = run_with_backends(
+        prefill_answer, decode, calls, settings=ProxySettings(max_requests=1, max_body_bytes=4096))
+    assert s1 == 413 and "larger than 4096 bytes" in b1["error"]["message"]
+    assert s2 == 503 and retry == "1" and "limit of 1 requests at once" in b2["error"]["message"]

@@ -10,7 +10,7 @@ pytest.importorskip("aiohttp", reason="the router needs aiohttp (a vLLM dependen
 import aiohttp  # noqa: E402
 
 from vllm_ext.router.app import Router  # noqa: E402
-from vllm_ext.router.relay import ClientGone, LegFailed  # noqa: E402
+from vllm_ext.router.relay import LegFailed  # noqa: E402
 from vllm_ext.router.settings import Settings  # noqa: E402
 from vllm_ext.router.state import Routed  # noqa: E402
 
@@ -114,12 +114,14 @@ class _StuckOut:
 
 
 def test_a_client_that_stopped_reading_does_not_hold_a_migrations_stop():
-    """The pump's write to the client has the timeout setting's deadline (the client is then
-    gone), and the stop waits for the pump at most that long (plus STOP_WAIT_MAX_S)."""
+    """The finding: a client that stopped reading held an admin /migrate for 113 s (and a drain
+    answered 504 with nothing moved). While the pump waits on a write to the client, what the
+    client is given is recorded already: the stop is done at once (the source's leg closed), and
+    the write goes on until the client takes it or the timeout setting says it is gone."""
     from vllm_ext.router.openai import ClientStream
 
     async def go():
-        router = Router(["http://127.0.0.1:9"], None, Settings(timeout_s=0.2))
+        router = Router(["http://127.0.0.1:9"], None, Settings(timeout_s=600))
         client = ClientStream("c", False, "m", want_ids=True, want_usage=False)
         client.prompt_token_ids = [1, 2]
         routed = Routed("c", {"model": "m"}, False, client)
@@ -130,13 +132,14 @@ def test_a_client_that_stopped_reading_does_not_hold_a_migrations_stop():
         while len(client.token_ids) < 3:
             await asyncio.sleep(0.01)
         driver = router.migrations.driver(routed)
-        stopped = await asyncio.wait_for(driver.stop(), 60)
-        with pytest.raises(ClientGone, match="the client took nothing for 0.2 s"):
-            await pump
-        return stopped, driver.late_stop
+        stopped = await asyncio.wait_for(driver.stop(), 30)  # bounded: without the fix it waits 601 s
+        tokens = driver.tokens()
+        pump.cancel()
+        return stopped, driver.late_stop, tokens, leg.closed
 
-    stopped, late = asyncio.run(go())
-    assert stopped is False and late == "the stream did not stop within 1.2 s"
+    stopped, late, tokens, closed = asyncio.run(go())
+    assert stopped is True and late is None and closed
+    assert tokens == [1, 2, 10, 11, 12]  # the third token, whose write waits, is the client's
 
 
 def test_a_broken_leg_is_closed_and_an_ended_one_released():

@@ -18,10 +18,10 @@ from . import legs, openai
 from .admin import ENV_TOKEN, Admin
 from .driver import Migrations
 from .fleet import Fleet
-from .http import Refused, client_auth, error, first_models, openai_app
+from .http import Admission, ClientGone, Refused, Rejected, client_auth, error, first_models, openai_app
 from .openai import ClientStream
 from .placement import Placement
-from .relay import ClientGone, Relay
+from .relay import Relay
 from .settings import Settings
 from .state import Instance, Routed
 
@@ -35,6 +35,7 @@ class Router:
 
     def __init__(self, urls: List[str], leases: Optional[List[Optional[str]]], settings: Settings):
         self.settings = settings
+        self.admission = Admission(settings.max_requests, settings.max_body_bytes)
         self.fleet = Fleet(urls, leases, settings)
         self.placement = Placement(self.fleet, settings)
         self.relay = Relay(self.fleet, self.placement, settings)
@@ -56,8 +57,9 @@ class Router:
 
     # ---- client routes -------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        body = {i.url: i.healthy for i in self.instances}
-        return web.json_response(body, status=200 if any(body.values()) else 503)
+        """Each instance's health, in --instance order (their URLs are the admin API's to tell)."""
+        up = [i.healthy for i in self.instances]
+        return web.json_response({"instances": up}, status=200 if any(up) else 503)
 
     async def models(self, request: web.Request) -> web.Response:
         return await first_models(self.fleet.session, [i.url for i in self.placement.candidates()], "instance",
@@ -66,9 +68,9 @@ class Router:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         chat = request.path.endswith("/chat/completions")
         try:
-            body = await request.json()
-        except (UnicodeDecodeError, ValueError) as e:
-            return error(400, f"the request body is not valid JSON: {e}", "BadRequestError")
+            body = await self.admission.read_json(request)
+        except Rejected as e:
+            return e.response
         if not isinstance(body, dict):
             return error(400, "the request body must be a JSON object", "BadRequestError")
         body.pop("kv_transfer_params", None)  # a client's own never reach an instance
@@ -106,6 +108,6 @@ def build_app(urls: List[str], leases: Optional[List[Optional[str]]] = None,
               settings: Optional[Settings] = None) -> web.Application:
     settings = settings or Settings()
     router = Router(urls, leases, settings)
-    app = openai_app(router, middlewares=[_errors])
+    app = openai_app(router, router.admission, middlewares=[_errors])
     router.admin.add_routes(app)
     return app

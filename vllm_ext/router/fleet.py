@@ -15,7 +15,7 @@ import aiohttp
 from ..lease import messages
 from ..lease.channel import ChannelError
 from ..migration import auth
-from .http import backend_session
+from .http import backend_session, local_limit
 from .state import Instance
 
 logger = logging.getLogger("vllm_ext.router")
@@ -81,6 +81,12 @@ class Fleet:
 
     # ---- what the others tell it -----------------------------------------------------------
     def mark_down(self, inst: Instance, e: BaseException) -> None:
+        """`inst` failed with `e`: down until a poll finds it again. Never for a limit of the
+        router's own (file descriptors, ports, memory: `e` says nothing of the instance)."""
+        limit = local_limit(e)
+        if limit is not None:
+            logger.warning("instance %s not reached: the router is at a local limit (%s)", inst.url, limit.strerror)
+            return
         if inst.healthy:
             logger.warning("instance %s is down (%s: %s)", inst.url, type(e).__name__, e)
         inst.healthy = False
@@ -146,9 +152,15 @@ class Fleet:
                         logger.info("instance %s is back", inst.url)
                     inst.healthy, inst.failed_polls, inst.silent_since = True, 0, None
                 except aiohttp.ClientConnectorError as e:  # nothing listens: down now
+                    if local_limit(e) is not None:  # the router's limit, not the instance's silence
+                        self.mark_down(inst, e)  # (logs it only)
+                        continue
                     inst.silent_since = inst.silent_since or began
                     self.mark_down(inst, e)
                 except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                    if local_limit(e) is not None:
+                        self.mark_down(inst, e)  # (logs it only)
+                        continue
                     inst.silent_since = inst.silent_since or began
                     inst.failed_polls += 1  # slow (a busy host): down only after three in a row
                     if inst.failed_polls >= 3:

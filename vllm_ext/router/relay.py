@@ -10,34 +10,72 @@ import json
 import logging
 import secrets
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import aiohttp
 from aiohttp import web
 
 from . import legs, live, openai
-from .http import Refused, client_auth, error
+from .http import (
+    ClientGone,
+    Refused,
+    TooLarge,
+    busy,
+    client_auth,
+    error,
+    local_limit,
+    read_bounded,
+    scrub_answer,
+    unless_client_leaves,
+)
 from .state import Instance, Leg, Relayed, Routed, StopLeg
+
+__all__ = ["ClientGone", "LegFailed", "Relay", "unless_client_leaves"]
 
 logger = logging.getLogger("vllm_ext.router")
 
 # One event of a backend's stream may be large (the first carries the prompt's token ids): read
-# up to this much per event where aiohttp takes a bound (its default is 128 KiB).
-MAX_EVENT_BYTES = 64 << 20
-_EVENT_READ = ({"max_size": MAX_EVENT_BYTES}
-               if "max_size" in inspect.signature(aiohttp.StreamReader.readuntil).parameters else {})
-CLIENT_CHECK_S = 0.5  # how often a request's wait for its whole answer looks whether its client is still there
+# up to the max_event_bytes setting per event where aiohttp takes a bound (its default is 128 KiB).
+_BOUNDED_READ = "max_size" in inspect.signature(aiohttp.StreamReader.readuntil).parameters
 # A chat stream whose instance splits reasoning off its content (--reasoning-parser) stays there:
 # a resumed leg is a completion, whose text nothing would split.
 REASONING_PINS = "its instance splits reasoning off the content (--reasoning-parser); a resumed leg would not"
 
 
 class LegFailed(Exception):
-    """A backend could not be reached, or broke the stream."""
+    """A backend could not be reached, or broke the stream. `public`: what the client is told
+    (never an instance's address); `local`: the router ran out of something (file descriptors,
+    ports), no instance failed."""
+
+    def __init__(self, message: str, public: str = "its instance failed", local: bool = False):
+        super().__init__(message)
+        self.public, self.local = public, local
 
 
-class ClientGone(Exception):
-    """The client closed its connection."""
+def asked_limit(body: Dict[str, Any], chat: bool) -> Optional[int]:
+    """The output limit the client gave (None: none given), which the router enforces whatever a
+    backend sends."""
+    for name in ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def cut_to(piece: openai.Piece, keep: int) -> None:
+    """`piece` cut to its first `keep` tokens, finishing "length": its backend sent past the
+    client's limit. Its text is cut where its logprobs' tokens spell it, else kept whole."""
+    if keep < len(piece.token_ids):
+        tokens = piece.logprobs.get("tokens") if isinstance(piece.logprobs, dict) else None
+        if keep <= 0:
+            piece.text = ""
+        elif isinstance(tokens, list) and len(tokens) == len(piece.token_ids) \
+                and all(isinstance(t, str) for t in tokens) and "".join(tokens) == piece.text:
+            piece.text = "".join(tokens[:keep])
+        piece.token_ids = piece.token_ids[:max(keep, 0)]
+        if isinstance(piece.logprobs, dict):
+            piece.logprobs = {k: v[:max(keep, 0)] if isinstance(v, list) else v for k, v in piece.logprobs.items()}
+    piece.finish_reason, piece.stop_reason = "length", None
 
 
 class Relay:
@@ -58,11 +96,14 @@ class Relay:
                 routed.limit.began_on(inst)
                 break
             except LegFailed as e:
+                if e.local:
+                    return busy(f"the router is at a local limit ({e.public}): retry later")
                 first_error = e
             except Refused as e:  # the instance refused the request (a bad request): its answer, as is
                 return web.Response(status=e.status, body=e.body, content_type=e.content_type.split(";")[0])
         else:
-            return error(503, f"no instance is reachable ({first_error})", "ServiceUnavailableError")
+            logger.warning("request %s: no instance is reachable (%s)", routed.rid, first_error)
+            return error(503, "no instance is reachable", "ServiceUnavailableError")
 
         out = None
         if routed.body.get("stream"):
@@ -77,8 +118,8 @@ class Relay:
         except LegFailed as e:
             logger.warning("request %s failed: %s", routed.rid, e)
             if out is None:
-                return error(502, f"the request failed: {e}", "BadGatewayError")
-            event = {"error": {"message": f"the request failed: {e}", "type": "BadGatewayError", "param": None,
+                return error(502, f"the request failed: {e.public}", "BadGatewayError")
+            event = {"error": {"message": f"the request failed: {e.public}", "type": "BadGatewayError", "param": None,
                                "code": 502}}
             await self.write(out, b"data: " + json.dumps(event).encode() + b"\n\n")
             await self.write(out, b"data: [DONE]\n\n")
@@ -100,7 +141,12 @@ class Relay:
                 async with await self.fleet.answer(inst, answer) as r:
                     leg = relayed.leg = Leg(r, inst)
                     if not body.get("stream") or r.status != 200:
-                        return web.Response(status=r.status, body=await unless_client_leaves(request, r.read()),
+                        try:
+                            raw = await unless_client_leaves(request, read_bounded(r, self.settings.max_event_bytes))
+                        except TooLarge as e:
+                            logger.warning("a request relayed as is: %s sent %s", inst.url, e)
+                            return error(502, f"the instance's answer is too large: {e}", "BadGatewayError")
+                        return web.Response(status=r.status, body=scrub_answer(raw, r.content_type),
                                             content_type=r.content_type or "application/json")
                     out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
                                                                   "Cache-Control": "no-cache"})
@@ -113,22 +159,30 @@ class Relay:
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
                 if out is not None:
                     return out
+                if local_limit(e) is not None:
+                    return busy(f"the router is at a local limit ({local_limit(e).strerror}): retry later")
                 self.fleet.mark_down(inst, e)
             finally:
                 inst.requests.pop(key, None)
                 self.relayed.pop(key, None)
         return error(503, "no instance is reachable", "ServiceUnavailableError")
 
-    async def write(self, out, data: bytes) -> None:
-        """To the client: one that takes nothing for the timeout setting is gone (the stream's
-        pump, and so a migration's stop, never waits on it longer)."""
+    async def write(self, out, data: bytes, leg: Optional[Leg] = None) -> None:
+        """To the client: one that takes nothing for the timeout setting is gone. While the pump
+        of `leg` writes, a migration's stop need not wait for it (Leg.writing): what the client
+        is given is recorded already."""
         if out is not None and data:
+            if leg is not None:
+                leg.writing(True)
             try:
                 await _within(out.write(data), self.settings.timeout_s)
             except asyncio.TimeoutError as e:
                 raise ClientGone(f"the client took nothing for {self.settings.timeout_s:g} s") from e
             except (ConnectionError, RuntimeError) as e:
                 raise ClientGone(str(e)) from e
+            finally:
+                if leg is not None:
+                    leg.writing(False)
 
     async def open(self, routed: Routed, inst: Instance, url: str, body: Dict[str, Any],
                    first_token: bool = False) -> None:
@@ -138,19 +192,27 @@ class Relay:
         try:
             r = await self.fleet.answer(inst, self.fleet.session.post(url, json=body, headers=routed.headers))
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            limit = local_limit(e)
+            if limit is not None:  # the router's own limit: no instance is marked down for it
+                raise LegFailed(f"{inst.url}: {type(e).__name__}: {e}", limit.strerror or "", local=True) from e
             self.fleet.mark_down(inst, e)
             raise LegFailed(f"{inst.url}: {type(e).__name__}: {e}") from e
         if r.status != 200:
-            raw = await r.read()
-            r.release()
+            try:
+                raw = await read_bounded(r, self.settings.max_event_bytes)
+            except (aiohttp.ClientError, asyncio.TimeoutError, TooLarge) as e:
+                raise LegFailed(f"{inst.url} answered {r.status}, then {type(e).__name__}: {e}") from e
+            finally:
+                r.release()
             if r.status >= 500:
                 raise LegFailed(f"{inst.url} answered {r.status}: {raw[:300]!r}")
             raise Refused(r.status, raw, r.content_type)
         pushback: List[bytes] = []
+        bound = {"max_size": self.settings.max_event_bytes} if _BOUNDED_READ else {}
 
         async def first_event():
             while True:
-                line = await r.content.readline()
+                line = await r.content.readuntil(b"\n", **bound)
                 if not line:
                     raise LegFailed(f"{inst.url}: the stream ended before its first token")
                 pushback.append(line)
@@ -160,6 +222,9 @@ class Relay:
         if first_token:
             try:
                 await self.fleet.answer(inst, first_event())
+            except aiohttp.http_exceptions.LineTooLong as e:  # not a failure of the instance's
+                r.close()
+                raise LegFailed(f"{inst.url}: an event of more than {self.settings.max_event_bytes} bytes") from e
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 r.close()
                 self.fleet.mark_down(inst, e)
@@ -177,17 +242,18 @@ class Relay:
                 routed.drop()  # a leg resumed meanwhile: its instance is still generating
                 return
             task = routed.migration
-            if ended == "stopped" and task is not None:
-                # it resumes the request elsewhere, or fails to; the destination's tokens flow
-                # as soon as it resumed (the migration's end on the source is not waited for)
-                resumed = asyncio.ensure_future(routed.resumed.wait())
-                try:
-                    await asyncio.wait({task, resumed}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    resumed.cancel()
-                if task.cancelled():
-                    raise asyncio.CancelledError()
-                if routed.leg is not None:
+            if ended == "stopped":
+                if task is not None:
+                    # it resumes the request elsewhere, or fails to; the destination's tokens flow
+                    # as soon as it resumed (the migration's end on the source is not waited for)
+                    resumed = asyncio.ensure_future(routed.resumed.wait())
+                    try:
+                        await asyncio.wait({task, resumed}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        resumed.cancel()
+                    if task.cancelled():
+                        raise asyncio.CancelledError()
+                if routed.leg is not None:  # resumed (maybe while the pump still wrote to a slow client)
                     continue
             # the leg broke (its instance is avoided), or a migration failed after the stop (its
             # source, which is fine, is tried first): recompute there
@@ -199,6 +265,8 @@ class Relay:
         leg = routed.leg
         inst, response = leg.instance, leg.response
         lines, leg.pushback = leg.pushback, []
+        limit = asked_limit(routed.body, routed.chat)
+        bound = {"max_size": self.settings.max_event_bytes} if _BOUNDED_READ else {}
         while True:
             if leg.stopping:
                 response.close()  # the instance aborts the request (its blocks stay under the final lease)
@@ -210,9 +278,15 @@ class Relay:
                 # so a stream arriving faster than it is relayed would hold the loop to its end
                 await asyncio.sleep(0)
                 try:  # one event ("data: ...\n\n") at a time; a stop wakes it up (Leg.stop)
-                    event = await response.content.readuntil(b"\n\n", **_EVENT_READ)
+                    event = await response.content.readuntil(b"\n\n", **bound)
                 except StopLeg:
                     continue
+                except aiohttp.http_exceptions.LineTooLong:  # the instance is not down for it
+                    logger.warning("request %s: %s sent an event of more than %d bytes (max_event_bytes): its leg is "
+                                   "broken", routed.rid, inst.url, self.settings.max_event_bytes)
+                    response.close()
+                    routed.let_go(leg, stopped=False)
+                    return "broken"
                 except (aiohttp.ClientError, aiohttp.http_exceptions.HttpProcessingError, asyncio.TimeoutError,
                         ConnectionError) as e:
                     response.close()  # its connection goes (aiohttp would keep it, unclosed)
@@ -241,10 +315,16 @@ class Relay:
             if piece.reasoning and routed.pinned is None:
                 routed.pinned = REASONING_PINS
                 logger.info("request %s: %s", routed.rid, REASONING_PINS)
+            if limit is not None and piece.token_ids and len(routed.client.token_ids) + len(piece.token_ids) >= limit \
+                    and (len(routed.client.token_ids) + len(piece.token_ids) > limit or piece.finish_reason is None):
+                if len(routed.client.token_ids) + len(piece.token_ids) > limit:
+                    logger.warning("request %s: %s sent past the client's max_tokens (%d): cut there", routed.rid,
+                                   inst.url, limit)
+                cut_to(piece, limit - len(routed.client.token_ids))
             if piece.prompt_token_ids is not None and routed.client.prompt_token_ids is None:
                 routed.client.prompt_token_ids = list(piece.prompt_token_ids)
-                await self.write(out, routed.client.start())
-            await self.write(out, routed.client.add(piece))
+                await self.write(out, routed.client.start(), leg)
+            await self.write(out, routed.client.add(piece), leg)
             if routed.client.finished:
                 response.close()
                 routed.let_go(leg, stopped=False)
@@ -286,24 +366,6 @@ class Relay:
             except (LegFailed, Refused) as e:
                 logger.warning("request %s: %s cannot continue it: %s", routed.rid, inst.url, e)
         raise LegFailed("no instance could continue it")
-
-
-async def unless_client_leaves(request: web.Request, awaitable):
-    """`awaitable`, for a client that waits for a whole answer (nothing is written to it
-    meanwhile): cancelled, and ClientGone, once the client's connection closes (a leg then
-    closes, and its instance aborts the request, as vLLM does for a client of its own)."""
-    task = asyncio.ensure_future(awaitable)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=CLIENT_CHECK_S)
-            if done:
-                return task.result()
-            if request.transport is None or request.transport.is_closing():
-                raise ClientGone("the client closed its connection before its answer")
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.wait({task})
 
 
 async def _within(awaitable, seconds: float):

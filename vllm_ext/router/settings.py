@@ -1,5 +1,6 @@
-"""The router's settings, each with its default (docs/live-migration.md), and the command-line
-flag each is read from (cli.py)."""
+"""The fronts' settings, each with its default: the router's (Settings, docs/live-migration.md)
+and the P/D proxy's (ProxySettings, docs/connector.md); what bounds both against clients and
+backends is docs/security.md's. Each is read from a command-line flag (add_flags)."""
 
 import argparse
 import dataclasses
@@ -8,6 +9,18 @@ from . import live
 from .placement import POLICIES, check_policy
 
 MAX_STAGES_LIMIT = 16  # pre-copy stages of one migration (the setting and /migrate's "stages")
+MAX_BODY_BYTES = 4 << 20  # a client's request body (a prompt of ~500k token ids)
+MAX_EVENT_BYTES = 8 << 20  # one event, or one whole answer, of a backend (its prompt_token_ids included)
+
+
+def _check_limits(settings) -> None:
+    """The bounds both fronts share (docs/security.md)."""
+    if settings.max_requests < 0:
+        raise ValueError(f"max_requests: expected 0 (from the file-descriptor limit) or more, got "
+                         f"{settings.max_requests!r}")
+    for name in ("max_body_bytes", "max_event_bytes"):
+        if getattr(settings, name) < 1024:
+            raise ValueError(f"{name}: expected at least 1024 bytes, got {getattr(settings, name)!r}")
 
 
 @dataclasses.dataclass
@@ -29,9 +42,14 @@ class Settings:
     # long (a partition that sends no FIN or RST): the stream is continued elsewhere
     max_destination_kv_usage: float = 0.9  # no migration to an instance whose KV cache is this full (or
     # that queues requests), as its last /metrics poll said: the resume would wait there
+    max_requests: int = 0  # client requests at once, the rest get 503 + Retry-After (0: what the
+    # file-descriptor limit leaves room for, http.default_max_requests)
+    max_body_bytes: int = MAX_BODY_BYTES  # a larger request body gets 413
+    max_event_bytes: int = MAX_EVENT_BYTES  # a backend's larger event or answer breaks its leg
 
     def __post_init__(self):
         check_policy(self.policy)
+        _check_limits(self)
         for name in ("timeout_s", "balance_interval_s", "health_interval_s", "health_timeout_s", "silent_s"):
             value = getattr(self, name)
             if not value > 0:
@@ -57,10 +75,34 @@ FLAGS = {
 }
 
 
-def add_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting, in the order of Settings' fields, defaulting to its default."""
-    defaults = Settings()
-    for field in dataclasses.fields(Settings):
+@dataclasses.dataclass
+class ProxySettings:
+    """The P/D proxy's knobs, with their defaults (docs/connector.md)."""
+
+    policy: str = "round_robin"  # which prefill and decode server a request tries first
+    timeout_s: float = 600.0  # a backend may stay silent this long
+    first_byte_s: float = 30.0  # a backend that has not begun its answer after this long is asked
+    # /health; one that does not answer that within health_timeout_s is given up (the next server, or 504)
+    health_timeout_s: float = 5.0
+    max_requests: int = 0  # as the router's
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_event_bytes: int = MAX_EVENT_BYTES  # a backend's larger answer (not streamed) is not relayed: 502
+    release_timeout_s: float = 5.0  # a release of the prefill server's lease after a failed decode leg
+
+    def __post_init__(self):
+        check_policy(self.policy)
+        _check_limits(self)
+        for name in ("timeout_s", "first_byte_s", "health_timeout_s", "release_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
+
+
+def add_flags(parser: argparse.ArgumentParser, kind=Settings) -> None:
+    """One flag per setting of `kind` (Settings, ProxySettings), in the order of its fields,
+    defaulting to its default."""
+    defaults = kind()
+    for field in dataclasses.fields(kind):
         flag, options = FLAGS.get(field.name, ("--" + field.name.replace("_", "-"), None))
         value = getattr(defaults, field.name)
         if options is None:
@@ -70,6 +112,6 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, dest=field.name, **options)
 
 
-def from_flags(args: argparse.Namespace) -> Settings:
-    """The settings the flags of add_flags gave (ValueError naming a bad one)."""
-    return Settings(**{field.name: getattr(args, field.name) for field in dataclasses.fields(Settings)})
+def from_flags(args: argparse.Namespace, kind=Settings):
+    """The settings of `kind` the flags of add_flags gave (ValueError naming a bad one)."""
+    return kind(**{field.name: getattr(args, field.name) for field in dataclasses.fields(kind)})

@@ -70,12 +70,25 @@ class Leg:
         self._stop_now = False  # the pump closes the leg at its next chance
         self._stop_after_token = False  # the pump closes the leg once it relayed the next token
         self._stopped: Optional[asyncio.Future] = None  # True: the pump closed the leg; False: it had ended
+        self._writing = False  # the pump waits for the client to take what it recorded
 
     # ---- the pump's side -----------------------------------------------------------------
     @property
     def stopping(self) -> bool:
         """The pump closes the leg now (stopped)."""
         return self._stop_now
+
+    def writing(self, now: bool) -> None:
+        """The pump begins (True) or ended (False) a write to the client of what the client's
+        stream recorded already: a stop due meanwhile is done at once, not after the write (a
+        client that stops reading holds no migration)."""
+        self._writing = now
+        if now and self._stop_now:
+            self._stop_while_writing()
+
+    def _stop_while_writing(self) -> None:
+        self.response.close()  # the instance aborts the request (its blocks stay under the final lease)
+        self.done(True)
 
     def relayed_token(self) -> None:
         """The pump relayed a token: a stop that waited for it is due now."""
@@ -116,7 +129,10 @@ class Leg:
             except asyncio.TimeoutError:
                 pass
         self._stop_now = True
-        self.response.content.set_exception(StopLeg())  # a pump waiting for the next event wakes up
+        if self._writing:
+            self._stop_while_writing()
+        else:
+            self.response.content.set_exception(StopLeg())  # a pump waiting for the next event wakes up
         return await asyncio.wait_for(asyncio.shield(self._stopped), within_s)
 
 
