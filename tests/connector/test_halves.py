@@ -997,8 +997,8 @@ def test_a_pre_copy_replies_once_the_worker_serves_its_blocks(producer, monkeypa
     """The reply waits for the step's output that says the blocks are served (and digested), so
     the destination's acquire, under its resume's first step, need not wait for this engine."""
     sched, worker = producer
-    monkeypatch.setattr("vllm_ext.connector.scheduler.PRECOPY_GRANT_WAIT_S", 60.0)
-    monkeypatch.setattr("vllm_ext.connector.scheduler.GRANT_STALL_S", 0.0)  # an acquire finds it served, or fails
+    monkeypatch.setattr("vllm_ext.connector.scheduler.lease_requests.PRECOPY_GRANT_WAIT_S", 60.0)
+    monkeypatch.setattr("vllm_ext.connector.scheduler.lease_requests.GRANT_STALL_S", 0.0)  # an acquire finds it served, or fails
     mid = "12" * 16
     req = _running(sched, list(range(3, 3 + 40)), mid, [4, 7, 8])
     client = lease_client(sched)
@@ -1023,7 +1023,7 @@ def test_a_pre_copy_replies_once_the_worker_serves_its_blocks(producer, monkeypa
 
 def test_a_pre_copy_whose_blocks_are_not_served_in_time_still_replies(producer, monkeypatch):
     sched, worker = producer
-    monkeypatch.setattr("vllm_ext.connector.scheduler.PRECOPY_GRANT_WAIT_S", 0.05)
+    monkeypatch.setattr("vllm_ext.connector.scheduler.lease_requests.PRECOPY_GRANT_WAIT_S", 0.05)
     mid = "34" * 16
     req = _running(sched, list(range(3, 3 + 40)), mid, [4, 7, 8])
     client = lease_client(sched)
@@ -1035,7 +1035,7 @@ def test_a_pre_copy_whose_blocks_are_not_served_in_time_still_replies(producer, 
 
 def test_a_pre_copy_of_a_request_preempted_meanwhile_is_not_vouched_for(producer, monkeypatch):
     sched, worker = producer
-    monkeypatch.setattr("vllm_ext.connector.scheduler.PRECOPY_GRANT_WAIT_S", 0.05)  # its blocks are never served
+    monkeypatch.setattr("vllm_ext.connector.scheduler.lease_requests.PRECOPY_GRANT_WAIT_S", 0.05)  # its blocks are never served
     mid = "cd" * 16
     req = _running(sched, list(range(3, 3 + 40)), mid, [1, 2, 3])
     client = lease_client(sched)

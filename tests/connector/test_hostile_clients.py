@@ -283,7 +283,7 @@ def run_steps(sched, seconds):
 def test_an_acquire_waits_while_the_engine_steps_until_the_worker_serves_the_lease(producer_of, monkeypatch, seed):
     """The worker grants late (the step that carries the lease comes after several that do not,
     for many times the stall limit); the engine steps all along, so the acquire is answered."""
-    monkeypatch.setattr("vllm_ext.connector.scheduler.GRANT_STALL_S", STALL_S)
+    monkeypatch.setattr("vllm_ext.connector.scheduler.lease_requests.GRANT_STALL_S", STALL_S)
     rng = random.Random(seed)
     sched, worker = producer_of()
     _, params = prefill(sched, rng.sample(range(NUM_BLOCKS), 3), rng, "p-0")
@@ -305,7 +305,7 @@ def test_an_acquire_waits_while_the_engine_steps_until_the_worker_serves_the_lea
 def test_an_acquire_waits_for_a_step_in_flight(producer_of, monkeypatch, seed):
     """The step that grants the lease is running (a forward that takes long on a busy host): no
     step starts or ends meanwhile, and the acquire waits for its output."""
-    monkeypatch.setattr("vllm_ext.connector.scheduler.GRANT_STALL_S", STALL_S)
+    monkeypatch.setattr("vllm_ext.connector.scheduler.lease_requests.GRANT_STALL_S", STALL_S)
     rng = random.Random(seed)
     sched, worker = producer_of()
     _, params = prefill(sched, rng.sample(range(NUM_BLOCKS), 2), rng, "p-0")
@@ -324,7 +324,7 @@ def test_an_acquire_waits_for_a_step_in_flight(producer_of, monkeypatch, seed):
 
 def test_an_acquire_from_an_engine_that_makes_no_progress_is_refused_before_its_deadline(producer_of, monkeypatch,
                                                                                           seed):
-    monkeypatch.setattr("vllm_ext.connector.scheduler.GRANT_STALL_S", STALL_S)
+    monkeypatch.setattr("vllm_ext.connector.scheduler.lease_requests.GRANT_STALL_S", STALL_S)
     rng = random.Random(seed)
     sched, worker = producer_of()
     _, params = prefill(sched, rng.sample(range(NUM_BLOCKS), 2), rng, "p-0")
@@ -361,7 +361,7 @@ def test_a_consumer_pulls_from_a_producer_whose_worker_serves_the_lease_late(pai
     the consumer waits up to its pull's deadline, and the pull brings the producer's blocks."""
     from vllm_ext import ops
 
-    monkeypatch.setattr("vllm_ext.connector.scheduler.GRANT_STALL_S", STALL_S)
+    monkeypatch.setattr("vllm_ext.connector.scheduler.lease_requests.GRANT_STALL_S", STALL_S)
     monkeypatch.setattr("vllm_ext.connector.receiver.CHANNEL_TIMEOUT_S", STALL_S)
     rng = random.Random(seed)
     sched, p_worker, d_worker = pair

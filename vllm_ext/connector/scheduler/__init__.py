@@ -17,7 +17,8 @@ Live migration: a producer is the source of the requests that carry a migration 
 
 Who calls what (vLLM, on the engine thread unless said otherwise): get_num_new_matched_tokens,
 update_state_after_alloc, build_connector_meta, update_connector_output, request_finished,
-set_handshake (once at start-up), and the lease channel's threads call _serve.
+set_handshake (once at start-up), and the lease channel's threads call _serve (its requests are
+answered in lease_requests.py).
 """
 
 import logging
@@ -25,36 +26,20 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ...lease import messages
 from ...lease.channel import LeaseServer
 from ...lease.kv_params import RemoteKV, migration_id_of, prompt_hash
-from ...migration import protocol
 from ..metadata import VllmExtHandshake, VllmExtMetadata
 from ..stats import VllmExtStats
 from .consumer import Consumer, skip_draws
+from .lease_requests import LeaseRequests
 from .leases import Lease, LeaseTable
 from .migration_source import MigrationSource
 from .traces import Traces
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
-# A consumer's acquire may extend a lease by at most this much beyond its remaining time (the
-# pull's deadline): a lease is never freed under a pull in progress, nor held forever.
-MAX_HOLD_S = 900.0  # a pull's deadline is at most 600 s (pull_timeout_s)
-# An acquire waits for the producer's worker to serve the lease's blocks (it grants them in the
-# engine step after the lease is made, and says so in that step's output: milliseconds when idle,
-# a forward's time on a busy host) for as long as the engine makes progress, at most the hold
-# the acquire asks for (the consumer's deadline); it is refused once the engine has been between
-# steps, none in flight, for this long (a stuck engine).
-GRANT_STALL_S = 3.0
 # Unleased prefills and early-ended leases are logged at most this often (a flood is one line).
 BOUND_LOG_S = 10.0
-# A pre-copy asked on the lease channel waits at most this long for the engine's next step.
-PRECOPY_WAIT_S = 2.0
-# Then its reply waits at most this long for the worker to serve the lease's blocks (the step's
-# output: one or two steps), so that the destination's acquire finds them served and its load,
-# under the resume's first step, does not wait for the source's engine (after this, it does).
-PRECOPY_GRANT_WAIT_S = 1.0
 
 
 class ProducerParams(dict):
@@ -74,7 +59,7 @@ class ProducerParams(dict):
 UNLEASED = {"do_remote_prefill": False, "do_remote_decode": False}
 
 
-class SchedulerHalf:
+class SchedulerHalf(LeaseRequests):
     """Args are values: the roles, the engine's block size, the lease settings (the most blocks
     P/D leases may hold together: None, no bound), the deployment secret and
     `kv_load_failure_policy` ("fail" or "recompute")."""
@@ -298,131 +283,6 @@ class SchedulerHalf:
     def _reap_expired(self) -> None:
         for lease in self._leases.expired():
             self._end_lease(lease, "expired")
-
-    # ---- the lease channel (its threads) -------------------------------------------------
-    def _serve(self, request):
-        """A consumer's or a router's request on the lease channel (authenticated, its fields
-        checked by protocol.py): (reply message or None, payload). ValueError refuses."""
-        if isinstance(request, messages.LeaseDescribe):
-            handshake = self._registered()
-            return messages.LeaseDescribeReply(handshake.descriptor, handshake.fingerprint,
-                                               handshake.fingerprint_fields, handshake.sampler,
-                                               *self.max_tokens_limits), b""
-        if isinstance(request, messages.MigrateTrace):
-            return self._trace(request.migration_id, request.wait_s), b""
-        if isinstance(request, messages.MigratePrecopy):
-            self._registered()
-            return self._serve_precopy(request.migration_id)
-        if isinstance(request, messages.MigrateEnd):
-            self._registered()
-            return self._serve_end(request.migration_id)
-        if isinstance(request, messages.LeaseAcquire):
-            return self._serve_acquire(request.lease, request.hold_s)
-        return self._serve_release(request.lease)
-
-    def _registered(self) -> VllmExtHandshake:
-        if self._handshake is None:
-            raise ValueError("this instance's worker has not registered its KV cache yet")
-        return self._handshake
-
-    def _live_lease(self, lease_id: str) -> Lease:
-        """With the lock held."""
-        lease = self._leases.get(lease_id)
-        if lease is None:
-            raise ValueError(f"lease {lease_id[:8]}: unknown, released or expired")
-        return lease
-
-    def _serve_acquire(self, lease_id: str, hold_s: float):
-        with self._lock:
-            self._reap_expired()
-            lease = self._live_lease(lease_id)
-            if hold_s > MAX_HOLD_S:
-                raise ValueError(f"hold_s: expected at most {MAX_HOLD_S:g} seconds, got {hold_s!r}")
-            if lease.taken:
-                raise ValueError(f"lease {lease_id[:8]}: already taken by another pull")
-            lease.taken = True  # before waiting: a second acquire is refused meanwhile
-            why = self._wait_for_grant(lease, hold_s)
-            if not self._leases.is_live(lease):
-                raise ValueError(f"lease {lease_id[:8]}: released or expired")
-            if why:
-                lease.taken = False
-                raise ValueError(f"lease {lease_id[:8]}: its blocks are not served yet ({why})")
-            self._leases.take(lease, hold_s)
-            return (messages.LeaseAcquireReply(len(lease.block_ids), lease.num_tokens, lease.prompt_hash,
-                                               len(lease.digests)),
-                    protocol.encode_ids(lease.block_ids + lease.digests))
-
-    def _wait_for_grant(self, lease: Lease, hold_s: float) -> str:
-        """With the lock held: waits until the worker serves the lease's blocks or the lease
-        ended; "" then, else why it gave up. It waits while the engine makes progress (a step in
-        flight, or one scheduled or ended in the last GRANT_STALL_S: on a busy host one step may
-        take seconds), at most `hold_s` (the consumer's deadline)."""
-        give_up = time.monotonic() + hold_s
-        while not lease.granted and self._leases.is_live(lease):
-            now = time.monotonic()
-            if now >= give_up:
-                return f"the producer's engine did not serve them within the acquire's {hold_s:g} s"
-            until = give_up
-            if self._steps_in_flight == 0:
-                if now - self._last_step_at >= GRANT_STALL_S:
-                    return f"the producer's engine took no step for {GRANT_STALL_S:g} s"
-                until = min(until, self._last_step_at + GRANT_STALL_S)
-            self._granted.wait(until - now)
-        return ""
-
-    def _serve_release(self, lease_id: str):
-        """A pre-copy lease's blocks were its request's throughout unless it was preempted
-        meanwhile (its blocks then went back to vLLM, and may hold others' KV)."""
-        with self._lock:
-            self._reap_expired()
-            lease = self._live_lease(lease_id)
-            intact = lease.preemptions is None or self._source.preemptions(lease.migration_id) == lease.preemptions
-            self._end_lease(lease, "released")
-            return messages.LeaseReleaseReply(intact), b""
-
-    def _serve_precopy(self, mid: str):
-        with self._lock:
-            self._reap_expired()
-            ask = self._source.ask(mid)
-        if not ask.event.wait(PRECOPY_WAIT_S):
-            with self._lock:
-                self._source.forget_ask(mid)
-            raise ValueError(f"migration {mid[:8]}: the engine took no step in {PRECOPY_WAIT_S:g} s")
-        if ask.error is not None:  # the refusal, of its kind (RequestEnded: the router lets it finish)
-            raise type(ask.error)(f"migration {mid[:8]}: {ask.error}")
-        lease = ask.lease
-        with self._lock:  # ended meanwhile: the consumer's acquire is refused as for any ended lease
-            self._granted.wait_for(lambda: lease.granted or not self._leases.is_live(lease),
-                                   timeout=PRECOPY_GRANT_WAIT_S)
-            return self._lease_reply(lease)
-
-    def _lease_reply(self, lease: Lease):
-        desc = self._handshake.descriptor
-        reply = messages.MigrateLeaseReply(
-            lease=lease.lease_id, n=len(lease.block_ids), num_tokens=lease.num_tokens, n_tokens=len(lease.token_ids),
-            num_prompt_tokens=lease.num_prompt_tokens, block_size=self.block_size, prompt_hash=lease.prompt_hash,
-            fingerprint=self._handshake.fingerprint, endpoint_id=desc["endpoint_id"], backend=desc["backend"],
-            lease_s=float(self.lease_s))
-        return reply, protocol.encode_ids(lease.block_ids + lease.token_ids)
-
-    def _serve_end(self, mid: str):
-        """Leases not taken end now; a taken one ends at its consumer's release (or at the end of
-        the hold its acquire asked for): never under a pull."""
-        with self._lock:
-            self._reap_expired()
-            for lease_id in self._source.leases_of(mid):
-                lease = self._leases.get(lease_id)
-                if lease is not None and not lease.taken:
-                    self._end_lease(lease, "released")
-            return None, b""
-
-    def _trace(self, mid: str, wait_s: float) -> messages.MigrateTraceReply:
-        """The trace of the request carrying `mid`, once settled or after `wait_s` (without
-        worker metadata no load reports, so a load never settles: answered once scheduled)."""
-        trace, settled = self._traces.wait(mid, wait_s, loads_report=self.wait_for_grant)
-        return messages.MigrateTraceReply(trace.arrival_s, trace.seen_s, trace.scheduled_s,
-                                          unsafe=trace.load_failed and self.failed_load_is_unsafe(),
-                                          settled=settled, load_failed=trace.load_failed)
 
     def failed_load_is_unsafe(self) -> bool:
         """Whether a resumed request whose first load failed may have had wrong tokens sent."""
