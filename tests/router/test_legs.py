@@ -71,15 +71,33 @@ def test_resumed_leg_continues_from_the_tokens_with_the_remaining_budget():
     assert leg["prompt"] == [1, 2, 3, 4, 5] and leg["max_tokens"] == 26 and leg["min_tokens"] == 8
     assert leg["top_k"] == 5 and leg["temperature"] == 0 and leg["return_token_ids"] is True and leg["stream"]
     assert leg["priority"] == -3  # under --scheduling-policy priority, it keeps its place on the destination
-    assert "stop" not in leg and "echo" not in leg and "prompt_logprobs" not in leg and "messages" not in leg
+    assert "echo" not in leg and "prompt_logprobs" not in leg and "messages" not in leg
     assert leg["kv_transfer_params"] == {"migration_id": "ab" * 16}
     # completions without max_tokens, or null: vLLM's default of 16 counts the tokens already given
     assert resume_leg({"prompt": [1]}, False, [1, 9, 9], 2, None)["max_tokens"] == 14
     assert resume_leg({"prompt": [1], "max_tokens": None}, False, [1, 9, 9], 2, None)["max_tokens"] == 14
     # chat: a null max_completion_tokens falls back to max_tokens
     assert legs.max_new_tokens({"max_completion_tokens": None, "max_tokens": 20}, True) == 20
-    first = legs.first_leg_body({"prompt": [1], "stop": ["x"], "request_id": "r"}, {"migration_id": "cd" * 16})
-    assert "stop" not in first and "request_id" not in first and first["stream_options"] == {"include_usage": True}
+    first = legs.first_leg_body({"prompt": [1], "request_id": "r"}, {"migration_id": "cd" * 16})
+    assert "request_id" not in first and first["stream_options"] == {"include_usage": True}
+
+
+@pytest.mark.parametrize("stop", ["x", ["x", "", "yz"]])
+def test_every_leg_carries_the_stop_strings_in_its_output(stop):
+    """So that no backend holds back text that might begin one (a switch would lose it) and each
+    ends its leg at the token that completes one: the router cuts them off itself, or keeps them
+    as the client asked."""
+    stops = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
+    for include in (None, False, True):
+        body = {"prompt": [1], "stop": stop, **({} if include is None else {"include_stop_str_in_output": include})}
+        assert legs.not_migratable(body, False) is None
+        first = legs.first_leg_body(body, {"migration_id": "cd" * 16})
+        resumed = resume_leg(body, False, [1, 2], 1, None)
+        for leg in (first, resumed):
+            assert (leg["stop"], leg["include_stop_str_in_output"]) == (stops, True), leg
+    for body in ({"prompt": [1]}, {"prompt": [1], "stop": [], "include_stop_str_in_output": True}):
+        for leg in (legs.first_leg_body(body, {"migration_id": "cd" * 16}), resume_leg(body, False, [1, 2], 1, None)):
+            assert "stop" not in leg and "include_stop_str_in_output" not in leg, leg
 
 
 def test_a_resumed_leg_of_a_request_without_a_limit_goes_on_to_the_models_length():

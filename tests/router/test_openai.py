@@ -139,6 +139,48 @@ def test_tokens_after_the_one_that_completes_a_stop_string_are_dropped():
     assert c.text == "ab" and c.token_ids == [1, 2, 3, 4]
 
 
+def stopped(text, ids, stop):
+    """A piece whose backend ended its leg on `stop` (legs carry the stop strings in the output)."""
+    p = piece(text, ids, finish="stop")
+    p.stop_reason = stop
+    return p
+
+
+def test_a_stop_string_the_backend_ended_on_keeps_each_token_up_to_it():
+    # several tokens in one chunk (its API server fell behind its engine), no logprobs: the
+    # backend ended the leg at the token that completes the stop string, its last
+    for include in (False, True):
+        c = ClientStream("cmpl-11", False, "m", want_ids=True, want_usage=True, stops=["ST", "xyz"],
+                         include_stop=include)
+        c.begin_leg()
+        c.add(piece("ab", [1]))
+        evs = events(c.add(stopped("cdST", [2, 3, 4], "ST")))
+        assert c.text == ("abcdST" if include else "abcd") and c.token_ids == [1, 2, 3, 4]
+        assert (c.finish_reason, c.stop_reason) == ("stop", "ST")
+        assert evs[-1]["choices"][0]["stop_reason"] == "ST"
+
+
+def test_the_backends_stop_string_applies_min_tokens_at_its_token():
+    # min_tokens ends inside a chunk of several tokens: the router cannot tell where, the backend
+    # can (an earlier match in the chunk lay in the first min_tokens tokens' text)
+    c = ClientStream("cmpl-12", False, "m", want_ids=True, want_usage=False, stops=["a"], min_tokens=3)
+    c.begin_leg()
+    c.add(piece("xy", [1]))
+    c.add(stopped("zaba", [2, 3, 4, 5], "a"))
+    assert c.text == "xyzab" and c.token_ids == [1, 2, 3, 4, 5] and c.finish_reason == "stop"
+
+
+def test_a_stop_string_begun_in_the_last_leg_goes_before_the_backends():
+    # the resumed leg's backend never saw the text before its prompt's end: a stop string that
+    # straddles the hand-off is the router's, even where the backend ends on a later one
+    c = ClientStream("cmpl-13", False, "m", want_ids=True, want_usage=False, stops=["STOP", "q"])
+    c.begin_leg()
+    c.add(piece("aST", [1]))
+    c.begin_leg()
+    c.add(stopped("OPbq", [2, 3, 4], "q"))
+    assert c.text == "a" and c.stop_reason == "STOP" and c.token_ids == [1, 2, 3, 4]
+
+
 def test_of_two_stop_strings_the_one_that_ends_first_stops():
     c = ClientStream("cmpl-10", False, "m", want_ids=False, want_usage=False, stops=["abc", "b"])
     c.add(piece("abc", [1]))

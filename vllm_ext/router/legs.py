@@ -4,22 +4,28 @@ it elsewhere, and the output limit every leg carries.
 
 Every migratable request is streamed from its backends (`return_token_ids`, usage), whatever
 the client asked: the router must know each token id it relayed (openai.py writes the client's
-own format). Stop strings stay with the router (openai.py), so no leg carries them.
+own format). The router applies the client's stop strings (openai.py); every leg carries them
+too, with include_stop_str_in_output, so that its backend holds no text back (a switch would
+lose it) and ends the leg at the very token that completes one.
 """
 
 from typing import Any, Dict, List, Optional
 
+from .openai import stop_strings
+
 # Sampling fields a resumed leg carries over unchanged (they mean the same on the destination,
 # where the tokens generated so far are part of the prompt).
 CARRIED = ("temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos", "logprobs",
-           "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+           "skip_special_tokens", "spaces_between_special_tokens",
            "repetition_penalty", "logit_bias", "allowed_token_ids", "user", "seed", "priority")
 # Fields that only shape the first leg (the prompt, the client's own stream): not carried.
 FIRST_LEG_ONLY = ("model", "prompt", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
                   "min_tokens", "n", "echo", "return_token_ids", "kv_transfer_params", "prompt_logprobs",
                   "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
                   "chat_template_kwargs", "request_id", "top_logprobs", "bad_words",
-                  "frequency_penalty", "presence_penalty", "best_of", "use_beam_search", "stop")
+                  "frequency_penalty", "presence_penalty", "best_of", "use_beam_search")
+# Fields the router applies itself (openai.py): each leg carries the values of stop_fields.
+ROUTERS_OWN = ("stop", "include_stop_str_in_output")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's default for /v1/completions
 
 
@@ -61,7 +67,7 @@ def not_migratable(body: Dict[str, Any], chat: bool) -> Optional[str]:
                                                                                         for x in stop))):
         return "stop: expected a string or a list of strings"
     for name in body:
-        if name not in CARRIED and name not in FIRST_LEG_ONLY:
+        if name not in CARRIED and name not in FIRST_LEG_ONLY and name not in ROUTERS_OWN:
             return f"field {name!r} is not carried across a migration"
     if not chat and not isinstance(body.get("prompt"), (str, list)):
         return "prompt: one prompt (a string or a list of token ids) only"
@@ -102,11 +108,21 @@ def max_model_len(models: Any, model: Optional[str] = None) -> Optional[int]:
     return None
 
 
+def stop_fields(body: Dict[str, Any]) -> Dict[str, Any]:
+    """The stop fields of every leg of `body`: the client's stop strings, in the output (the
+    router cuts them off unless the client asked otherwise), so that the backend holds back no
+    text that might begin one (none when the client has none)."""
+    stops = stop_strings(body)
+    return {"stop": stops, "include_stop_str_in_output": True} if stops else {}
+
+
 def first_leg_body(body: Dict[str, Any], params: Dict[str, Any]) -> Dict[str, Any]:
     leg = dict(body, stream=True, stream_options={"include_usage": True}, return_token_ids=True,
                kv_transfer_params=params)
     leg.pop("request_id", None)
-    leg.pop("stop", None)  # the router's (see above)
+    for name in ROUTERS_OWN:
+        leg.pop(name, None)
+    leg.update(stop_fields(body))
     return leg
 
 
@@ -136,7 +152,7 @@ def resume_leg_body(body: Dict[str, Any], limit: Optional[int], token_ids: List[
     len(token_ids) (the leg may then end "length" before the model's length)."""
     leg = {name: body[name] for name in CARRIED if name in body}
     leg.update(model=body.get("model"), prompt=list(token_ids), stream=True,
-               stream_options={"include_usage": True}, return_token_ids=True)
+               stream_options={"include_usage": True}, return_token_ids=True, **stop_fields(body))
     min_left = max(body["min_tokens"] - generated, 0) if body.get("min_tokens") else 0
     room = max_model_len - len(token_ids) if max_model_len else None  # what the model's length leaves
     if limit is not None:

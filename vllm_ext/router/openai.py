@@ -5,13 +5,15 @@ legs of a request (legs.py says what each leg asks for).
 The client gets its own format: the router's request id, one role chunk (chat), token ids only
 if it asked, usage once (prompt = its own prompt), and one finish.
 
-Stop strings are the router's, not the backends' (they are not sent to them): a stop string
-may straddle a hand-off, and a backend holds back the text that might begin one, which an
-abort would lose. The router applies them as vLLM does: once past min_tokens tokens, the text
-ends before the stop string (or after it, with include_stop_str_in_output), finish_reason
-"stop", stop_reason the string, no token after the one that completes it (where the router can
-tell which: ClientStream._find_stop), and text that may begin a stop string is held back until
-it cannot.
+Stop strings are the router's: a stop string may straddle a hand-off, and a backend holds back
+the text that might begin one, which an abort would lose. So each leg carries them with
+include_stop_str_in_output (legs.stop_fields): its backend holds nothing back, and ends the leg
+at the token that completes one within the leg's own text (min_tokens applied), which the
+router takes as it is. The router applies them itself too, as vLLM does, for one that begins in
+an earlier leg's text: once past min_tokens tokens, the text ends before the stop string (or
+after it, with include_stop_str_in_output), finish_reason "stop", stop_reason the string, no
+token after the one that completes it (where the router can tell which:
+ClientStream._find_stop), and text that may begin a stop string is held back until it cannot.
 """
 
 import json
@@ -135,6 +137,7 @@ class ClientStream:
         self._started = False
         self._leg_offset = 0  # added to the current leg's text_offset (begin_leg)
         self._next_offset = 0  # the text_offset that follows the last token's
+        self._leg_text = 0  # where the current leg's text begins in the client's
 
     def begin_leg(self) -> None:
         """A new leg starts: its text_offset (from 0, as each vLLM stream's) go on from the
@@ -142,6 +145,7 @@ class ClientStream:
         where the last token's string ends (len(self.text) unless a token's string is not its
         text: a special token skipped, a character in several tokens)."""
         self._leg_offset = self._next_offset
+        self._leg_text = len(self.text)
 
     @property
     def finished(self) -> bool:
@@ -167,8 +171,9 @@ class ClientStream:
         """Applies a stop string that `piece` (its text from `before`, after `count` tokens)
         completes, as vLLM's detokenizer does: only one that ends past the text of the
         min_tokens-th token, the one that ends first. How many of its tokens the client keeps:
-        up to the one whose text completes the stop string; None (all of them) when its tokens'
-        texts are unknown (several tokens, no logprobs that spell the text)."""
+        up to the one whose text completes the stop string; None (all of them) when that is its
+        last (its backend ended the leg on the stop string) or its tokens' texts are unknown
+        (several tokens, no logprobs that spell the text)."""
         if count + len(piece.token_ids) <= self.min_tokens:
             return None
         ends = _token_ends(piece, before)
@@ -182,12 +187,25 @@ class ClientStream:
             at = self.text.find(stop, max(0, searched_from - len(stop) + 1))
             if at != -1 and (best is None or at + len(stop) < best[0] + len(best[1])):
                 best = (at, stop)
+        ended = self._backend_stop(piece)
+        if ended is not None and (best is None or best[0] >= self._leg_text):
+            # the backend found it at its token, the piece's last (the router's own match goes
+            # first only where it began in an earlier leg's text, which the backend never saw)
+            best, ends = (len(self.text) - len(ended), ended), None
         if best is None:
             return None
         at, stop = best
         self.text = self.text[:at + len(stop) if self.include_stop else at]
         self.finish_reason, self.stop_reason = "stop", stop
         return None if ends is None else bisect_left(ends, at + len(stop)) + 1
+
+    def _backend_stop(self, piece: Piece) -> Optional[str]:
+        """The client's stop string that `piece`'s backend ended its leg with (the leg carries
+        them in the output: its text ends with it), or None."""
+        stop = piece.stop_reason
+        if piece.finish_reason == "stop" and isinstance(stop, str) and stop in self.stops and piece.text.endswith(stop):
+            return stop
+        return None
 
     def add(self, piece: Piece) -> bytes:
         """Records what the client gets of `piece`; its chunk (b"" when nothing to send). After
