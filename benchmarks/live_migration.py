@@ -243,11 +243,8 @@ def main():
         for s in servers:
             s.wait_healthy(STARTUP_TIMEOUT_S)
         a, b = servers
-        port = fleet.free_port()
-        argv = [sys.executable, "-m", "vllm_ext.router", "--instance", a.url, b.url,
-                "--lease", f"127.0.0.1:{leases['A']}", f"127.0.0.1:{leases['B']}",
-                "--port", str(port), "--policy", "round_robin"]
-        router = fleet.Process("router", argv, env, work / "router.log", port)
+        router = fleet.start_router("router", [a.url, b.url], [f"127.0.0.1:{leases['A']}", f"127.0.0.1:{leases['B']}"],
+                                    work, extra_args=("--policy", "round_robin"), env=env)
         servers.append(router)
         router.wait_healthy(60)
         result = measure(args, a, b, router)

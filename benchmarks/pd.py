@@ -163,9 +163,7 @@ def main():
         for s in servers:
             s.wait_healthy(STARTUP_TIMEOUT_S)
         prefill, decode = servers
-        port = fleet.free_port()
-        proxy = fleet.Process("proxy", [sys.executable, "-m", "vllm_ext.proxy", "--prefill", prefill.url, "--decode",
-                                        decode.url, "--port", str(port)], env, args.out / "proxy.log", port)
+        proxy = fleet.start_proxy("proxy", [prefill.url], [decode.url], args.out, env=env)
         servers.append(proxy)
         proxy.wait_healthy(60)
         rows = measure(args, prefill, decode, proxy, secret.encode())

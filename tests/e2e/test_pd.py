@@ -89,10 +89,7 @@ def servers(request, tmp_path_factory):
         started.append(decode_fail)
         for server in started:
             server.wait_healthy()
-        port = fleet.free_port()
-        proxy = fleet.Process("proxy", [sys.executable, "-m", "vllm_ext.proxy", "--prefill", prefill.url,
-                                    "--decode", decode.url, "--port", str(port)],
-                          fleet.vllm_env(device=device), work / "proxy.log", port)
+        proxy = fleet.start_proxy("proxy", [prefill.url], [decode.url], work, device=device)
         started.append(proxy)
         proxy.wait_healthy(timeout=60)
         yield {"prefill": prefill, "decode": decode, "decode_fail": decode_fail, "proxy": proxy,
@@ -224,11 +221,8 @@ def test_a_down_backend_is_skipped(servers):
     policies) answers every request right and says which server it skipped."""
     dead = f"http://127.0.0.1:{fleet.free_port()}"
     for policy in ("round_robin", "least_loaded"):
-        port = fleet.free_port()
-        proxy = fleet.Process(f"proxy-{policy}", [sys.executable, "-m", "vllm_ext.proxy", "--prefill", dead,
-                                               servers["prefill"].url, "--decode", servers["decode"].url, dead,
-                                               "--port", str(port), "--policy", policy],
-                          fleet.vllm_env(device=servers["device"]), servers["work"] / f"proxy-{policy}.log", port)
+        proxy = fleet.start_proxy(f"proxy-{policy}", [dead, servers["prefill"].url], [servers["decode"].url, dead],
+                                  servers["work"], extra_args=("--policy", policy), device=servers["device"])
         try:
             deadline = time.monotonic() + 60
             while True:  # /health answers 200 once one server of each stage is up
@@ -505,10 +499,7 @@ def bounded(request, tmp_path_factory):
         started.append(decode)
         for server in started:
             server.wait_healthy()
-        port = fleet.free_port()
-        proxy = fleet.Process("proxy", [sys.executable, "-m", "vllm_ext.proxy", "--prefill", prefill.url,
-                                        "--decode", decode.url, "--port", str(port)],
-                              fleet.vllm_env(device=device), work / "proxy.log", port)
+        proxy = fleet.start_proxy("proxy", [prefill.url], [decode.url], work, device=device)
         started.append(proxy)
         proxy.wait_healthy(timeout=60)
         yield {"prefill": prefill, "decode": decode, "proxy": proxy, "slow": slow}

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional
 
 from .process import Process, free_port, metrics, post
 from .real_model import SERVED_NAME, real_model_folder
-from .servers import DEVICES, vllm_env
+from .servers import DEVICES, start_proxy, start_router, vllm_env
 
 CHAT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 # Long enough to fill whole KV blocks (32 tokens each here): on CPU only whole blocks before the
@@ -130,16 +130,12 @@ class Fleet:
         a, b = servers
         env = self._env("0")
         env["VLLM_EXT_ROUTER_TOKEN"] = self.token
-        port = free_port()
-        say(f"starting the router on port {port}")
-        self.router = self._start("router", [
-            sys.executable, "-m", "vllm_ext.router", "--instance", a.url, b.url, "--lease",
-            f"127.0.0.1:{self.lease_ports['A']}", f"127.0.0.1:{self.lease_ports['B']}", "--port", str(port)], env, port)
-        port = free_port()
-        say(f"starting the P/D proxy on port {port} (prefill on A, decode on B)")
-        self.proxy = self._start("proxy", [
-            sys.executable, "-m", "vllm_ext.proxy", "--prefill", a.url, "--decode", b.url, "--port", str(port)],
-            env, port)
+        self.router = start_router("router", [a.url, b.url], [f"127.0.0.1:{p}" for p in self.lease_ports.values()],
+                                   self.work, env=env)
+        self.proxy = start_proxy("proxy", [a.url], [b.url], self.work, env=env)
+        self.processes += [self.router, self.proxy]
+        say(f"starting the router (port {self.router.port}) and the P/D proxy (port {self.proxy.port}; prefill on A, "
+            "decode on B)")
         _wait_up([self.router, self.proxy], "fronts")
         self.a, self.b = a, b
 

@@ -95,3 +95,25 @@ def start_vllm(name, model: Path, log_dir: Path, *, core: str, kv_config=None, e
     env = vllm_env(core, extra_pythonpath, device=device)
     env.update(extra_env or {})
     return Process(name, argv, env, log_dir / f"{name}.log", port)
+
+
+def start_front(name: str, module: str, args, log_dir: Path, *, env: Dict[str, str] = None,
+                device: Device = CPU) -> Process:
+    """A front (`module`: vllm_ext.router or vllm_ext.proxy) on a free port of 127.0.0.1 with
+    `args`, its log in `log_dir`/`name`.log; `env` defaults to vllm_env's. Returns at once."""
+    port = free_port()
+    argv = [sys.executable, "-m", module, *args, "--port", str(port)]
+    return Process(name, argv, vllm_env(device=device) if env is None else env, log_dir / f"{name}.log", port)
+
+
+def start_proxy(name: str, prefill, decode, log_dir: Path, *, extra_args=(), **kw) -> Process:
+    """The P/D proxy before the prefill and decode servers' URLs (lists)."""
+    return start_front(name, "vllm_ext.proxy", ["--prefill", *prefill, "--decode", *decode, *extra_args], log_dir,
+                       **kw)
+
+
+def start_router(name: str, instances, leases, log_dir: Path, *, extra_args=(), **kw) -> Process:
+    """The router before the instances' URLs, with their lease channels' host:port (lists)."""
+    return start_front(name, "vllm_ext.router", ["--instance", *instances, "--lease", *leases, *extra_args], log_dir,
+                       **kw)
+
