@@ -3,6 +3,7 @@ RequestStatus), in one process: leases, external-token counts, bad kv_transfer_p
 field, mismatched layouts, and a whole P -> D hand-off over a real gloo MigrationEndpoint."""
 
 import os
+import re
 import threading
 import time
 from types import SimpleNamespace
@@ -180,7 +181,7 @@ def test_producer_ignores_other_requests(producer):
     assert sched.num_leases() == 0
 
 
-class _Raw:
+class Raw:
     """A hand-made request header (what a buggy or hostile client might send)."""
 
     def __init__(self, op, **fields):
@@ -188,6 +189,25 @@ class _Raw:
 
     def header(self):
         return dict(self.fields, op=self.op)
+
+
+def refusal(sched, message):
+    """The lease channel's refusal of `message`, sent as is over an authenticated connection
+    (as LeaseClient sends its own): the error it answers with."""
+    from vllm_ext.lease.messages import LEASE_PROTOCOL, LEASE_SERVER_ID
+    from vllm_ext.migration.control import open_connection
+    from vllm_ext.migration.timing import Deadline
+
+    host, port = sched.lease_address
+    conn = open_connection(host, port, "", Deadline(10), client_id="c" * 32, server_id=LEASE_SERVER_ID,
+                           secret=SECRET, version=LEASE_PROTOCOL)
+    try:
+        conn.send_message(message, b"", Deadline(10))
+        header, _ = conn.recv(Deadline(10))
+    finally:
+        conn.close()
+    assert header.get("ok") is not True, header
+    return str(header.get("error"))
 
 
 def test_a_consumer_connects_to_a_producer_that_starts_after_it(monkeypatch):
@@ -206,16 +226,16 @@ def test_a_consumer_connects_to_a_producer_that_starts_after_it(monkeypatch):
     sched = worker = None
     try:
         time.sleep(0.5)  # several refused dials
-        assert consumer.receiver._peers == {} and consumer.receiver._backoff == {}
+        assert consumer.receiver.connected_endpoints == () and consumer.receiver.backoff == {}
         worker = make_worker(vllm_layers(seed=1), producer=True)
         sched = make_scheduler(True, lease_port=port)
         time.sleep(0.3)  # its lease channel answers, with no KV cache registered yet: refused
         sched.set_handshake({0: worker.handshake()})
         deadline = time.monotonic() + 10
-        while not consumer.receiver._peers and time.monotonic() < deadline:
+        while not consumer.receiver.connected_endpoints and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert list(consumer.receiver._peers) == [worker.endpoint.descriptor().endpoint_id]
-        assert consumer.receiver._backoff == {}
+        assert consumer.receiver.connected_endpoints == (worker.endpoint.descriptor().endpoint_id,)
+        assert consumer.receiver.backoff == {}
     finally:
         consumer.shutdown()
         for half in (sched, worker):
@@ -230,10 +250,11 @@ def test_a_producer_connected_by_a_pull_is_not_connected_again_by_the_start_up_d
         host, port = sched.lease_address
         endpoint_id = worker.endpoint.descriptor().endpoint_id
         deadline = time.monotonic() + 10
-        peer = consumer.receiver._peer(host, port, endpoint_id, deadline)  # a pull's dial: by endpoint id
+        receiver = consumer.receiver
+        peer = receiver.connect_producer(host, port, endpoint_id, deadline)  # a pull's dial: by endpoint id
         connects = []
         consumer.endpoint.connect = lambda *a, **k: connects.append(a)
-        assert consumer.receiver._peer(host, port, None, deadline) is peer and connects == []  # the start-up dial's
+        assert receiver.connect_producer(host, port, None, deadline) is peer and connects == []  # the start-up dial's
     finally:
         consumer.shutdown()
 
@@ -289,12 +310,11 @@ def test_duplicate_and_unknown_leases_are_refused(producer):
         client.acquire(other["remote_lease"], 1e9, 5)
     from vllm_ext.migration import protocol
 
-    with pytest.raises(ChannelError, match="lease.acquire: unexpected steal"):  # field checks of protocol.py
-        client._request(_Raw("lease.acquire", lease=other["remote_lease"], hold_s=5, steal=1), 5)
-    with pytest.raises(ChannelError, match="unknown request 'steal'"):
-        client._request(_Raw("steal", lease=params["remote_lease"]), 5)
-    with pytest.raises(ChannelError, match="unknown request 'gloo.pull'"):  # an endpoint's request
-        client._request(protocol.GlooPull(1, 5.0), 5)
+    # field checks of protocol.py
+    assert re.search("lease.acquire: unexpected steal",
+                     refusal(sched, Raw("lease.acquire", lease=other["remote_lease"], hold_s=5, steal=1)))
+    assert re.search("unknown request 'steal'", refusal(sched, Raw("steal", lease=params["remote_lease"])))
+    assert re.search("unknown request 'gloo.pull'", refusal(sched, protocol.GlooPull(1, 5.0)))  # an endpoint's
     client.close()
 
 
@@ -652,7 +672,7 @@ def test_the_output_limits_are_read_as_vllms_openai_server_reads_them():
     """(default, cap) from the model config, as vLLM's serving classes derive them; 0: none."""
     from types import SimpleNamespace
 
-    from vllm_ext.connector.connector import _max_tokens_limits
+    from vllm_ext.connector.connector import max_tokens_limits
 
     def model(generation_config="auto", diff=None, override=None, fails=False):
         def diff_params():
@@ -662,13 +682,13 @@ def test_the_output_limits_are_read_as_vllms_openai_server_reads_them():
         return SimpleNamespace(generation_config=generation_config, get_diff_sampling_param=diff_params,
                                override_generation_config=dict(override or {}))
 
-    assert _max_tokens_limits(model()) == (0, 0)
-    assert _max_tokens_limits(model(diff={"max_tokens": 300})) == (300, 0)  # the model's generation config
-    assert _max_tokens_limits(model(diff={"max_tokens": 200}, override={"max_new_tokens": 200})) == (200, 200)
-    assert _max_tokens_limits(model("vllm", override={"max_new_tokens": 50})) == (0, 50)
-    assert _max_tokens_limits(model("/a/folder", diff={"max_tokens": 400})) == (400, 400)
-    assert _max_tokens_limits(model(diff={"max_tokens": True}, override={"max_new_tokens": 0})) == (0, 0)
-    assert _max_tokens_limits(model(fails=True)) == (0, 0)
+    assert max_tokens_limits(model()) == (0, 0)
+    assert max_tokens_limits(model(diff={"max_tokens": 300})) == (300, 0)  # the model's generation config
+    assert max_tokens_limits(model(diff={"max_tokens": 200}, override={"max_new_tokens": 200})) == (200, 200)
+    assert max_tokens_limits(model("vllm", override={"max_new_tokens": 50})) == (0, 50)
+    assert max_tokens_limits(model("/a/folder", diff={"max_tokens": 400})) == (400, 400)
+    assert max_tokens_limits(model(diff={"max_tokens": True}, override={"max_new_tokens": 0})) == (0, 0)
+    assert max_tokens_limits(model(fails=True)) == (0, 0)
 
 
 def test_an_endpoint_serves_no_lease_message(producer):
@@ -846,13 +866,15 @@ def test_a_lease_that_is_not_pulled_is_released(producer, case):
 
 
 def test_the_fault_connectors_hooks_see_every_receive_and_pull(producer):
-    """The end-to-end tests' fault connector wraps a worker's `_receive` and `_pull` (and reads
-    `_stream`): the wrappers see each job and each pull, and the receive still completes."""
+    """The end-to-end tests' fault connector wraps the `receive` and `pull` of a worker's receiver
+    (and reads its `stream`): the wrappers see each job and each pull, and the receive still
+    completes."""
     sched, p_worker = producer
     d_worker = make_worker(vllm_layers(seed=8), producer=False, allowed=[sched])
     seen = []
     try:
-        inner_receive, inner_pull = d_worker._receive, d_worker._pull
+        receiver = d_worker.receiver
+        inner_receive, inner_pull = receiver.receive, receiver.pull
 
         def wrapped_receive(job, deadline):
             seen.append(("receive", job.req_id))
@@ -862,8 +884,8 @@ def test_the_fault_connectors_hooks_see_every_receive_and_pull(producer):
             seen.append(("pull", tuple(dst)))
             return inner_pull(peer, src, dst, deadline)
 
-        d_worker._receive, d_worker._pull = wrapped_receive, wrapped_pull
-        assert d_worker._stream is None  # on CPU
+        receiver.receive, receiver.pull = wrapped_receive, wrapped_pull
+        assert receiver.stream is None  # on CPU
         _, params = finish_prefill(sched, list(range(40)))
         step(sched, p_worker)
         from vllm_ext.connector.metadata import RecvJob
@@ -935,6 +957,20 @@ def _step_output(req, scheduled=1):
                            scheduled_cached_reqs=None)
 
 
+def step_until_answered(sched, worker, req, asker, output=True):
+    """Engine steps, as a running request makes them, until one answers the pre-copy that `asker`
+    (a thread) asks: that step's metadata (it makes the lease), or None when the ask was refused."""
+    deadline = time.monotonic() + 5
+    while True:
+        meta = step(sched, worker, _step_output(req), output=output)
+        if meta.new_leases:
+            return meta
+        if not asker.is_alive():
+            return None
+        assert time.monotonic() < deadline, "the pre-copy ask was not answered within the deadline"
+        time.sleep(0.01)
+
+
 def _precopy(sched, worker, client, mid, req, grant=True):
     """A router's pre-copy ask, answered at the engine's next step (which this runs); `grant`:
     the worker's output of that step reaches the scheduler too (the lease's blocks are served).
@@ -949,10 +985,7 @@ def _precopy(sched, worker, client, mid, req, grant=True):
 
     asker = threading.Thread(target=ask)
     asker.start()
-    deadline = time.monotonic() + 5
-    while not sched._source.has_asks() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    meta = step(sched, worker, _step_output(req), output=grant)
+    meta = step_until_answered(sched, worker, req, asker, output=grant)
     asker.join(5)
     if "error" in got:
         raise got["error"]
@@ -998,17 +1031,15 @@ def test_a_pre_copy_replies_once_the_worker_serves_its_blocks(producer, monkeypa
     the destination's acquire, under its resume's first step, need not wait for this engine."""
     sched, worker = producer
     monkeypatch.setattr("vllm_ext.connector.scheduler.lease_requests.PRECOPY_GRANT_WAIT_S", 60.0)
-    monkeypatch.setattr("vllm_ext.connector.scheduler.lease_requests.GRANT_STALL_S", 0.0)  # an acquire finds it served, or fails
+    # an acquire finds it served, or fails
+    monkeypatch.setattr("vllm_ext.connector.scheduler.lease_requests.GRANT_STALL_S", 0.0)
     mid = "12" * 16
     req = _running(sched, list(range(3, 3 + 40)), mid, [4, 7, 8])
     client = lease_client(sched)
     got = {}
     asker = threading.Thread(target=lambda: got.update(lease=client.precopy(mid, 30)))
     asker.start()
-    deadline = time.monotonic() + 5
-    while not sched._source.has_asks() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    meta = step(sched, worker, _step_output(req), output=False)  # the lease is made and granted by the worker
+    meta = step_until_answered(sched, worker, req, asker, output=False)  # the lease is made and granted by the worker
     (lease_id,) = meta.new_leases
     asker.join(0.5)
     assert asker.is_alive() and "lease" not in got  # its output has not reached the scheduler yet
@@ -1035,7 +1066,8 @@ def test_a_pre_copy_whose_blocks_are_not_served_in_time_still_replies(producer, 
 
 def test_a_pre_copy_of_a_request_preempted_meanwhile_is_not_vouched_for(producer, monkeypatch):
     sched, worker = producer
-    monkeypatch.setattr("vllm_ext.connector.scheduler.lease_requests.PRECOPY_GRANT_WAIT_S", 0.05)  # its blocks are never served
+    # its blocks are never served
+    monkeypatch.setattr("vllm_ext.connector.scheduler.lease_requests.PRECOPY_GRANT_WAIT_S", 0.05)
     mid = "cd" * 16
     req = _running(sched, list(range(3, 3 + 40)), mid, [1, 2, 3])
     client = lease_client(sched)
@@ -1105,8 +1137,9 @@ def test_a_destination_traces_when_a_request_with_a_migration_id_arrived_and_was
     for i in range(3):
         other = make_request([1, 2, 3], {"migration_id": f"{i:02x}" * 16}, req_id=f"o-{i}")
         sched.update_state_after_alloc(other, [4], 0)
-    assert len(sched._traces) == 3 and mid not in sched._traces
-    with pytest.raises(ChannelRefused, match="no request here carried it"):
+    for i in range(3):  # the newest three are kept ...
+        assert client.trace(f"{i:02x}" * 16, 5).scheduled_s >= before
+    with pytest.raises(ChannelRefused, match="no request here carried it"):  # ... the oldest forgotten
         client.trace(mid, 5)
     client.close()
 

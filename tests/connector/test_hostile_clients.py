@@ -186,16 +186,16 @@ def test_leases_sharing_blocks_count_them_once(producer_of, seed):
 
 
 def test_the_bound_is_a_share_of_the_cache_and_checked():
-    from vllm_ext.connector.connector import _max_leased_blocks
+    from vllm_ext.connector.connector import max_leased_blocks
 
     config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=None))
-    assert _max_leased_blocks({}, config, SimpleNamespace(num_blocks=600)) == 300  # the default: half
-    assert _max_leased_blocks({"max_leased_fraction": 0.1}, config, SimpleNamespace(num_blocks=600)) == 60
-    assert _max_leased_blocks({"max_leased_fraction": 1}, config, SimpleNamespace(num_blocks=600)) == 600
-    assert _max_leased_blocks({}, SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=64)), None) == 32
+    assert max_leased_blocks({}, config, SimpleNamespace(num_blocks=600)) == 300  # the default: half
+    assert max_leased_blocks({"max_leased_fraction": 0.1}, config, SimpleNamespace(num_blocks=600)) == 60
+    assert max_leased_blocks({"max_leased_fraction": 1}, config, SimpleNamespace(num_blocks=600)) == 600
+    assert max_leased_blocks({}, SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=64)), None) == 32
     for bad in (0, -0.5, 1.5, "0.5", True, None):
         with pytest.raises(ValueError, match=r"max_leased_fraction: expected a fraction of the KV cache in \(0, 1\]"):
-            _max_leased_blocks({"max_leased_fraction": bad}, config, SimpleNamespace(num_blocks=600))
+            max_leased_blocks({"max_leased_fraction": bad}, config, SimpleNamespace(num_blocks=600))
 
 
 def test_the_bound_reaches_prometheus():
@@ -432,7 +432,7 @@ def test_a_consumer_that_fails_loads_says_so_at_start_up(role, policy, warns):
     handler.emit = lambda record: lines.append(record.getMessage())
     connector.logger.addHandler(handler)
     try:
-        connector._warn_if_requests_can_be_lost(KVTransferConfig(kv_connector="VllmExtConnector", kv_role=role,
+        connector.warn_if_requests_can_be_lost(KVTransferConfig(kv_connector="VllmExtConnector", kv_role=role,
                                                                  kv_load_failure_policy=policy))
     finally:
         connector.logger.removeHandler(handler)

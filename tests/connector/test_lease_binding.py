@@ -26,6 +26,7 @@ from tests.connector.test_halves import (
     vllm_layers,
 )
 from vllm_ext.connector.metadata import VllmExtMetadata
+from vllm_ext.lease.channel import ChannelError
 from vllm_ext.lease.kv_params import RemoteKV, prompt_hash
 
 PROMPT_LENGTHS = (17, 40, 64)
@@ -206,7 +207,8 @@ def test_a_migration_lease_loads_only_into_the_requests_own_tokens(producer, con
                 assert sync_failed == set() and pulls == [[30, 31, 32]]
             else:
                 assert sync_failed == {30, 31, 32} and pulls == []
-            assert sched._leases.get(lease.lease) is None  # released by the consumer, pulled or not
+            with pytest.raises(ChannelError, match="unknown, released or expired"):
+                client.acquire(lease.lease, 5, 5)  # released by the consumer, pulled or not
     finally:
         client.end(mid, 5)
         client.close()

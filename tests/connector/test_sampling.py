@@ -54,7 +54,7 @@ def check_skip_continues_the_stream(device):
     streams = streams_of({"r": moved})
     assert streams.skip("r", n)
     assert [sample(moved, logits) for _ in range(k)] == want
-    assert streams._one_int_per_draw is (False if device == "cpu" else None)  # CPU: replayed, draw by draw
+    assert streams.one_int_per_draw is (False if device == "cpu" else None)  # CPU: replayed, draw by draw
 
     restarted = torch.Generator(device=device)  # what a destination without the skip would draw
     restarted.manual_seed(seed)
@@ -124,7 +124,7 @@ def test_vllms_sampler_continues_a_skipped_stream_token_for_token():
     release = ".".join(vllm.__version__.split(".")[:2])
     assert found.kind == f"generator:cpu:{release}"
     assert found.skip("r", n) and tokens(moved, k) == want
-    assert found._one_int_per_draw  # vLLM 0.32's CPU sampler: n tokens skipped by n integers in one call
+    assert found.one_int_per_draw  # vLLM 0.32's CPU sampler: n tokens skipped by n integers in one call
     assert tokens(torch.Generator().manual_seed(seed), k) != want  # without the skip: another stream
 
 

@@ -45,7 +45,8 @@ class LiveFaultConnector(VllmExtConnector):
         worker = self._worker
         if worker is None:
             return
-        receive, pull = worker._receive, worker._pull
+        receiver = worker.receiver  # its receive and pull are looked up on the instance at each use
+        receive, pull = receiver.receive, receiver.pull
 
         def slow_receive(job, deadline):
             path = os.environ.get("VLLM_EXT_TEST_PULL_DELAY", "")
@@ -66,7 +67,7 @@ class LiveFaultConnector(VllmExtConnector):
             if path and os.path.exists(path):
                 # on a GPU the noise goes on the pull's stream and is waited for, as the pull is:
                 # the digests after it (on that stream) must see it
-                stream = worker._stream
+                stream = receiver.stream
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     g = torch.Generator().manual_seed(1234)
                     for layer in worker.cache.layers:
@@ -76,8 +77,8 @@ class LiveFaultConnector(VllmExtConnector):
                     stream.synchronize()
             return stats
 
-        worker._receive = slow_receive
-        worker._pull = corrupt_pull
+        receiver.receive = slow_receive
+        receiver.pull = corrupt_pull
 
     def build_connector_meta(self, scheduler_output):
         if self._step_pause_s:

@@ -97,7 +97,7 @@ def _check_number(extra, key, default, low, high, what="seconds"):
     return float(value)
 
 
-def _max_leased_blocks(extra, vllm_config, kv_cache_config) -> Optional[int]:
+def max_leased_blocks(extra, vllm_config, kv_cache_config) -> Optional[int]:
     """max_leased_fraction of the cache's blocks (None when the engine did not say how many)."""
     fraction = _check_number(extra, "max_leased_fraction", 0.5, 0, 1, what="a fraction of the KV cache")
     num_blocks = getattr(kv_cache_config, "num_blocks", None) or vllm_config.cache_config.num_gpu_blocks
@@ -108,7 +108,7 @@ def _max_leased_blocks(extra, vllm_config, kv_cache_config) -> Optional[int]:
     return max(1, int(fraction * num_blocks))
 
 
-def _warn_if_requests_can_be_lost(config) -> None:
+def warn_if_requests_can_be_lost(config) -> None:
     """A consumer whose failed loads fail their requests (vLLM's default policy) loses a request
     whenever a producer is slow, busy, restarted or bounded; the connector cannot tell vLLM's
     default from a chosen "fail", so it says so once."""
@@ -139,7 +139,7 @@ class VllmExtConnector(KVConnectorBase_V1):
             from .scheduler import SchedulerHalf
 
             policy = getattr(config, "kv_load_failure_policy", "fail")
-            _warn_if_requests_can_be_lost(config)
+            warn_if_requests_can_be_lost(config)
             self._scheduler = SchedulerHalf(
                 is_producer=config.is_kv_producer, is_consumer=config.is_kv_consumer,
                 block_size=vllm_config.cache_config.block_size,
@@ -149,8 +149,8 @@ class VllmExtConnector(KVConnectorBase_V1):
                 whole_blocks=bool(extra.get("load_whole_blocks", vllm_config.device_config.device_type == "cpu")),
                 wait_for_grant=VllmExtWorkerMetadata is not None,
                 async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
-                max_tokens_limits=_max_tokens_limits(vllm_config.model_config),
-                max_leased_blocks=_max_leased_blocks(extra, vllm_config, kv_cache_config)
+                max_tokens_limits=max_tokens_limits(vllm_config.model_config),
+                max_leased_blocks=max_leased_blocks(extra, vllm_config, kv_cache_config)
                 if config.is_kv_producer else None)
         else:
             from .worker import WorkerHalf
@@ -254,7 +254,7 @@ class VllmExtConnector(KVConnectorBase_V1):
         return VllmExtPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-def _max_tokens_limits(model) -> Tuple[int, int]:
+def max_tokens_limits(model) -> Tuple[int, int]:
     """(default, cap) of the output limit vLLM's OpenAI server applies (0: none), as its serving
     classes derive them: the default limits a request that sets none (the generation config's
     max_new_tokens, overrides included), the cap every request (with generation_config "auto" or

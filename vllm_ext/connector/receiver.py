@@ -87,7 +87,7 @@ class Receiver:
     cache's fingerprint fields and the stream pulls run on (None on CPU).
 
     `receive` and `pull` are looked up on the instance at each use: a test-only fault connector
-    may replace them (tests/e2e/live_faults.py)."""
+    may replace them on an instance (tests/e2e/live_faults.py), and read `stream`."""
 
     def __init__(self, *, secret: bytes, allowed: Set[str], connect_to: List[str], pull_timeout_s: float,
                  verify_kv: bool):
@@ -157,6 +157,19 @@ class Receiver:
             stats, self._stats = self._stats, VllmExtStats()
         return stats
 
+    @property
+    def connected_endpoints(self) -> Tuple[str, ...]:
+        """The endpoint ids of the producers connected, the oldest first."""
+        with self._lock:
+            return tuple(self._peers)
+
+    @property
+    def backoff(self) -> Dict[Tuple[str, int], float]:
+        """The producers that failed a dial or a pull: (host, port) -> the monotonic time it may
+        be dialled again."""
+        with self._lock:
+            return dict(self._backoff)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
@@ -174,7 +187,7 @@ class Receiver:
             if time.monotonic() >= deadline:
                 raise TransferFailed(f"the pull's deadline ({self.pull_timeout_s:g} s) passed while it was queued")
             client = self._client(job.lease_host, job.lease_port)
-            peer = self._peer(job.lease_host, job.lease_port, job.endpoint_id, deadline)
+            peer = self.connect_producer(job.lease_host, job.lease_port, job.endpoint_id, deadline)
             marks.append(("connect", time.monotonic()))
             try:  # the producer answers once its worker serves the blocks: a busy one takes a while
                 lease_blocks, lease_tokens, lease_hash, digests = client.acquire(job.lease, _left(deadline) + 5.0,
@@ -318,8 +331,8 @@ class Receiver:
                 self._peer_locks.setdefault((host, port), threading.Lock())
             return client
 
-    def _peer(self, host: str, port: int, endpoint_id: Optional[str], deadline: float,
-              back_off: bool = True) -> PeerDescriptor:
+    def connect_producer(self, host: str, port: int, endpoint_id: Optional[str], deadline: float,
+                         back_off: bool = True) -> PeerDescriptor:
         """The producer's descriptor, checked against this cache and connected when first
         seen (the handshake: a layout mismatch is refused here, naming the fields). No
         `endpoint_id`: whichever endpoint is connected there already (a pull may have connected
@@ -370,7 +383,8 @@ class Receiver:
         while self.endpoint is not None:
             attempts += 1
             try:
-                self._peer(host, int(port), None, time.monotonic() + max(self.pull_timeout_s, 10.0), back_off=False)
+                self.connect_producer(host, int(port), None, time.monotonic() + max(self.pull_timeout_s, 10.0),
+                                      back_off=False)
                 return
             except (ChannelError, MigrationError, TransferFailed, ValueError, OSError) as e:
                 if attempts == 1:

@@ -48,6 +48,12 @@ class SeededStreams:
         self._offset_per_draw: Dict[str, int] = {}  # CUDA device -> Philox offset one draw uses
         self._one_int_per_draw: Optional[bool] = None  # CPU: a draw takes what one randint takes
 
+    @property
+    def one_int_per_draw(self) -> Optional[bool]:
+        """On a CPU generator: whether n tokens' draws are skipped as n 31-bit ints in one call
+        (found at the first skip: None before, and on CUDA)."""
+        return self._one_int_per_draw
+
     def skip(self, req_id: str, n: int) -> bool:
         """Advances `req_id`'s stream past `n` sampled tokens' draws (before its first sample
         here); False when this instance cannot."""

@@ -176,27 +176,6 @@ class WorkerHalf:
     def get_stats(self) -> Optional[VllmExtStats]:
         return self.receiver.take_stats()
 
-    # ---- test hooks: tests/e2e/live_faults.py replaces these on a worker it wraps ------------
-    @property
-    def _receive(self):
-        return self.receiver.receive
-
-    @_receive.setter
-    def _receive(self, receive) -> None:
-        self.receiver.receive = receive
-
-    @property
-    def _pull(self):
-        return self.receiver.pull
-
-    @_pull.setter
-    def _pull(self, pull) -> None:
-        self.receiver.pull = pull
-
-    @property
-    def _stream(self):
-        return self.receiver.stream
-
     # ---- lifetime ------------------------------------------------------------------------
     def shutdown(self) -> None:
         self.receiver.shutdown()
