@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.connector.test_halves import (
+from tests.connector.test_receiver import (
     BLOCK_SIZE,
     NUM_BLOCKS,
     SECRET,

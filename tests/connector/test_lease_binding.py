@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from tests.connector.test_halves import (
+from tests.connector.test_receiver import (
     BLOCK_SIZE,
     _precopy,
     _running,
