@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.connector.test_receiver import (
+from tests.connector.halves import (
     BLOCK_SIZE,
     NUM_BLOCKS,
     SECRET,

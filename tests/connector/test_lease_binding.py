@@ -11,17 +11,17 @@ import time
 import pytest
 import torch
 
-from tests.connector.test_receiver import (
+from tests.connector.halves import (
     BLOCK_SIZE,
-    _precopy,
-    _running,
     finish_prefill,
     lease_client,
     make_request,
     make_scheduler,
     make_worker,
+    precopy,
     receive,
     released,
+    running,
     step,
     vllm_layers,
 )
@@ -185,11 +185,11 @@ def test_a_migration_lease_loads_only_into_the_requests_own_tokens(producer, con
     d_sched, d_worker, _, pulls = consumer
     rng = random.Random()
     mid = "9a" * 16
-    req = _running(sched, tokens(50, rng), mid, [5, 6, 9, 11])
+    req = running(sched, tokens(50, rng), mid, [5, 6, 9, 11])
     client = lease_client(sched)
     try:
         for case in ("own", "forged"):
-            lease, _ = _precopy(sched, p_worker, client, mid, req)
+            lease, _ = precopy(sched, p_worker, client, mid, req)
             own = list(lease.token_ids)
             n = lease.num_tokens
             prompt = own if case == "own" else tokens(len(own), rng)
