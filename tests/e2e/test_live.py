@@ -16,37 +16,33 @@ request 120 s. The module's tests share the servers, in order; the last ones kil
 """
 
 import json
-import os
 import random
-import socket
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from tests.e2e.live_cluster import (
+    Cuttable,
+    Stream,
+    admin,
+    fault_files,
+    finish,
+    migrate_async,
+    pin_to,
+    require_vllm,
+    start_instance,
+    start_router,
+)
 from vllm_ext import fleet
 
-if os.environ.get("VLLM_EXT_REQUIRE_VLLM") == "1":  # make test-connector: a missing vllm is a failure
-    import transformers  # noqa: F401
-    import vllm  # noqa: F401
-else:
-    pytest.importorskip("vllm", reason="vllm is not installed here (make test-connector installs it)")
-    pytest.importorskip("transformers", reason="transformers (a vLLM dependency) is missing")
+require_vllm()
 
-# The servers import the test-only fault connector as tests.e2e.<module>, from the repository root
-# (the folder holding tests/) on their PYTHONPATH.
-ROOT = Path(__file__).resolve().parents[2]
-
-TOKEN = "live-tests-admin-token"
 LEASE_S = 10.0  # short: the expiry test waits it out (a loaded 2-core host can take seconds per step)
 # Long enough to be running when a migration starts (a tiny model decodes hundreds of tokens a
 # second here; moves start within a client's first 40 tokens)
 MAX_TOKENS = 1000
-STEP_PAUSE_S = "0.001"
 DRAIN_TIMEOUT_S = 15.0
 
 
@@ -57,24 +53,12 @@ def cluster(request, tmp_path_factory):
     model = fleet.write_checkpoint(work / "model", device=device)
     fleet.write_word_tokenizer(model)
     ports = {name: fleet.free_port() for name in "ABCG"}
-    faults = {"corrupt": work / "corrupt-now", "delay": work / "delay-now", "unsafe": work / "unsafe-now"}
+    faults = fault_files(work)
     started = []
 
     def start(name, core, *extra_args):
-        others = [f"127.0.0.1:{p}" for n, p in ports.items() if n != name]
-        server = fleet.start_vllm(
-            name, model, work, core=core, tokenizer=True, device=device, extra_args=extra_args,
-            extra_pythonpath=str(ROOT),
-            extra_env={"VLLM_EXT_TEST_CORRUPT": str(faults["corrupt"]),
-                       "VLLM_EXT_TEST_PULL_DELAY": str(faults["delay"]),
-                       "VLLM_EXT_TEST_UNSAFE_LOADS": str(faults["unsafe"]),
-                       "VLLM_EXT_TEST_SERVER": name,
-                       # vLLM CPU's spinning engine would starve its API server (live_faults.py)
-                       "VLLM_EXT_TEST_STEP_PAUSE_S": STEP_PAUSE_S if device.name == "cpu" else "0"},
-            kv_config={"kv_connector": "LiveFaultConnector", "kv_connector_module_path": "tests.e2e.live_faults",
-                       "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                       "kv_connector_extra_config": {"lease_port": ports[name], "connect_to": others,
-                                                     "lease_s": LEASE_S, "pull_timeout_s": 20.0}})
+        server = start_instance(name, model, work, core=core, lease_ports=ports, faults=faults, lease_s=LEASE_S,
+                                device=device, extra_args=extra_args)
         started.insert(0, server)
         return server
 
@@ -98,31 +82,6 @@ def cluster(request, tmp_path_factory):
             p.stop()
 
 
-def start_router(work, name, urls, leases, *extra):
-    port = fleet.free_port()
-    env = fleet.vllm_env("0")
-    env["VLLM_EXT_ROUTER_TOKEN"] = TOKEN
-    proc = fleet.Process(name, [sys.executable, "-m", "vllm_ext.router", "--instance", *urls, "--lease", *leases,
-                            "--port", str(port), "--policy", "round_robin", "--health-interval-s", "0.5", *extra],
-                     env, work / f"{name}.log", port)
-    try:
-        proc.wait_healthy(timeout=60)
-    except BaseException:
-        proc.stop()
-        raise
-    return proc
-
-
-def admin(router, path, body=None):
-    req = urllib.request.Request(router.url + path, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
-    try:
-        with urllib.request.urlopen(req, timeout=fleet.REQUEST_TIMEOUT_S) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
 def reference(cluster, prompt, max_tokens=MAX_TOKENS, url=None, **extra):
     """A single instance's greedy output (A's, or `url`'s, directly): (token ids, text). Where a
     moved request's destination must pull its KV, take the reference after the move, on its
@@ -132,80 +91,6 @@ def reference(cluster, prompt, max_tokens=MAX_TOKENS, url=None, **extra):
         "ignore_eos": True, **extra})
     assert status == 200, body
     return body["choices"][0]["token_ids"], body["choices"][0]["text"]
-
-
-class Stream(threading.Thread):
-    """A streamed request through the router; `at(k, fn)` calls fn(request id) once k tokens came."""
-
-    def __init__(self, url, body, path="/v1/completions"):
-        super().__init__(daemon=True)
-        # ignore_eos: as the references (a request must still run when it is moved)
-        self.url, self.body, self.path = url, dict(body, stream=True, ignore_eos=True), path
-        self.ids, self.text, self.rid, self.usage, self.error = [], "", None, None, None
-        self.finish = None
-        self.hooks = []
-        self.first = threading.Event()
-
-    def at(self, k, fn):
-        self.hooks.append([k, fn])
-        return self
-
-    def run(self):
-        try:
-            req = urllib.request.Request(self.url + self.path, data=json.dumps(self.body).encode(),
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=fleet.REQUEST_TIMEOUT_S) as r:
-                for line in r:
-                    line = line.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        self.error = event["error"]
-                        continue
-                    self.rid = event["id"]
-                    self.first.set()
-                    if event.get("usage"):
-                        self.usage = event["usage"]
-                    for choice in event["choices"]:
-                        self.ids += choice.get("token_ids") or []
-                        self.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                        self.finish = choice.get("finish_reason") or self.finish
-                    for hook in self.hooks:
-                        if hook[0] is not None and len(self.ids) >= hook[0]:
-                            hook[0] = None
-                            hook[1](self.rid)
-        except Exception as e:  # noqa: BLE001 - reported by the test
-            self.error = repr(e)
-        finally:
-            self.first.set()
-
-
-def migrate_async(cluster, to=None, results=None, router=None, **extra):
-    """A hook that moves the request to `to` (default: the router's choice, another instance)
-    through `router` (default: the cluster's)."""
-
-    def hook(rid):
-        def go():
-            body = dict(extra, request_id=rid, **({"to": to} if to else {}))
-            results.append(admin(router or cluster["router"], "/migrate", body))
-        t = threading.Thread(target=go, daemon=True)
-        t.start()
-        results.append(t)
-    return hook
-
-
-def finish(streams_, results=()):
-    for s in streams_:
-        s.join(fleet.REQUEST_TIMEOUT_S)
-        assert not s.is_alive(), "a stream did not end"
-    out = []
-    for r in results:
-        if isinstance(r, threading.Thread):
-            r.join(fleet.REQUEST_TIMEOUT_S)
-        else:
-            out.append(r)
-    return out
 
 
 def prompts(seed, lengths):
@@ -555,19 +440,6 @@ def until_generated(streams_, k):
             time.sleep(0.01)
 
 
-def pin_to(cluster, router, name, fn, urls):
-    """Runs fn() while every other instance of `router` (`urls`) is draining: new requests go
-    to `name`. (A drain with no time to move anything: their running requests stay.)"""
-    others = [u for u in urls if u != cluster[name].url]
-    for url in others:
-        assert admin(router, "/drain", {"instance": url, "timeout_s": 0})[0] in (200, 504)
-    try:
-        return fn()
-    finally:
-        for url in others:
-            admin(router, "/undrain", {"instance": url})
-
-
 def test_drain_moves_every_running_request(cluster):
     router = cluster["router"]
     ps = prompts(22, (20, 45, 77))
@@ -610,82 +482,6 @@ def test_the_balancer_moves_load_off_the_busiest_instance(cluster):
     moved = [m for m in history if m["outcome"] == "moved"]
     assert moved and moved[0]["source"] == cluster["A"].url, history
     wait_idle(cluster)
-
-
-class Cuttable(threading.Thread):
-    """A TCP proxy to a port of 127.0.0.1 whose connections can be cut, both ways at once, and
-    which refuses new ones until restored: the router loses its connection to a live instance.
-    Frozen, it passes nothing and accepts connections it never serves (a partition that sends
-    no FIN or RST), until cut."""
-
-    def __init__(self, port):
-        super().__init__(daemon=True)
-        self.target = port
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
-        self.lock = threading.Lock()
-        self.conns, self.down, self.frozen = [], False, False
-
-    def run(self):
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            with self.lock:
-                try:
-                    if self.down:
-                        raise OSError("cut")
-                    if self.frozen:
-                        self.conns.append(client)
-                        continue
-                    upstream = socket.create_connection(("127.0.0.1", self.target))
-                except OSError:
-                    client.close()
-                    continue
-                self.conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    def _pipe(self, a, b):
-        try:
-            while True:
-                data = a.recv(65536)
-                if not data:
-                    break
-                while self.frozen:
-                    time.sleep(0.05)
-                b.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (a, b):
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def freeze(self):
-        self.frozen = True
-
-    def cut(self):
-        with self.lock:
-            self.down, self.frozen = True, False
-            for sock in self.conns:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                sock.close()
-            self.conns = []
-
-    def restore(self):
-        with self.lock:
-            self.down = False
-
-    def close(self):
-        self.server.close()
-        self.cut()
 
 
 @pytest.mark.parametrize("how", ["cut", "frozen"])
