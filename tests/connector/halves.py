@@ -147,6 +147,14 @@ def refusal(sched, message):
     return str(header.get("error"))
 
 
+def expect(lease):
+    """(num_tokens, prompt_hash) an acquire names for a lease: of a producer's answer
+    (kv_transfer_params) or of a migration lease (MigrationLease): all of its tokens."""
+    if isinstance(lease, dict):
+        return lease["remote_num_tokens"], lease["remote_prompt_hash"]
+    return lease.num_tokens, lease.prompt_hash
+
+
 def lease_client(sched):
     host, port = sched.lease_address
     return LeaseClient(SECRET, host, port)

@@ -19,6 +19,7 @@ from tests.connector.halves import (
     NUM_BLOCKS,
     SECRET,
     RequestStatus,
+    expect,
     lease_client,
     make_request,
     make_worker,
@@ -125,12 +126,12 @@ def test_leases_stop_at_the_bound_and_the_oldest_untaken_make_room(producer_of, 
     try:
         for _, old in evicted:
             with pytest.raises(ChannelRefused, match="unknown, released or expired"):
-                client.acquire(old["remote_lease"], 5, 10)
+                client.acquire(old["remote_lease"], 5, 10, *expect(old))
 
         # leases taken by pulls are never ended under them: once they hold the bound, a prefill
         # that does not fit is answered without a lease, and its blocks go back at once
         for _, p in leases:
-            assert client.acquire(p["remote_lease"], 20, 10)[0] == p["remote_block_ids"], seed
+            assert client.acquire(p["remote_lease"], 20, 10, *expect(p))[0] == p["remote_block_ids"], seed
         room = bound - sched.leased_blocks()
         more = [free.pop() for _ in range(room + 1)]
         assert prefill(sched, more, rng, "p-unleased") == (False, UNLEASED), seed
@@ -257,12 +258,12 @@ def test_the_producers_answer_does_not_take_the_prefix_cache_hit(producer_of, se
 
 
 # ---- a busy producer ---------------------------------------------------------------------------
-def acquire_in_thread(client, lease, hold_s=30.0, timeout=30.0):
+def acquire_in_thread(client, params, hold_s=30.0, timeout=30.0):
     got = {}
 
     def run():
         try:
-            got["reply"] = client.acquire(lease, hold_s, timeout)
+            got["reply"] = client.acquire(params["remote_lease"], hold_s, timeout, *expect(params))
         except Exception as e:  # noqa: BLE001 - the test reads it
             got["error"] = e
 
@@ -291,7 +292,7 @@ def test_an_acquire_waits_while_the_engine_steps_until_the_worker_serves_the_lea
     sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=None))
     client = lease_client(sched)
     try:
-        thread, got = acquire_in_thread(client, params["remote_lease"])
+        thread, got = acquire_in_thread(client, params)
         run_steps(sched, LATE_S)
         assert thread.is_alive() and not got, got  # still waiting: the engine makes progress
         worker.start_load_kv(carrier)  # ...reaches it only now
@@ -312,7 +313,7 @@ def test_an_acquire_waits_for_a_step_in_flight(producer_of, monkeypatch, seed):
     worker.start_load_kv(sched.build_connector_meta())  # scheduled and granted; its output is not in
     client = lease_client(sched)
     try:
-        thread, got = acquire_in_thread(client, params["remote_lease"])
+        thread, got = acquire_in_thread(client, params)
         thread.join(LATE_S)
         assert thread.is_alive() and not got, got
         sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker.build_worker_meta()))
@@ -331,9 +332,9 @@ def test_an_acquire_from_an_engine_that_makes_no_progress_is_refused_before_its_
     client = lease_client(sched)
     try:
         with pytest.raises(ChannelRefused, match=f"took no step for {STALL_S:g} s"):  # not the 30 s hold's refusal
-            client.acquire(params["remote_lease"], 30.0, 30.0)
+            client.acquire(params["remote_lease"], 30.0, 30.0, *expect(params))
         step(sched, worker)  # the engine steps again: the lease was left untaken
-        assert client.acquire(params["remote_lease"], 5, 10)[0] == params["remote_block_ids"]
+        assert client.acquire(params["remote_lease"], 5, 10, *expect(params))[0] == params["remote_block_ids"]
     finally:
         client.close()
 

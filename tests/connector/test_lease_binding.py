@@ -13,6 +13,7 @@ import torch
 
 from tests.connector.halves import (
     BLOCK_SIZE,
+    expect,
     finish_prefill,
     lease_client,
     make_request,
@@ -208,7 +209,7 @@ def test_a_migration_lease_loads_only_into_the_requests_own_tokens(producer, con
             else:
                 assert sync_failed == {30, 31, 32} and pulls == []
             with pytest.raises(ChannelError, match="unknown, released or expired"):
-                client.acquire(lease.lease, 5, 5)  # released by the consumer, pulled or not
+                client.acquire(lease.lease, 5, 5, *expect(lease))  # released by the consumer, pulled or not
     finally:
         client.end(mid, 5)
         client.close()

@@ -11,6 +11,7 @@ from tests.connector.halves import (
     BLOCK_SIZE,
     SECRET,
     Raw,
+    expect,
     finish_prefill,
     lease_client,
     refusal,
@@ -28,7 +29,7 @@ def test_acquire_extends_the_lease_for_the_pull_then_release_frees(producer):
     step(sched, worker)
     client = lease_client(sched)
     sched.clock.now += 25.0
-    block_ids, num_tokens, hash_, digests = client.acquire(params["remote_lease"], 20, 5)
+    block_ids, num_tokens, hash_, digests = client.acquire(params["remote_lease"], 20, 5, *expect(params))
     assert block_ids == params["remote_block_ids"] and num_tokens == 40 and hash_ == params["remote_prompt_hash"]
     # the worker digested the blocks it serves, as a consumer digests what it pulled
     assert digests == ops.block_digests(worker.cache, block_ids)
@@ -44,20 +45,22 @@ def test_duplicate_and_unknown_leases_are_refused(producer):
     _, params = finish_prefill(sched, list(range(40)))
     step(sched, worker)
     client = lease_client(sched)
-    client.acquire(params["remote_lease"], 5, 5)
+    client.acquire(params["remote_lease"], 5, 5, *expect(params))
     with pytest.raises(ChannelError, match="already taken"):
-        client.acquire(params["remote_lease"], 5, 5)
+        client.acquire(params["remote_lease"], 5, 5, *expect(params))
     with pytest.raises(ChannelError, match="unknown, released or expired"):
-        client.acquire("0" * 32, 5, 5)
+        client.acquire("0" * 32, 5, 5, 1, "0" * 64)
     with pytest.raises(ChannelError, match="hold_s"):
         _, other = finish_prefill(sched, list(range(20)), req_id="p-1")
         step(sched, worker)
-        client.acquire(other["remote_lease"], 1e9, 5)
+        client.acquire(other["remote_lease"], 1e9, 5, *expect(other))
     from vllm_ext.migration import protocol
 
     # field checks of protocol.py
     assert re.search("lease.acquire: unexpected steal",
-                     refusal(sched, Raw("lease.acquire", lease=other["remote_lease"], hold_s=5, steal=1)))
+                     refusal(sched, Raw("lease.acquire", lease=other["remote_lease"], hold_s=5,
+                                        num_tokens=other["remote_num_tokens"],
+                                        prompt_hash=other["remote_prompt_hash"], steal=1)))
     assert re.search("unknown request 'steal'", refusal(sched, Raw("steal", lease=params["remote_lease"])))
     assert re.search("unknown request 'gloo.pull'", refusal(sched, protocol.GlooPull(1, 5.0)))  # an endpoint's
     client.close()
@@ -123,8 +126,8 @@ def test_acquire_waits_for_the_worker_to_serve_the_lease(producer):
     client = lease_client(sched)
     try:
         with pytest.raises(ChannelError, match="not served yet"):
-            client.acquire(params["remote_lease"], 5, 10)
+            client.acquire(params["remote_lease"], 5, 10, *expect(params))
         step(sched, worker)
-        assert client.acquire(params["remote_lease"], 5, 10)[0] == params["remote_block_ids"]
+        assert client.acquire(params["remote_lease"], 5, 10, *expect(params))[0] == params["remote_block_ids"]
     finally:
         client.close()

@@ -2,6 +2,7 @@
 leases of a running request's complete blocks, their digests, a reply that waits for the worker,
 a request preempted meanwhile, and the blocks kept past the source's abort."""
 
+import random
 import threading
 from types import SimpleNamespace
 
@@ -10,6 +11,7 @@ import pytest
 from tests.connector.halves import (
     BLOCK_SIZE,
     RequestStatus,
+    expect,
     lease_client,
     precopy,
     running,
@@ -32,7 +34,7 @@ def test_a_migration_pre_copies_complete_blocks_and_keeps_them_past_the_abort(pr
     assert pre.block_ids == [5, 6, 9] and pre.num_tokens == 48 and pre.token_ids[:50] == list(range(3, 53))
     assert pre.block_size == BLOCK_SIZE and pre.num_prompt_tokens == 50
     assert pre.prompt_hash == prompt_hash(pre.token_ids[:48])
-    ids, _, _, digests = client.acquire(pre.lease, 5, 5)
+    ids, _, _, digests = client.acquire(pre.lease, 5, 5, *expect(pre))
     assert ids == [5, 6, 9] and digests == ops.block_digests(worker.cache, ids)
     assert client.release(pre.lease, 5) is True  # not preempted meanwhile: the pull may be used
 
@@ -41,7 +43,7 @@ def test_a_migration_pre_copies_complete_blocks_and_keeps_them_past_the_abort(pr
     assert final.block_ids == [5, 6, 9] and final.num_tokens == 48 and final.lease != pre.lease
     # its blocks are the first lease's, unchanged since (no preemption): not digested again
     assert meta.digest_from == {final.lease: 3}
-    assert client.acquire(final.lease, 5, 5)[3] == digests  # the destination's pull is under way
+    assert client.acquire(final.lease, 5, 5, *expect(final))[3] == digests  # the destination's pull is under way
     req.status = RequestStatus.FINISHED_ABORTED
     delay, params = sched.request_finished(req, [5, 6, 9, 11])
     assert delay is True and params is None  # its blocks stay, under the final lease
@@ -75,7 +77,7 @@ def test_a_pre_copy_replies_once_the_worker_serves_its_blocks(producer, monkeypa
     sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker.build_worker_meta()))
     asker.join(5)
     assert got["lease"].lease == lease_id
-    ids, _, _, digests = client.acquire(lease_id, 5, 5)  # no wait left
+    ids, _, _, digests = client.acquire(lease_id, 5, 5, *expect(got["lease"]))  # no wait left
     assert ids == [4, 7] and digests == ops.block_digests(worker.cache, ids)
     assert client.release(lease_id, 5) is True
     client.close()
@@ -89,7 +91,7 @@ def test_a_pre_copy_whose_blocks_are_not_served_in_time_still_replies(producer, 
     client = lease_client(sched)
     lease, _ = precopy(sched, worker, client, mid, req, grant=False)  # the step's output never came
     with pytest.raises(ChannelRefused, match="not served yet"):  # the acquire waits as before, up to its hold
-        client.acquire(lease.lease, 0.5, 5)
+        client.acquire(lease.lease, 0.5, 5, *expect(lease))
     client.close()
 
 
@@ -132,12 +134,37 @@ def test_a_later_lease_digests_only_the_blocks_after_the_last_granted_ones(produ
     step(sched, worker, SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[], scheduled_cached_reqs=grown))
     second, meta = precopy(sched, worker, client, mid, req)
     assert second.block_ids == [5, 6, 9, 11] and meta.digest_from == {second.lease: 3}
-    assert client.acquire(second.lease, 5, 5)[3] == ops.block_digests(worker.cache, [5, 6, 9, 11])
+    assert client.acquire(second.lease, 5, 5, *expect(second))[3] == ops.block_digests(worker.cache, [5, 6, 9, 11])
     assert client.release(second.lease, 5) is True
     # preempted (and resumed in the same blocks): nothing known is trusted, every block is digested
     req.num_preemptions += 1
     third, meta = precopy(sched, worker, client, mid, req)
     assert third.block_ids == [5, 6, 9, 11] and meta.digest_from == {}
-    assert client.acquire(third.lease, 5, 5)[3] == ops.block_digests(worker.cache, [5, 6, 9, 11])
+    assert client.acquire(third.lease, 5, 5, *expect(third))[3] == ops.block_digests(worker.cache, [5, 6, 9, 11])
+    client.end(mid, 5)
+    client.close()
+
+
+def test_a_resume_may_load_a_prefix_of_a_migration_lease_and_nothing_else(producer):
+    """A resume loads the tokens the client got, which may end before the final lease's (the
+    source's engine runs ahead of its stream): the source hands the lease to an acquire naming a
+    prefix of its tokens, and refuses one naming other tokens (NotThisPrompt) before any block."""
+    sched, worker = producer
+    rng = random.Random()
+    mid = "cd" * 16
+    req = running(sched, [rng.randrange(3, 1000) for _ in range(50)], mid, [5, 6, 9, 11])
+    client = lease_client(sched)
+    lease, _ = precopy(sched, worker, client, mid, req)
+    n = rng.randrange(1, lease.num_tokens)
+    other = list(lease.token_ids[:n])
+    other[rng.randrange(n)] += 1
+    with pytest.raises(ChannelRefused, match="tokens of another prompt") as refused:
+        client.acquire(lease.lease, 5, 5, n, prompt_hash(other))
+    assert refused.value.kind == "NotThisPrompt"
+    with pytest.raises(ChannelRefused, match="tokens of another prompt"):  # more tokens than it holds
+        client.acquire(lease.lease, 5, 5, lease.num_tokens + 1, prompt_hash(lease.token_ids[:lease.num_tokens + 1]))
+    ids, num_tokens, _, _ = client.acquire(lease.lease, 5, 5, n, prompt_hash(lease.token_ids[:n]))
+    assert (ids, num_tokens) == (lease.block_ids, lease.num_tokens)
+    assert client.release(lease.lease, 5) is True
     client.end(mid, 5)
     client.close()

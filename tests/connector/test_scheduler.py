@@ -9,6 +9,7 @@ from tests.connector.halves import (
     PROMPT_LENGTHS,
     SECRET,
     RequestStatus,
+    expect,
     finish_prefill,
     lease_client,
     make_request,
@@ -59,7 +60,7 @@ def test_lease_expires_and_frees_the_blocks(producer):
     assert sched.build_connector_meta().finished_sending == ["p-0"]
     assert sched.get_stats().data["expired"] == 1
     with pytest.raises(ChannelError, match="unknown, released or expired"):
-        lease_client(sched).acquire(params["remote_lease"], 5, 5)
+        lease_client(sched).acquire(params["remote_lease"], 5, 5, *expect(params))
 
 
 def test_kv_both_is_producer_and_consumer(producer):

@@ -65,11 +65,11 @@ def test_acquire_and_release_round_trip_the_blocks_and_digests(served):
 
     client = _client(served(handler))
     try:
-        assert client.acquire(lease, 7.5, 5) == (blocks, num_tokens, hash_, digests)
+        assert client.acquire(lease, 7.5, 5, num_tokens, hash_) == (blocks, num_tokens, hash_, digests)
         assert client.release(lease, 5) is False
     finally:
         client.close()
-    assert seen == [messages.LeaseAcquire(lease, 7.5), messages.LeaseRelease(lease)]
+    assert seen == [messages.LeaseAcquire(lease, 7.5, num_tokens, hash_), messages.LeaseRelease(lease)]
 
 
 def test_precopy_returns_a_typed_lease(served):
@@ -132,7 +132,7 @@ def test_the_server_refuses_an_endpoints_requests_and_bad_fields_by_name(served)
     client = _client(server)
     try:
         with pytest.raises(ChannelRefused, match="hold_s: expected a number in \\(0, 3600\\]"):
-            client.acquire("0" * 32, 1e9, 5)
+            client.acquire("0" * 32, 1e9, 5, 1, "0" * 64)
         with pytest.raises(ChannelRefused, match="migration_id: expected 16 bytes as hex"):
             client.end("zz")
     finally:

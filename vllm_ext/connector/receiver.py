@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 
 from .. import KVCache, ops
+from ..lease import messages
 from ..lease.channel import ChannelError, ChannelRefused, LeaseClient
 from ..lease.kv_params import fingerprint_mismatch
 from ..migration import MigrationEndpoint, MigrationError, PeerDescriptor
@@ -190,19 +191,25 @@ class Receiver:
             peer = self.connect_producer(job.lease_host, job.lease_port, job.endpoint_id, deadline)
             marks.append(("connect", time.monotonic()))
             try:  # the producer answers once its worker serves the blocks: a busy one takes a while
-                lease_blocks, lease_tokens, lease_hash, digests = client.acquire(job.lease, _left(deadline) + 5.0,
-                                                                                 _left(deadline))
-            except ChannelRefused:
+                lease_blocks, lease_tokens, lease_hash, digests = client.acquire(
+                    job.lease, _left(deadline) + 5.0, _left(deadline), job.num_tokens, job.prompt_hash)
+            except ChannelRefused as refused:
+                if refused.kind == messages.NotThisPrompt.__name__:  # the params (the client's) named a
+                    # lease on other tokens, whose KV would be cached here under this request's block
+                    # hashes: refused, and the lease freed (its own consumer never comes)
+                    with self._lock:
+                        self._stats.record_refusal()
+                    self._pool.submit(self._release, client, job.lease)
                 raise
             except ChannelError:  # no answer by the deadline: free the lease the producer may hold for it
                 self._pool.submit(self._release, client, job.lease)
                 raise
             marks.append(("lease", time.monotonic()))
             acquired = True
-            if (lease_tokens, lease_hash) != (job.num_tokens, job.prompt_hash):
-                # the params (the client's) name a lease on other tokens: their KV would be cached
-                # here under this request's block hashes, for every later request sharing its prefix
-                with self._lock:
+            # the producer checked it holds these tokens (a migration lease: maybe a prefix of
+            # its own); what its reply says must agree, whatever the params (the client's) said
+            if lease_tokens < job.num_tokens or (lease_tokens == job.num_tokens and lease_hash != job.prompt_hash):
+                with self._lock:  # a producer that did not check: refused here as well
                     self._stats.record_refusal()
                 raise TransferFailed(f"lease {job.lease[:8]}: it holds {lease_tokens} tokens of another prompt "
                                      f"(hash {lease_hash[:8]}), not this request's first {job.num_tokens} "

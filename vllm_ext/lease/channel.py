@@ -150,10 +150,12 @@ class LeaseClient:
     def describe(self, timeout: Optional[float] = None) -> messages.LeaseDescribeReply:
         return self._request(messages.LeaseDescribe(), timeout, messages.LeaseDescribeReply)[0]
 
-    def acquire(self, lease: str, hold_s: float, timeout: float) -> Tuple[List[int], int, str, List[int]]:
+    def acquire(self, lease: str, hold_s: float, timeout: float, num_tokens: int,
+                prompt_hash: str) -> Tuple[List[int], int, str, List[int]]:
         """(block ids, num_tokens, prompt_hash, digests: [] or one per block) of a live lease,
-        now taken by this pull."""
-        reply, payload = self._request(messages.LeaseAcquire(lease, float(hold_s)), timeout,
+        now taken by this pull of the KV of `num_tokens` tokens hashing to `prompt_hash` (the
+        producer refuses a lease on other tokens)."""
+        reply, payload = self._request(messages.LeaseAcquire(lease, float(hold_s), num_tokens, prompt_hash), timeout,
                                        messages.LeaseAcquireReply)
         try:
             if reply.n_digests not in (0, reply.n):

@@ -43,7 +43,10 @@ from ..migration.protocol import (
 #     the result of the KV load before it known); its reply says whether it is (`settled`).
 # 13: lease.describe.reply says the output limits the instance's OpenAI server applies
 #     (`default_max_tokens`, `max_tokens_cap`).
-LEASE_PROTOCOL = 13
+# 14: lease.acquire names the tokens the consumer will load (its own request's first
+#     `num_tokens`, their `prompt_hash`); the producer refuses a lease on other tokens (a
+#     migration lease: a prefix of them may be loaded) before it hands out a block.
+LEASE_PROTOCOL = 14
 
 # The server id a lease server authenticates as (it serves no endpoint of its own).
 LEASE_SERVER_ID = "vllm-ext-lease"
@@ -51,6 +54,11 @@ MAX_HOLD_S = 3600.0  # how long an acquire may hold a lease
 MAX_DESCRIBE_BYTES = 16 << 10  # the JSON objects a describe reply carries
 MAX_WALL_CLOCK_S = 1e11  # a time.time() in a message (migrate.trace.reply)
 MAX_TRACE_WAIT_S = 60.0  # how long a migrate.trace may wait for the resume's first step
+
+
+class NotThisPrompt(ValueError):
+    """A producer's refusal of an acquire whose request is not the one the lease holds the
+    tokens of (its reply's `type` names this class)."""
 
 
 class RequestEnded(ValueError):
@@ -132,11 +140,15 @@ class LeaseDescribeReply(LeaseMessage):
 
 @dataclasses.dataclass(frozen=True)
 class LeaseAcquire(LeaseMessage):
-    """Takes a live lease for one pull, holding it at least `hold_s` more (LeaseAcquireReply)."""
+    """Takes a live lease for one pull, holding it at least `hold_s` more (LeaseAcquireReply),
+    for a consumer whose request's first `num_tokens` tokens hash to `prompt_hash`: refused
+    unless the lease holds those tokens (all of a P/D lease's; a prefix of a migration lease's)."""
 
     op: ClassVar[str] = "lease.acquire"
     lease: str
     hold_s: float
+    num_tokens: int
+    prompt_hash: str
 
 
 @dataclasses.dataclass(frozen=True)

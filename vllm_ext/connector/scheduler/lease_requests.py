@@ -10,6 +10,7 @@ works on the half's state under the half's lock (`_lock`, `_granted`, `_leases`,
 import time
 
 from ...lease import messages
+from ...lease.kv_params import prompt_hash
 from ...migration import protocol
 from ..metadata import VllmExtHandshake
 from .leases import Lease
@@ -29,6 +30,14 @@ PRECOPY_WAIT_S = 2.0
 # output: one or two steps), so that the destination's acquire finds them served and its load,
 # under the resume's first step, does not wait for the source's engine (after this, it does).
 PRECOPY_GRANT_WAIT_S = 1.0
+
+
+def holds_tokens(lease: Lease, num_tokens: int, hash_: str) -> bool:
+    """The lease holds the KV of these tokens: all of a P/D lease's, or a prefix of a migration
+    lease's (a resume loads the tokens the client got, which may end before the lease's)."""
+    if lease.token_ids and num_tokens < lease.num_tokens:
+        return prompt_hash(lease.token_ids[:num_tokens]) == hash_
+    return (num_tokens, hash_) == (lease.num_tokens, lease.prompt_hash)
 
 
 class LeaseRequests:
@@ -51,7 +60,7 @@ class LeaseRequests:
             self._registered()
             return self._serve_end(request.migration_id)
         if isinstance(request, messages.LeaseAcquire):
-            return self._serve_acquire(request.lease, request.hold_s)
+            return self._serve_acquire(request.lease, request.hold_s, request.num_tokens, request.prompt_hash)
         return self._serve_release(request.lease)
 
     def _registered(self) -> VllmExtHandshake:
@@ -66,12 +75,16 @@ class LeaseRequests:
             raise ValueError(f"lease {lease_id[:8]}: unknown, released or expired")
         return lease
 
-    def _serve_acquire(self, lease_id: str, hold_s: float):
+    def _serve_acquire(self, lease_id: str, hold_s: float, num_tokens: int, hash_: str):
         with self._lock:
             self._reap_expired()
             lease = self._live_lease(lease_id)
             if hold_s > MAX_HOLD_S:
                 raise ValueError(f"hold_s: expected at most {MAX_HOLD_S:g} seconds, got {hold_s!r}")
+            if not holds_tokens(lease, num_tokens, hash_):  # the lease stays its own consumer's
+                raise messages.NotThisPrompt(f"lease {lease_id[:8]}: it holds {lease.num_tokens} tokens of another "
+                                             f"prompt, not the {num_tokens} (hash {hash_[:8]}) of the request that "
+                                             "asks; refused")
             if lease.taken:
                 raise ValueError(f"lease {lease_id[:8]}: already taken by another pull")
             lease.taken = True  # before waiting: a second acquire is refused meanwhile
