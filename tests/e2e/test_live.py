@@ -555,16 +555,18 @@ def test_a_moved_request_keeps_the_generation_configs_output_limit(cluster):
             completion = {"model": "tiny", "prompt": prompt, "max_tokens": limit + 500, "temperature": 0,
                           "ignore_eos": True, "return_token_ids": True}
             for body, path in ((chat, "/v1/chat/completions"), (completion, "/v1/completions")):
-                results = []
+                results, undrained = [], threading.Event()
 
-                def begin(body=body, path=path, results=results):  # on G: its first token came before B
-                    # takes new requests again
+                def begin(body=body, path=path, results=results, undrained=undrained):
+                    # on G: its first token came before B takes new requests again; the move to B
+                    # waits until it does (a fast stream reaches its move point before: 409)
                     s = Stream(router.url, body, path).at(rng.randrange(40, 120), migrate_async(
-                        cluster, to=cluster["B"].url, results=results, router=router, stages=0))
+                        cluster, to=cluster["B"].url, results=results, router=router, after=undrained, stages=0))
                     s.start()
                     assert s.first.wait(60), "no first token in 60 s"
                     return s
                 s = pin_to(cluster, router, "G", begin, urls)
+                undrained.set()
                 (status, record), = finish([s], results)
                 assert s.error is None and status == 200 and record["outcome"] == "moved", (s.error, record)
                 assert s.finish == "length", s.finish
