@@ -84,7 +84,7 @@ class LeaseRequests:
             if not holds_tokens(lease, num_tokens, hash_):  # the lease stays its own consumer's
                 raise messages.NotThisPrompt(f"lease {lease_id[:8]}: it holds {lease.num_tokens} tokens of another "
                                              f"prompt, not the {num_tokens} (hash {hash_[:8]}) of the request that "
-                                             "asks; refused")
+                                             "asks; refused before any pull")
             if lease.taken:
                 raise ValueError(f"lease {lease_id[:8]}: already taken by another pull")
             lease.taken = True  # before waiting: a second acquire is refused meanwhile
