@@ -199,7 +199,7 @@ class Receiver:
                     # hashes: refused, and the lease freed (its own consumer never comes)
                     with self._lock:
                         self._stats.record_refusal()
-                    self._pool.submit(self._release, client, job.lease)
+                    self._release(client, job.lease)
                 raise
             except ChannelError:  # no answer by the deadline: free the lease the producer may hold for it
                 self._pool.submit(self._release, client, job.lease)
