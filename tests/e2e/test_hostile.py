@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.live_cluster import TOKEN, admin
 from vllm_ext import fleet
 
 if os.environ.get("VLLM_EXT_REQUIRE_VLLM") == "1":  # make test-connector: a missing vllm is a failure
@@ -40,7 +41,6 @@ else:
     pytest.importorskip("transformers", reason="transformers (a vLLM dependency) is missing")
 
 ROOT = Path(__file__).resolve().parents[2]  # on the servers' PYTHONPATH: they import tests.e2e.live_faults
-TOKEN = "hostile-tests-admin-token"
 LEASE_S = 120.0  # an unreleased lease would hold its blocks this long
 KV_IDLE_S = 30.0
 MAX_TOKENS = 16
@@ -86,16 +86,6 @@ def hosts(tmp_path_factory):
                 except ProcessLookupError:
                     pass
             p.stop()
-
-
-def admin(router, path, body=None):
-    req = urllib.request.Request(router.url + path, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
-    try:
-        with urllib.request.urlopen(req, timeout=fleet.REQUEST_TIMEOUT_S) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
 
 
 def start_proxy(work, name, prefill, decode):
