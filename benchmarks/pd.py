@@ -52,11 +52,8 @@ def ttft(url, body, timeout=600):
                                  headers={"Content-Type": "application/json"})
     start, first, tokens = time.perf_counter(), None, []
     with urllib.request.urlopen(req, timeout=timeout) as r:
-        for line in r:
-            line = line.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for choice in json.loads(line[6:])["choices"]:
+        for event in fleet.events(r):
+            for choice in event["choices"]:
                 ids = choice.get("token_ids") or []
                 if ids and first is None:
                     first = time.perf_counter() - start

@@ -135,11 +135,7 @@ class Stream(threading.Thread):
             req = urllib.request.Request(self.url + self.path, data=json.dumps(self.body).encode(),
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=fleet.REQUEST_TIMEOUT_S) as r:
-                for line in r:
-                    line = line.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
+                for event in fleet.events(r):
                     if "error" in event:
                         self.error = event["error"]
                         continue

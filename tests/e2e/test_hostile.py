@@ -338,11 +338,7 @@ def post_stream(url, body):
     ids, finish, err = [], None, None
     try:
         with urllib.request.urlopen(req, timeout=fleet.REQUEST_TIMEOUT_S) as r:
-            for line in r:
-                line = line.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
+            for event in fleet.events(r):
                 if "error" in event:
                     err = event["error"]
                     continue

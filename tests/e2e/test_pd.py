@@ -112,11 +112,8 @@ def stream(url, prompt, max_tokens=MAX_TOKENS):
          "return_token_ids": True}).encode(), headers={"Content-Type": "application/json"})
     tokens = []
     with urllib.request.urlopen(req, timeout=fleet.REQUEST_TIMEOUT_S) as r:
-        for line in r:
-            line = line.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for choice in json.loads(line[6:])["choices"]:
+        for event in fleet.events(r):
+            for choice in event["choices"]:
                 tokens += choice.get("token_ids") or []
     return tokens
 
@@ -188,11 +185,9 @@ def chat(url, text, stream=False):
         if not stream:
             return json.loads(r.read())["choices"][0]["message"]["content"]
         parts = []
-        for line in r:
-            line = line.decode().strip()
-            if line.startswith("data: ") and line != "data: [DONE]":
-                for choice in json.loads(line[6:])["choices"]:
-                    parts.append(choice.get("delta", {}).get("content") or "")
+        for event in fleet.events(r):
+            for choice in event["choices"]:
+                parts.append(choice.get("delta", {}).get("content") or "")
         return "".join(parts)
 
 

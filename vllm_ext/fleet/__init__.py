@@ -34,7 +34,7 @@ from .models import (
     write_text_model,
     write_word_tokenizer,
 )
-from .process import REQUEST_TIMEOUT_S, STARTUP_TIMEOUT_S, Process, free_port, metrics, post, stop_all
+from .process import REQUEST_TIMEOUT_S, STARTUP_TIMEOUT_S, Process, events, free_port, metrics, post, stop_all
 from .real_model import RealModelError, real_model_folder
 from .servers import (
     BLOCK_SIZE,
@@ -52,7 +52,7 @@ from .servers import (
 
 __all__ = [
     "BLOCK_SIZE", "CPU", "DEVICES", "LLAMA_7B", "REQUEST_TIMEOUT_S", "SECRET", "STARTUP_TIMEOUT_S", "TINY",
-    "TINY_GPU", "VOCAB_SIZE", "Device", "Process", "RealModelError", "free_port", "metrics", "post",
+    "TINY_GPU", "VOCAB_SIZE", "Device", "Process", "RealModelError", "events", "free_port", "metrics", "post",
     "real_model_folder", "start_front", "start_proxy", "start_router", "start_vllm", "stop_all",
     "vllm_env", "write_7b_config", "write_chat_model", "write_checkpoint", "write_config", "write_random_llama",
     "write_text_model", "write_word_tokenizer",

@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .process import Process, free_port, metrics, post
+from .process import Process, events, free_port, metrics, post
 from .real_model import SERVED_NAME, real_model_folder
 from .servers import DEVICES, start_proxy, start_router, vllm_env
 
@@ -177,11 +177,7 @@ def _stream_and_move(fleet: Fleet, max_tokens: int, move_after: int) -> dict:
     last = time.monotonic()
     print("\n--- the client's stream (through the router) ---", flush=True)
     with urllib.request.urlopen(req, timeout=600) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        for chunk in events(r):
             for choice in chunk.get("choices", []):
                 text = (choice.get("delta") or {}).get("content") or ""
                 if text:

@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, Iterator, List, Tuple
 
 STARTUP_TIMEOUT_S = 420.0  # a vLLM CPU server starts in ~60 s on 2 idle cores; shared hosts are slower
 REQUEST_TIMEOUT_S = 120.0
@@ -137,6 +137,17 @@ def post(url: str, body: dict, timeout: float = REQUEST_TIMEOUT_S) -> Tuple[int,
             return e.code, json.loads(raw)
         except ValueError:
             return e.code, {"raw": raw.decode(errors="replace")}
+
+
+def events(response) -> Iterator[dict]:
+    """The parsed `data:` events of an OpenAI server-sent stream (an open HTTP response), up to
+    `[DONE]`."""
+    for raw in response:
+        line = raw.decode().strip()
+        if line == "data: [DONE]":
+            return
+        if line.startswith("data: "):
+            yield json.loads(line[6:])
 
 
 def metrics(url: str) -> Dict[str, float]:
