@@ -3,7 +3,8 @@ prefill/decode disaggregation (the NIXL-style pull; see docs/connector.md).
 
 A thin facade: the SCHEDULER instance delegates to a SchedulerHalf, the WORKER instance to a
 WorkerHalf; each half gets values, not this object. Configuration
-(`--kv-transfer-config '{"kv_connector": "VllmExtConnector", "kv_role": ..., "kv_connector_extra_config": {...}}'`):
+(`--kv-transfer-config '{"kv_connector": "VllmExtConnector", "kv_role": ..., "kv_connector_extra_config": {...}}'`;
+every key is checked at start-up by settings.ConnectorSettings, which refuses unknown ones):
 
     backend          migration backend: "ipc", "nccl", "gloo" (default: ipc on GPU, gloo on CPU)
     backend_options  dict of that backend's options
@@ -39,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from ..migration import auth  # noqa: E402
 from .metadata import VllmExtMetadata, VllmExtWorkerMetadata  # noqa: E402
+from .settings import ConnectorSettings  # noqa: E402
 from .stats import VllmExtPromMetrics, VllmExtStats  # noqa: E402
 
 if TYPE_CHECKING:
@@ -75,37 +77,17 @@ def _log_under_vllm() -> None:
         ours.propagate = False
 
 
-def _addresses(extra, key, default):
-    """A list of 'host:port' strings (port 1 to 65535), normalised."""
-    value = extra.get(key, default)
-    out = []
-    if isinstance(value, list):
-        for a in value:
-            host, _, port = a.rpartition(":") if isinstance(a, str) else ("", "", "")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                break
-            out.append(f"{host}:{int(port)}")
-        else:
-            return out
-    raise ValueError(f"kv_connector_extra_config.{key}: expected a list of 'host:port', got {value!r}")
-
-
-def _check_number(extra, key, default, low, high, what="seconds"):
-    value = extra.get(key, default)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not low < value <= high:
-        raise ValueError(f"kv_connector_extra_config.{key}: expected {what} in ({low}, {high}], got {value!r}")
-    return float(value)
-
-
-def max_leased_blocks(extra, vllm_config, kv_cache_config) -> Optional[int]:
-    """max_leased_fraction of the cache's blocks (None when the engine did not say how many)."""
-    fraction = _check_number(extra, "max_leased_fraction", 0.5, 0, 1, what="a fraction of the KV cache")
+def max_leased_blocks(settings, vllm_config, kv_cache_config) -> Optional[int]:
+    """max_leased_fraction of the cache's blocks (None when the engine did not say how many).
+    `settings`: the ConnectorSettings, or a kv_connector_extra_config to parse."""
+    if not isinstance(settings, ConnectorSettings):
+        settings = ConnectorSettings.parse(settings)
     num_blocks = getattr(kv_cache_config, "num_blocks", None) or vllm_config.cache_config.num_gpu_blocks
     if not num_blocks:
         logger.warning("VllmExtConnector: the KV cache's size is unknown here: P/D leases are not bounded "
                        "(kv_connector_extra_config.max_leased_fraction is not applied)")
         return None
-    return max(1, int(fraction * num_blocks))
+    return max(1, int(settings.max_leased_fraction * num_blocks))
 
 
 def warn_if_requests_can_be_lost(config) -> None:
@@ -127,7 +109,9 @@ class VllmExtConnector(KVConnectorBase_V1):
         check_vllm_version()
         super().__init__(vllm_config, role, kv_cache_config)
         config = vllm_config.kv_transfer_config
-        extra = dict(config.kv_connector_extra_config or {})
+        # every key checked here, in both roles (the worker's is built before the model loads)
+        settings = ConnectorSettings.parse(config.kv_connector_extra_config,
+                                           device_type=vllm_config.device_config.device_type)
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
             raise ValueError(f"VllmExtConnector: tensor_parallel_size {parallel.tensor_parallel_size} and "
@@ -142,31 +126,27 @@ class VllmExtConnector(KVConnectorBase_V1):
             warn_if_requests_can_be_lost(config)
             self._scheduler = SchedulerHalf(
                 is_producer=config.is_kv_producer, is_consumer=config.is_kv_consumer,
-                block_size=vllm_config.cache_config.block_size,
-                lease_s=_check_number(extra, "lease_s", 30.0, 0, 3600),
-                lease_host=str(extra.get("lease_host", "127.0.0.1")), lease_port=int(extra.get("lease_port", 0)),
-                secret=secret, failure_policy=policy,
-                whole_blocks=bool(extra.get("load_whole_blocks", vllm_config.device_config.device_type == "cpu")),
+                block_size=vllm_config.cache_config.block_size, lease_s=settings.lease_s,
+                lease_host=settings.lease_host, lease_port=settings.lease_port,
+                secret=secret, failure_policy=policy, whole_blocks=settings.load_whole_blocks,
                 wait_for_grant=VllmExtWorkerMetadata is not None,
                 async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
                 max_tokens_limits=max_tokens_limits(vllm_config.model_config),
-                max_leased_blocks=max_leased_blocks(extra, vllm_config, kv_cache_config)
+                max_leased_blocks=max_leased_blocks(settings, vllm_config, kv_cache_config)
                 if config.is_kv_producer else None)
         else:
             from .worker import WorkerHalf
 
-            connect_to = _addresses(extra, "connect_to", [])
-            allowed = _addresses(extra, "allowed_producers", connect_to)
-            if config.is_kv_consumer and not allowed:
+            if config.is_kv_consumer and not settings.allowed_producers:
                 logger.warning("VllmExtConnector: no producer is allowed (kv_connector_extra_config.connect_to and "
                                "allowed_producers are empty): every remote KV is computed here instead")
             self._worker = WorkerHalf(
                 is_producer=config.is_kv_producer, is_consumer=config.is_kv_consumer,
-                backend=extra.get("backend"), endpoint_host=str(extra.get("endpoint_host", "127.0.0.1")),
-                endpoint_options=dict(extra.get("backend_options", {})), secret=secret,
-                pull_timeout_s=_check_number(extra, "pull_timeout_s", 10.0, 0, 600),
-                static_fields=_static_fields(vllm_config), connect_to=connect_to, allowed_producers=allowed,
-                verify_kv=bool(extra.get("verify_kv", True)))
+                backend=settings.backend, endpoint_host=settings.endpoint_host,
+                endpoint_options=dict(settings.backend_options), secret=secret,
+                pull_timeout_s=settings.pull_timeout_s, static_fields=_static_fields(vllm_config),
+                connect_to=list(settings.connect_to), allowed_producers=list(settings.allowed_producers),
+                verify_kv=settings.verify_kv)
 
     # ==== worker side =====================================================================
     def register_kv_caches(self, kv_caches):
