@@ -8,9 +8,10 @@ leg fails (refused, unreachable, SIGSTOPped) frees the prefill lease at once; no
 kv_transfer_params, instance address or model path reaches a client; n > 1 through the proxy is
 refused clearly; a client that stops reading holds no /migrate. Then a soak: for SOAK_S seconds
 (default 60) many clients through both fronts, streamed and not, some hostile, some that stop
-reading or leave, while A and B are SIGSTOPped and continued at random: each answer is a single
-instance's greedy output, complete, or a clear error a client can retry; at the end every
-instance's KV cache is idle, no lease is left, and the fronts' memory stayed bounded.
+reading or leave, while A and B are SIGSTOPped and continued, or SIGKILLed and started again on
+their ports, at random (one at a time, at least one kill): each answer is a single instance's
+greedy output, complete, or a clear error a client can retry; at the end every instance's KV
+cache is idle, no lease is left, and the fronts' memory stayed bounded.
 
 Deadlines (generous on purpose, never assertions on speed): start-up 420 s per server, each
 request 120 s, KV back to idle within KV_IDLE_S: far below LEASE_S, so that only released
@@ -47,6 +48,8 @@ MAX_TOKENS = 16
 FIRST_BYTE_S = 3.0  # the proxy's, short: the SIGSTOP tests wait it out
 SOAK_S = float(os.environ.get("SOAK_S", "60"))
 SOAK_CLIENTS = 12
+CORES = {"A": "0", "B": "1"}
+SERVER_ENV = {"VLLM_EXT_TEST_STEP_PAUSE_S": "0.001"}  # live_faults only paces vLLM CPU's spinning engine
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +60,10 @@ def hosts(tmp_path_factory):
     ports = {name: fleet.free_port() for name in "AB"}
     started = []
     try:
-        for name, core in (("A", "0"), ("B", "1")):  # kv_both; live_faults only paces vLLM CPU's spinning engine
+        for name, core in CORES.items():  # kv_both
             other = [f"127.0.0.1:{p}" for n, p in ports.items() if n != name]
             started.insert(0, fleet.start_vllm(
-                name, model, work, core=core, tokenizer=True, extra_pythonpath=str(ROOT),
-                extra_env={"VLLM_EXT_TEST_STEP_PAUSE_S": "0.001"},
+                name, model, work, core=core, tokenizer=True, extra_pythonpath=str(ROOT), extra_env=SERVER_ENV,
                 kv_config={"kv_connector": "LiveFaultConnector", "kv_connector_module_path": "tests.e2e.live_faults",
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"lease_port": ports[name], "connect_to": other,
@@ -77,7 +79,7 @@ def hosts(tmp_path_factory):
         router.wait_healthy(timeout=60)
         proxy = start_proxy(work, "proxy", [a.url], [b.url])
         started.insert(0, proxy)
-        yield {"A": a, "B": b, "router": router, "proxy": proxy, "work": work, "model": model}
+        yield {"A": a, "B": b, "router": router, "proxy": proxy, "work": work, "model": model, "started": started}
     finally:
         for p in started:
             if p.proc.poll() is None:
@@ -352,11 +354,26 @@ def post_stream(url, body):
     return 200, ids, err
 
 
+def restart(hosts, name, n):
+    """`name`'s server started again after a kill, on the same ports and arguments (the fronts know
+    its URL, its peer its lease channel); returns at once (wait_healthy waits)."""
+    old = hosts[name]
+    env = fleet.vllm_env(CORES[name], str(ROOT))
+    env.update(SERVER_ENV)
+    again = fleet.Process(f"{name}-again{n}", list(old.proc.args), env, hosts["work"] / f"{name}-again{n}.log",
+                          old.port)
+    hosts["started"].append(again)
+    hosts[name] = again
+    return again
+
+
 def test_soak(hosts):
     """SOAK_S seconds of SOAK_CLIENTS clients through both fronts, while A and B are SIGSTOPped
-    for a few seconds at random: no answer is wrong or incomplete, none is lost (each is right or
-    a clear error to retry), every KV cache is idle and no lease is left at the end, and the
-    fronts' memory stays bounded."""
+    for a few seconds, or SIGKILLed and started again, at random (one instance at a time, at
+    least one kill): no answer is wrong or incomplete, none is lost (each is right or a clear
+    error to retry: the router recovers a killed instance's requests on the other, the proxy has
+    no other prefill or decode server to try), every KV cache is idle and no lease is left at
+    the end, and the fronts' memory stays bounded."""
     rng = random.Random(34)
     refs = []
     for _ in range(SOAK_PROMPTS):
@@ -365,30 +382,52 @@ def test_soak(hosts):
     fronts = {name: hosts[name].proc.pid for name in ("router", "proxy")}
     rss_before = {name: rss_kib(pid) for name, pid in fronts.items()}
     tally = Tally()
-    stop_at = time.monotonic() + SOAK_S
+    start = time.monotonic()
+    stop_at = start + SOAK_S
     clients = [threading.Thread(target=soak_client, args=(hosts, refs, tally, stop_at, k), daemon=True)
                for k in range(SOAK_CLIENTS)]
     for c in clients:
         c.start()
-    faults = []
+    faults, kills = [], 0
+    restarting = None  # the killed instance, until it answers /health again
     while time.monotonic() < stop_at - 10:
         time.sleep(rng.uniform(3, 8))
-        name = rng.choice("AB")
+        if restarting is not None and restarting.proc.poll() is None:
+            try:
+                with urllib.request.urlopen(restarting.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        faults.append(f"{restarting.name} healthy again at {time.monotonic() - start:.0f} s")
+                        restarting = None
+            except (urllib.error.URLError, OSError):
+                pass
+        up = [name for name in "AB" if restarting is None or hosts[name] is not restarting]
+        name = rng.choice(up)
+        at = time.monotonic() - start
+        # a kill while both are up: at random, and at least once, before the soak's second half ends
+        if restarting is None and (rng.random() < 0.3 or (kills == 0 and at > SOAK_S / 3)):
+            hosts[name].kill()
+            kills += 1
+            faults.append(f"{name} killed at {at:.0f} s")
+            restarting = restart(hosts, name, kills)
+            continue
         pause = rng.uniform(1, 6)
         os.killpg(hosts[name].proc.pid, signal.SIGSTOP)
         try:
             time.sleep(pause)
         finally:
             os.killpg(hosts[name].proc.pid, signal.SIGCONT)
-        faults.append(f"{name} stopped {pause:.1f} s")
+        faults.append(f"{name} stopped {pause:.1f} s at {at:.0f} s")
     for c in clients:
         c.join(SOAK_S + 2 * fleet.REQUEST_TIMEOUT_S)
+    if restarting is not None:
+        restarting.wait_healthy()
     rss_after = {name: rss_kib(pid) for name, pid in fronts.items()}
     total = sum(tally.counts.values())
     summary = {"seconds": SOAK_S, "requests": total, "faults": faults, "counts": dict(sorted(tally.counts.items())),
                "losses": tally.losses[:20], "rss_kib": {n: (rss_before[n], rss_after[n]) for n in fronts}}
     print("soak:", json.dumps(summary))
     (hosts["work"] / "soak.json").write_text(json.dumps(summary, indent=1))
+    assert kills >= 1, summary
     assert not any(c.is_alive() for c in clients), summary
     assert not tally.losses, summary
     assert sum(v for k, v in tally.counts.items() if k.endswith(" right")) > 0, summary
