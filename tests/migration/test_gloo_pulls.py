@@ -273,3 +273,35 @@ def test_gloo_dead_or_stalled_source(workers, fault):
         assert code == (-9 if fault == "killed" else code)
 
 
+
+
+class EveryChunk:
+    """A stall step (the harness's StallFaults) that is every chunk: the source pauses before
+    each, as one whose forward beside it takes the host's cores."""
+
+    def __eq__(self, step):
+        return isinstance(step, int) and not isinstance(step, bool)
+
+    def __hash__(self):
+        return 0
+
+
+def test_a_slow_source_that_makes_progress_is_waited_for(workers):
+    """Each of 6 one-block chunks leaves the source 1.2 s late: 7 s in all, past the pull's
+    timeout of 3 s, but never 3 s without a sign of the source's life (a chunk, or gloo.progress
+    while it serves). The pull follows that progress and completes, byte for byte; a source that
+    goes silent still fails one timeout after its last sign (test_gloo_dead_or_stalled_source)."""
+    dst_w, _ = workers
+    src_w = Worker()
+    try:
+        src_desc = src_w.call("endpoint", "slow", TIMEOUT_SPEC, "gloo", ONE_BLOCK_CHUNKS)
+        dst_w.call("endpoint", "d-slow", dict(TIMEOUT_SPEC, seed=9), "gloo", ONE_BLOCK_CHUNKS)
+        src_w.call("stall", "slow", EveryChunk(), 1.2)
+        rng = random.Random()
+        src, dst = rng.sample(range(32), 6), rng.sample(range(32), 6)
+        stats = dst_w.call("pull", "d-slow", src_desc, src, dst, 3.0, timeout=120.0)
+        assert stats.num_blocks == 6
+        assert torch.equal(dst_w.call("blocks", "d-slow", dst), expected_blocks(TIMEOUT_SPEC, src))
+    finally:
+        close_quietly(dst_w, "d-slow")
+        src_w.stop(timeout=5.0)

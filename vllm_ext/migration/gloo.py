@@ -17,8 +17,14 @@ moves the slot to pinned host memory (and back on the other side).
 
 Both sides wait for their gloo operations on helper threads and watch the control connection
 meanwhile, so a peer that dies, reports a failure or closes its endpoint ends the transfer
-within _WATCH_S, not at its deadline. A pair that failed midway is parked (a gloo group's destructor can wait for
-its pending operations) and rebuilt on the next pull; an idle pair that ends is freed at once.
+within _WATCH_S, not at its deadline. A pull's wait follows the source's progress: the source
+sends `gloo.progress` at least every _PROGRESS_S while it serves, and each of those, its accept
+and each chunk received moves the pull's deadline to the pull's timeout from then, up to
+_PATIENCE times that timeout from its start; so a source slowed down by a busy host (a forward
+beside it taking the cores) is waited for while it answers, and a silent one (stopped, hung) still
+fails the pull one timeout after its last sign of life. A pair that failed midway is parked (a
+gloo group's destructor can wait for its pending operations) and rebuilt on the next pull; an idle
+pair that ends is freed at once.
 
 Options: stripes (default: a quarter of the cores, 1..8), chunk_bytes (default 16 MiB).
 """
@@ -47,10 +53,10 @@ from .base import (
     follow_current_stream,
     wait_cuda_event,
     watch_closed,
-    watch_connection,
 )
+from .control import check_reply
 from .protocol import encode_ids
-from .timing import Deadline
+from .timing import MAX_TIMEOUT_S, Deadline
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +66,8 @@ _STRIPE_ALIGN = 4096
 _DRAIN_S = 1.0
 _MAX_PARKED = 16  # failed pairs kept; the oldest is let go beyond this (its operations have timed out)
 _WATCH_S = 0.05  # the longest wait between two looks at the peer's control connection
+_PROGRESS_S = 1.0  # a serving source's longest silence (gloo.progress) while it has not failed
+_PATIENCE = 6.0  # a pull that makes progress is waited for at most this many times its timeout
 
 
 def default_stripes() -> int:
@@ -189,6 +197,48 @@ def _listening_store(address: str, deadline: Deadline):
                     master_listen_fd=listener.detach())
 
 
+class _Progress:
+    """The destination's wait for a source that makes progress: `deadline` (the pull's) moves to
+    its timeout from each sign of the source's life (`alive`), never past `hard` (_PATIENCE times
+    the timeout from the start)."""
+
+    def __init__(self, deadline: Deadline):
+        self.deadline = deadline
+        self.silence = deadline.timeout
+        self.hard = Deadline(deadline.timeout * _PATIENCE)
+
+    def alive(self) -> None:
+        self.deadline.at = max(self.deadline.at, min(time.monotonic() + self.silence, self.hard.at))
+
+    def watch(self, conn, what: str):
+        """A check for _wait: a gloo.progress from the source is a sign of life; any other message
+        (a failure's report, closing) or the connection's end raises, as watch_connection's."""
+        def check() -> None:
+            while conn.readable():
+                header, _ = conn.recv(Deadline(1.0))  # EOF raises MigrationError
+                if header.get("op") == protocol.GlooProgress.op:
+                    self.alive()
+                    continue
+                check_reply(header, conn.peer, what)
+                raise MigrationError(f"{what}: an unexpected message from the peer ({conn.peer})")
+
+        return check
+
+
+class _Heartbeat:
+    """The source's side of _Progress: gloo.progress on the control connection, at most every
+    _PROGRESS_S, from the thread that serves the pull."""
+
+    def __init__(self, conn, deadline: Deadline):
+        self.conn, self.deadline = conn, deadline
+        self.last = time.monotonic()
+
+    def beat(self) -> None:
+        if time.monotonic() - self.last >= _PROGRESS_S:
+            self.conn.send_message(protocol.GlooProgress(), b"", self.deadline)
+            self.last = time.monotonic()
+
+
 def _wait(futures, deadline: Deadline, what: str, watch) -> None:
     """Waits for the futures of gloo operations, running `watch` (a look at the peer's control
     connection) at least every _WATCH_S; MigrationError on a failure, the peer's report or exit,
@@ -226,6 +276,7 @@ class _GlooPair(Pair):
         n = len(src_ids)
         chunks = pair.chunks(n)
         pair.busy = True  # until the last chunk is in: a failure parks the pair
+        progress = _Progress(deadline)
         self.link.request(protocol.GlooPull(n, deadline.remaining()), deadline, encode_ids(src_ids))
         cuda = pair.stream is not None
         if cuda:
@@ -239,15 +290,17 @@ class _GlooPair(Pair):
             slot = c % 2
             if cuda:  # the slot's previous chunk must have left for the GPU (done at once if none)
                 wait_cuda_event(pair.staged[slot], deadline, "gloo copy to the GPU")
-            pending[c] = pair.recv_stripes(slot, hi - lo, c, deadline)
+            pending[c] = pair.recv_stripes(slot, hi - lo, c, progress.hard)  # _wait holds `deadline`
 
         post(0)
         if len(chunks) > 1:
             post(1)
         conn.recv_reply(deadline, "gloo pull")  # accepted (or refused: raises)
-        watch = watch_connection(conn, "gloo pull")
+        progress.alive()
+        watch = progress.watch(conn, "gloo pull")
         for c, (lo, hi) in enumerate(chunks):
             _wait(pending.pop(c), deadline, f"gloo receive of chunk {c}", watch)
+            progress.alive()
             slot = c % 2
             rows = pair.slots[slot][:hi - lo]
             if cuda:
@@ -373,7 +426,8 @@ class GlooBackend(MigrationBackend):
     def _serve_pull(self, session, request: protocol.GlooPull, payload: bytes) -> None:
         from .._ids import check_id_values
 
-        deadline = Deadline(request.timeout)
+        # the destination waits up to _PATIENCE times its timeout for a source that makes progress
+        deadline = Deadline(min(request.timeout * _PATIENCE, MAX_TIMEOUT_S))
         src_ids = protocol.decode_ids(payload, request.n, "src_block_ids")
         check_id_values(src_ids, "src_block_ids", self.cache.num_blocks, False)
         if self.context.grants is not None:
@@ -400,9 +454,15 @@ class GlooBackend(MigrationBackend):
             with torch.cuda.stream(pair.stream):
                 (src_dev,) = pair.ids.upload(src_ids, deadline=deadline)
         in_flight: Dict[int, list] = {}
-        watch = watch_closed(conn, "gloo send")
+        closed, heartbeat = watch_closed(conn, "gloo send"), _Heartbeat(conn, deadline)
+
+        def watch() -> None:
+            closed()
+            heartbeat.beat()
+
         for c, (lo, hi) in enumerate(chunks):
             slot = c % 2
+            heartbeat.beat()
             if c >= 2:
                 _wait(in_flight.pop(c - 2), deadline, f"gloo send of chunk {c - 2}", watch)
             rows = pair.slots[slot][:hi - lo]

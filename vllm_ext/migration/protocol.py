@@ -30,7 +30,8 @@ from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Tuple
 #    address is the control connection's (no address travels in a message); "closing".
 # 6-13: no change to the endpoint's messages: the number then also versioned the lease channel's
 #    (vllm_ext/lease/messages.py has its own version and history since).
-PROTOCOL = 13
+# 14: a gloo source sends gloo.progress while it serves a pull (the destination's wait follows it).
+PROTOCOL = 14
 
 FRAME = struct.Struct("!II")
 MAX_HEADER_BYTES = 64 << 10  # a header is a small JSON object; refused past this, unread
@@ -289,6 +290,14 @@ class GlooPull(Message):
     op: ClassVar[str] = "gloo.pull"
     n: int
     timeout: float
+
+
+@dataclasses.dataclass(frozen=True)
+class GlooProgress(Message):
+    """Source -> destination, at least every second while it serves a gloo.pull: alive and
+    serving (the destination's wait follows it)."""
+
+    op: ClassVar[str] = "gloo.progress"
 
 
 @dataclasses.dataclass(frozen=True)
