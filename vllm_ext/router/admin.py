@@ -45,7 +45,15 @@ class Admin:
         return None
 
     async def instances(self, request: web.Request) -> web.Response:
-        return self._authorized(request) or web.json_response([i.describe() for i in self.fleet.instances])
+        """Each instance as the router sees it, with what its lease channel's last describe found:
+        lease_state (fleet.LEASE_*: "ok", "wrong_secret", "not_a_lease_channel", ...) and
+        lease_error (why, or null)."""
+        denied = self._authorized(request)
+        if denied:
+            return denied
+        checks = self.fleet.lease_checks
+        return web.json_response([{**i.describe(), "lease_state": checks[i.url].state,
+                                   "lease_error": checks[i.url].error} for i in self.fleet.instances])
 
     async def running(self, request: web.Request) -> web.Response:
         return self._authorized(request) or web.json_response(

@@ -5,8 +5,10 @@ poll for silent_s (a partition that sends no FIN or RST), each of its streams an
 its answer that heard nothing as long is broken, so that the request goes on elsewhere."""
 
 import asyncio
+import dataclasses
 import logging
 import os
+import socket
 import time
 from typing import Dict, List, Optional, Set
 
@@ -23,6 +25,76 @@ logger = logging.getLogger("vllm_ext.router")
 ENV_API_KEY = "VLLM_API_KEY"  # vLLM's --api-key from the environment
 DESCRIBE_RETRY_S = 10.0  # the poll asks an instance that did not describe itself again after this
 METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+HTTP_PROBE_S = 2.0  # a lease address that failed is asked whether it speaks HTTP, within this
+
+# what the router found at an instance's lease channel (GET /instances: lease_state, lease_error)
+LEASE_NONE = "none"  # no --lease given: its requests stay where they are
+LEASE_UNCHECKED = "unchecked"  # not asked yet (the instance has not answered a poll)
+LEASE_OK = "ok"  # it answered a describe: authenticated, the same protocol
+LEASE_UNREACHABLE = "unreachable"  # nothing listens there, or it did not answer in time
+LEASE_WRONG_SECRET = "wrong_secret"  # it does not hold the router's deployment secret
+LEASE_NOT_A_LEASE_CHANNEL = "not_a_lease_channel"  # an HTTP server (or another protocol) answers there
+LEASE_FAILED = "failed"  # another failure (its message says which)
+
+
+@dataclasses.dataclass
+class LeaseCheck:
+    """What the last describe of an instance's lease channel found: `state` (LEASE_*) and, when it
+    failed, why."""
+
+    state: str
+    error: Optional[str] = None
+
+
+def check_lease_address(instance_url: str, lease: str) -> None:
+    """ValueError naming --lease `lease` (of the instance at `instance_url`) unless it is
+    HOST:PORT: not a bare port, a URL, or the instance's own HTTP address."""
+    host, _, port = lease.rpartition(":")
+    what = f"--lease {lease!r} (of {instance_url})"
+    if "://" in lease or "/" in lease:
+        raise ValueError(f"{what}: a lease channel is HOST:PORT with no scheme or path, the instance's "
+                         "kv_connector_extra_config.lease_port (not its HTTP URL)")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what}: expected HOST:PORT with a port 1-65535 (e.g. 127.0.0.1:8101: the instance's "
+                         "kv_connector_extra_config.lease_host and lease_port)")
+    from urllib.parse import urlsplit
+
+    http = urlsplit(instance_url)
+    http_port = http.port or (443 if http.scheme == "https" else 80)
+    if host.strip("[]") == (http.hostname or "") and int(port) == http_port:
+        raise ValueError(f"{what}: that is the instance's HTTP address; its lease channel listens on "
+                         "kv_connector_extra_config.lease_port")
+
+
+def speaks_http(host: str, port: int, timeout_s: float = HTTP_PROBE_S) -> bool:
+    """Whether an HTTP server answers at host:port (a lease address given an HTTP port)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as s:
+            s.settimeout(timeout_s)
+            s.sendall(b"GET /health HTTP/1.0\r\nHost: " + host.encode() + b"\r\n\r\n")
+            return s.recv(5) == b"HTTP/"
+    except OSError:
+        return False
+
+
+def lease_problem(error: BaseException, host: str, port: int) -> LeaseCheck:
+    """What a failed describe of the lease channel at host:port says is wrong there (blocking:
+    an unexplained failure is followed by an HTTP probe)."""
+    text = str(error)
+    where = f"{host}:{port}"
+    if "did not prove it holds the secret" in text or "authentication failed" in text:
+        return LeaseCheck(LEASE_WRONG_SECRET, f"the lease channel at {where} does not hold the router's deployment "
+                          f"secret ({auth.ENV_SECRET} or {auth.ENV_SECRET_FILE} differs): {text}")
+    if "protocol" in text and "there," in text and "here" in text:
+        return LeaseCheck(LEASE_NOT_A_LEASE_CHANNEL, f"{where} speaks another lease protocol: {text}")
+    if speaks_http(host, port):
+        return LeaseCheck(LEASE_NOT_A_LEASE_CHANNEL, f"{where} is an HTTP server, not a lease channel: give "
+                          "--lease the instance's kv_connector_extra_config.lease_port")
+    if "cannot connect" in text or "no answer within" in text:
+        return LeaseCheck(LEASE_UNREACHABLE, f"{where}: {text}")
+    if "frame" in text or "header" in text:
+        return LeaseCheck(LEASE_NOT_A_LEASE_CHANNEL, f"{where} does not speak the lease protocol: {text}")
+    return LeaseCheck(LEASE_FAILED, text)
 
 
 class Silent(aiohttp.ClientConnectionError):
@@ -45,11 +117,16 @@ class Fleet:
         leases = list(leases or [None] * len(urls))
         if len(leases) != len(urls):
             raise ValueError(f"--lease: {len(leases)} addresses for {len(urls)} instances (use '-' for none)")
+        for url, lease in zip(urls, leases):
+            if lease:
+                check_lease_address(url, lease)
         secret = auth.deployment_secret() if any(leases) else None
         if any(leases) and secret is None:
             raise ValueError(f"--lease needs the deployment secret: set {auth.ENV_SECRET} or {auth.ENV_SECRET_FILE}")
         self.settings = settings
         self.instances = [Instance(u, lease, secret) for u, lease in zip(urls, leases)]
+        self.lease_checks: Dict[str, LeaseCheck] = {
+            i.url: LeaseCheck(LEASE_UNCHECKED if i.control is not None else LEASE_NONE) for i in self.instances}
         self._by_url = {i.url: i for i in self.instances}
         # what the router asks for itself (an instance's /v1/models), under vLLM's own --api-key
         # variable when the instances need one
@@ -114,14 +191,29 @@ class Fleet:
         if inst.described is None and inst.control is not None:
             inst.describe_after = time.monotonic() + DESCRIBE_RETRY_S
             downs = inst.downs
+            loop = asyncio.get_running_loop()
             try:
-                described = await asyncio.get_running_loop().run_in_executor(None, inst.control.describe)
+                described = await loop.run_in_executor(None, inst.control.describe)
             except (ChannelError, ValueError, OSError, RuntimeError) as e:
-                logger.info("instance %s: no describe (%s)", inst.url, e)
+                check = await loop.run_in_executor(None, lease_problem, e, inst.control.host, inst.control.port)
+                self._lease_checked(inst, check)
                 return None
+            self._lease_checked(inst, LeaseCheck(LEASE_OK))
             if inst.downs == downs:  # else it was marked down meanwhile: not its configuration now
                 inst.described = described
         return inst.described
+
+    def _lease_checked(self, inst: Instance, check: LeaseCheck) -> None:
+        """Keeps what a describe found at `inst`'s lease channel; a new problem is a WARNING
+        (its requests cannot move while it lasts), once."""
+        before = self.lease_checks.get(inst.url)
+        self.lease_checks[inst.url] = check
+        if check.state == LEASE_OK:
+            if before is not None and before.state not in (LEASE_OK, LEASE_UNCHECKED):
+                logger.info("instance %s: its lease channel %s answers now", inst.url, inst.lease)
+        elif before is None or before.state != check.state:
+            logger.warning("instance %s: lease channel %s: %s (its requests cannot move while this lasts)",
+                           inst.url, inst.lease, check.error)
 
     async def sampler(self, inst: Instance) -> str:
         """How `inst` draws seeded requests' numbers ("" when it cannot say)."""
