@@ -2,7 +2,9 @@
 new text from vLLM's fast detokenizer once the connector's plugin primed it
 (vllm_ext/connector/detokenize.py): at random cut points of random multi-byte text, the text the
 source emitted before the cut plus the text the destination emits after it equal the text of
-one unmoved stream, with a byte-level tokenizer and with the real model's."""
+one unmoved stream, with a byte-level tokenizer and with the real model's; the same for vLLM's
+slow detokenizer (a Python tokenizer); and a stop string begun in the client's text before a
+resumed leg ends that leg at the token that completes it."""
 
 import os
 import random
@@ -103,3 +105,94 @@ def test_a_cut_in_a_long_run_of_broken_characters_resumes_exactly():
         assert _emitted(tok, ids[:cut]) + "".join(stream.step(tok, t) or "" for t in ids[cut:]) == _emitted(tok, ids), \
             (ids, cut)
     assert longest > 8, longest  # runs longer than any character's bytes were cut
+
+
+def replacing_byte_tokenizer():
+    """A Python (not `tokenizers`-backed) byte tokenizer, ByT5's, whose decode writes U+FFFD for
+    bytes that are no character yet, as most do: vLLM detokenizes it with its slow path."""
+    from transformers import ByT5Tokenizer
+
+    class ReplacingByteTokenizer(ByT5Tokenizer):
+        def convert_tokens_to_string(self, tokens):
+            data = b"".join(bytes([ord(t)]) if len(t) == 1 and ord(t) < 256 else t.encode() for t in tokens)
+            return data.decode("utf-8", errors="replace")
+
+    return ReplacingByteTokenizer()
+
+
+def _updated_text(tokenizer, prompt_ids, new_ids, **params):
+    """What vLLM's detokenizer emits for `new_ids`, one update per token (as its engine's steps
+    give them), after a request whose prompt is `prompt_ids`; and the detokenizer."""
+    request = SimpleNamespace(request_id="r", prompt_token_ids=list(prompt_ids), prompt_embeds=None,
+                              sampling_params=SamplingParams(max_tokens=len(new_ids) + 1, skip_special_tokens=True,
+                                                             **params))
+    detok = IncrementalDetokenizer.from_new_request(tokenizer, request)
+    for token_id in new_ids:
+        detok.update([token_id], False)
+    return detok.output_text
+
+
+def test_vllms_slow_detokenizer_resumes_exactly_once_the_plugin_is_registered():
+    """The slow path's own priming drops the text held back at the cut (its first step
+    compares the length of the text with and without the new token)."""
+    register()
+    tokenizer = replacing_byte_tokenizer()
+    assert type(IncrementalDetokenizer.from_new_request(tokenizer, SimpleNamespace(
+        request_id="r", prompt_token_ids=[5], prompt_embeds=None, sampling_params=SamplingParams()))).__name__ \
+        == "SlowIncrementalDetokenizer"
+    rng, inside = random.Random(random.randrange(1 << 30)), 0
+    start = tokenizer.encode("x", add_special_tokens=False)
+    for _ in range(CUTS // 4):
+        ids = tokenizer.encode("".join(rng.choice(ALPHABET) for _ in range(rng.randint(4, 30))),
+                               add_special_tokens=False)
+        cut = rng.randint(1, len(ids) - 1)
+        inside += bool(detokenize.held_back(tokenizer, start + ids[:cut], True))
+        want = _updated_text(tokenizer, start, ids)
+        assert _updated_text(tokenizer, start, ids[:cut]) + _updated_text(tokenizer, start + ids[:cut], ids[cut:]) \
+            == want, (ids, cut)
+    assert inside >= CUTS // 40, inside
+
+
+@pytest.mark.parametrize("tokenizer", ["byte_level", "smollm2"], indirect=True)
+def test_a_stop_string_that_straddles_a_resume_ends_it_at_its_token(tokenizer):
+    """A resumed leg given the client's text before it (vllm_xargs STOP_PREFIX, as the router
+    sends) ends at the token that completes a stop string begun in that text, several tokens a
+    step or one, with the unmoved request's token ids (vLLM alone looks in the leg's own text only,
+    and runs on)."""
+    from vllm_ext.router import legs
+
+    assert legs.STOP_PREFIX == detokenize.STOP_PREFIX
+    register()
+    tok = tokenizer.backend_tokenizer
+    rng, checked = random.Random(random.randrange(1 << 30)), 0
+    while checked < CUTS // 8:
+        ids = tokenizer.encode("".join(rng.choice(ALPHABET) for _ in range(60)), add_special_tokens=False)
+        text = _emitted(tok, ids)
+        ends = [len(_emitted(tok, ids[:k])) for k in range(1, len(ids) + 1)]
+        n = rng.randrange(len(ids) // 3, len(ids) - 2)  # the stop string completes in the n-th token's text
+        if ends[n - 1] == ends[n - 2]:
+            continue
+        stop = text[max(0, ends[n - 1] - rng.randint(2, 8)):ends[n - 1]]
+        if text.find(stop) != ends[n - 1] - len(stop):
+            continue  # it occurs earlier: the unmoved request stops there
+        began = next(k for k in range(1, n + 1) if ends[k - 1] > ends[n - 1] - len(stop))
+        if began >= n:
+            continue  # in one token's text: nothing to straddle
+        cut = rng.randrange(began, n)  # the client has the stop string's first characters, not its last
+        prompt = tokenizer.encode("q", add_special_tokens=False)
+        sent = _emitted(tok, ids[:cut])
+        for per_step in (1, 3):
+            request = SimpleNamespace(request_id="r", prompt_token_ids=prompt + ids[:cut], prompt_embeds=None,
+                                      sampling_params=SamplingParams(
+                                          max_tokens=len(ids), skip_special_tokens=True, stop=[stop],
+                                          include_stop_str_in_output=True,
+                                          extra_args={legs.STOP_PREFIX: legs.stop_prefix({"stop": stop}, sent)}))
+            detok = IncrementalDetokenizer.from_new_request(tokenizer, request)
+            rest, found = ids[cut:], None
+            while rest and found is None:
+                found = detok.update(rest[:per_step], False)
+                rest = rest[per_step:]
+            assert found == stop, (stop, sent, per_step)
+            assert detok.output_token_ids == ids[cut:n], (stop, cut, n, per_step)
+            assert sent + detok.output_text == text[:ends[n - 1]]
+        checked += 1

@@ -12,17 +12,29 @@ with SmolLM2's tokenizer; every one moved the client's text).
 `install()` (run by the connector's `vllm.general_plugins` entry point in every vLLM process,
 the API server's too) primes such a stream on the prompt without its trailing incomplete
 tokens, then steps through them (they yield nothing): the step that completes the character
-returns exactly the text the source held back. Other prompts keep vLLM's own stream.
+returns exactly the text the source held back. Other prompts keep vLLM's own stream. vLLM's
+slow (Python) detokenizer, for tokenizers that are not `tokenizers`-backed, loses the same text
+(it compares the length of the text with and without the new token): it is primed as a stream
+that generated the prompt's last tokens would be (`slow_state`).
+
+A stop string may straddle a hand-off: it begins in the text the client already has and ends in
+the destination's. vLLM looks for stop strings in a request's own output text only, so the
+router sends a resumed leg the end of the client's text (`vllm_xargs`, key STOP_PREFIX: as many
+characters as the longest stop string has, less one) and the patched detokenizer looks for stop
+strings in that text followed by the leg's: the leg ends at the very token that completes one,
+as the unmoved request does (its token ids, usage, logprobs and finish), not at a later one.
 """
 
 import functools
 import logging
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
 WINDOW = 16  # tokens decoded before a point to tell whether the text there ends inside a character
 REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a character
+# vllm_xargs key of a resumed leg: the client's text before it, for stop strings that straddle
+STOP_PREFIX = "vllm_ext_stop_prefix"
 
 
 def held_back(tokenizer, prompt_ids: List[int], skip_special_tokens: bool) -> int:
@@ -62,35 +74,111 @@ def primed_stream(tokenizer, prompt_ids: List[int], skip_special_tokens: bool):
     return stream
 
 
+def slow_state(tokenizer, prompt_ids: List[int], skip_special_tokens: bool,
+               spaces_between_special_tokens: bool) -> Optional[Tuple[List[str], int, int]]:
+    """The state of vLLM's slow incremental detokenizer (tokens, prefix offset, read offset) after
+    a stream that generated the prompt's last tokens, or None where vLLM's own priming is that
+    (the prompt ends on a whole character). Replayed from WINDOW tokens before the held-back run:
+    the read offset stays where that run began, so the step that completes its character
+    returns exactly the text the source held back."""
+    from vllm.tokenizers.detokenizer_utils import convert_prompt_ids_to_tokens, detokenize_incrementally
+
+    held = held_back(tokenizer, prompt_ids, skip_special_tokens)
+    if not held:
+        return None
+    start = max(0, len(prompt_ids) - held - WINDOW)
+    tokens, prefix_offset, read_offset = convert_prompt_ids_to_tokens(tokenizer, list(prompt_ids[:start]),
+                                                                      skip_special_tokens=skip_special_tokens)
+    for end in range(start + 1, len(prompt_ids) + 1):
+        new_tokens, _, prefix_offset, read_offset = detokenize_incrementally(
+            tokenizer, list(prompt_ids[:end]), tokens, prefix_offset, read_offset,
+            skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens)
+        tokens.extend(new_tokens)
+    return tokens, prefix_offset, read_offset
+
+
+def stop_prefix(request) -> str:
+    """The text before a resumed leg (its vllm_xargs' STOP_PREFIX; "" when none)."""
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None)
+    value = extra.get(STOP_PREFIX) if isinstance(extra, dict) else None
+    return value if isinstance(value, str) else ""
+
+
+def _wrap_init(cls, prime) -> None:
+    """Runs `prime(detokenizer, request)` after `cls.__init__`; a failure logs and keeps vLLM's state."""
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        request = args[-1] if args else kwargs.get("request")
+        try:
+            prime(self, request)
+        except Exception:  # noqa: BLE001 - vLLM's own state stays; the text may repeat
+            logger.exception("vllm-ext: priming the detokenizer of request %s failed",
+                             getattr(request, "request_id", "?"))
+
+    cls.__init__ = __init__
+
+
+def _prime_fast(detok, request) -> None:
+    prompt_ids: Optional[List[int]] = getattr(request, "prompt_token_ids", None)
+    inner = getattr(detok, "tokenizer", None)
+    if prompt_ids and inner is not None and hasattr(detok, "stream"):
+        stream = primed_stream(inner, prompt_ids, bool(getattr(detok, "skip_special_tokens", True)))
+        if stream is not None:
+            detok.stream = stream
+
+
+def _prime_slow(detok, request) -> None:
+    prompt_ids: Optional[List[int]] = getattr(request, "prompt_token_ids", None)
+    if prompt_ids and hasattr(detok, "tokens") and hasattr(detok, "read_offset"):
+        state = slow_state(detok.tokenizer, prompt_ids, bool(detok.skip_special_tokens),
+                           bool(detok.spaces_between_special_tokens))
+        if state is not None:
+            detok.tokens, detok.prefix_offset, detok.read_offset = state
+
+
+def _take_stop_prefix(detok, request) -> None:
+    detok._vllm_ext_stop_prefix = stop_prefix(request) if getattr(detok, "stop", None) else ""
+
+
+def _wrap_update(cls) -> None:
+    """Stop strings are looked for in the leg's STOP_PREFIX followed by its output text (the
+    prefix is there only during the update)."""
+    original = cls.update
+
+    @functools.wraps(original)
+    def update(self, new_token_ids, stop_terminated):
+        before = getattr(self, "_vllm_ext_stop_prefix", "")
+        if not before:
+            return original(self, new_token_ids, stop_terminated)
+        self.output_text = before + self.output_text
+        try:
+            return original(self, new_token_ids, stop_terminated)
+        finally:
+            self.output_text = self.output_text[len(before):]
+
+    cls.update = update
+
+
 def install() -> bool:
-    """Primes vLLM's fast incremental detokenizer as above, once per process; False where this
-    vLLM has no such class (nothing is changed)."""
+    """Patches vLLM's incremental detokenizers as above, once per process; False where this
+    vLLM has no such classes (nothing is changed)."""
     try:
         from vllm.v1.engine import detokenizer
     except ImportError:
         return False
-    cls = getattr(detokenizer, "FastIncrementalDetokenizer", None)
-    if cls is None:
+    base = getattr(detokenizer, "BaseIncrementalDetokenizer", None)
+    fast = getattr(detokenizer, "FastIncrementalDetokenizer", None)
+    slow = getattr(detokenizer, "SlowIncrementalDetokenizer", None)
+    if base is None or fast is None or slow is None:
         return False
-    if getattr(cls, "_vllm_ext_primed", False):
+    if getattr(base, "_vllm_ext_primed", False):
         return True
-    original = cls.__init__
-
-    @functools.wraps(original)
-    def __init__(self, tokenizer, request, *args, **kwargs):
-        original(self, tokenizer, request, *args, **kwargs)
-        prompt_ids: Optional[List[int]] = getattr(request, "prompt_token_ids", None)
-        inner = getattr(self, "tokenizer", None)
-        if prompt_ids and inner is not None and hasattr(self, "stream"):
-            try:
-                stream = primed_stream(inner, prompt_ids, bool(getattr(self, "skip_special_tokens", True)))
-            except Exception:  # noqa: BLE001 - vLLM's own stream stays; the text may repeat
-                logger.exception("vllm-ext: priming the detokenizer of request %s failed",
-                                 getattr(request, "request_id", "?"))
-                stream = None
-            if stream is not None:
-                self.stream = stream
-
-    cls.__init__ = __init__
-    cls._vllm_ext_primed = True
+    _wrap_init(base, _take_stop_prefix)
+    _wrap_update(base)
+    _wrap_init(fast, _prime_fast)
+    _wrap_init(slow, _prime_slow)
+    base._vllm_ext_primed = True
     return True
