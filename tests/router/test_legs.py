@@ -1,6 +1,8 @@
 """What each leg of a request asks for, without I/O: which requests may move (and why not), the
 first leg's and a resumed leg's bodies, and the output limit every leg carries."""
 
+import random
+
 import pytest
 
 from vllm_ext.router import legs
@@ -133,3 +135,16 @@ def test_the_output_limit_is_the_first_legs_as_vllm_derives_it_and_a_resumed_leg
     assert leg["max_tokens"] == 296
     # never more than the model's length leaves (vLLM 0.26 refuses more)
     assert legs.resume_leg_body(chat, 300, [1, 2, 3, 4, 5], 4, None, max_model_len=100)["max_tokens"] == 95
+
+
+def test_a_resumed_leg_gets_the_end_of_the_clients_text_its_stop_strings_may_begin_in():
+    """vllm_xargs STOP_PREFIX: as many characters as the longest stop string has, less one (the
+    connector's detokenizer looks for stop strings across it); none without a stop string of
+    two characters or more, nor on a first leg."""
+    text = "".join(random.choice("ab中🙂 ") for _ in range(random.randrange(20, 40)))
+    for stop, want in (("xyz", text[-2:]), (["q", "", "abcdef"], text[-5:]), ("x", None), ([], None), (None, None)):
+        body = {"prompt": [1], "stop": stop}
+        leg = legs.resume_leg_body(body, 16, [1, 2], 1, None, text=text)
+        assert (leg.get("vllm_xargs") or {}).get(legs.STOP_PREFIX) == want, (stop, leg)
+        assert "vllm_xargs" not in legs.first_leg_body(body, {"migration_id": "cd" * 16})
+    assert legs.stop_prefix({"stop": "a" * 60}, "short") == "short"

@@ -189,7 +189,8 @@ class RouterDriver:
         routed = self.routed
         source, inst = routed.instance, self.fleet[destination]
         body = legs.resume_leg_body(routed.body, routed.limit.value(), routed.tokens(),
-                                       len(routed.client.token_ids), params, inst.max_model_len(routed.body))
+                                       len(routed.client.token_ids), params, inst.max_model_len(routed.body),
+                                       routed.client.text)
         checked = params is not None and "remote_lease" in params  # it loads KV, vouched for by the trace
         if checked:  # under the salt of the pre-copies' blocks (a recompute reads the prefix cache as any request)
             body["cache_salt"] = self.cache_salt

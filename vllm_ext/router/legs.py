@@ -6,7 +6,9 @@ Every migratable request is streamed from its backends (`return_token_ids`, usag
 the client asked: the router must know each token id it relayed (openai.py writes the client's
 own format). The router applies the client's stop strings (openai.py); every leg carries them
 too, with include_stop_str_in_output, so that its backend holds no text back (a switch would
-lose it) and ends the leg at the very token that completes one.
+lose it) and ends the leg at the very token that completes one. A resumed leg also gets the end
+of the client's text (vllm_xargs STOP_PREFIX): the connector's detokenizer looks for stop
+strings across it, so a stop string that straddles the hand-off ends the leg at its token too.
 """
 
 from typing import Any, Dict, List, Optional
@@ -27,6 +29,8 @@ FIRST_LEG_ONLY = ("model", "prompt", "messages", "stream", "stream_options", "ma
 # Fields the router applies itself (openai.py): each leg carries the values of stop_fields.
 ROUTERS_OWN = ("stop", "include_stop_str_in_output")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's default for /v1/completions
+# The vllm_xargs key of a resumed leg's text before it (connector/detokenize.py reads it).
+STOP_PREFIX = "vllm_ext_stop_prefix"
 
 
 def not_migratable(body: Dict[str, Any], chat: bool) -> Optional[str]:
@@ -139,8 +143,16 @@ def output_limit(body: Dict[str, Any], chat: bool, default_max_tokens: int = 0,
     return limit
 
 
+def stop_prefix(body: Dict[str, Any], text: str) -> str:
+    """The end of the client's `text` that a stop string of `body` may begin in and a resumed
+    leg complete: as many characters as the longest has, less one."""
+    longest = max((len(x) for x in stop_strings(body)), default=0)
+    return text[max(0, len(text) - longest + 1):] if longest > 1 else ""
+
+
 def resume_leg_body(body: Dict[str, Any], limit: Optional[int], token_ids: List[int], generated: int,
-                    params: Optional[Dict[str, Any]], max_model_len: Optional[int] = None) -> Dict[str, Any]:
+                    params: Optional[Dict[str, Any]], max_model_len: Optional[int] = None,
+                    text: str = "") -> Dict[str, Any]:
     """A /v1/completions body that continues the request from `token_ids` (prompt + the
     `generated` tokens the client got), under the output limit its first leg had (`limit`,
     output_limit; None: none).
@@ -149,7 +161,8 @@ def resume_leg_body(body: Dict[str, Any], limit: Optional[int], token_ids: List[
     after `token_ids`: vLLM refuses more (0.26; later releases clamp it). A request without a
     limit goes on up to the model's length: the leg asks for all of that (vLLM's
     /v1/completions reads a missing or null max_tokens as 16); with `max_model_len` unknown, for
-    len(token_ids) (the leg may then end "length" before the model's length)."""
+    len(token_ids) (the leg may then end "length" before the model's length). `text`: the
+    client's text so far, whose end (stop_prefix) the leg's stop strings are looked for across."""
     leg = {name: body[name] for name in CARRIED if name in body}
     leg.update(model=body.get("model"), prompt=list(token_ids), stream=True,
                stream_options={"include_usage": True}, return_token_ids=True, **stop_fields(body))
@@ -161,6 +174,9 @@ def resume_leg_body(body: Dict[str, Any], limit: Optional[int], token_ids: List[
         leg["max_tokens"] = max(room if room is not None else len(token_ids), min_left, 1)
     if body.get("min_tokens"):
         leg["min_tokens"] = min_left
+    before = stop_prefix(body, text)
+    if before:
+        leg["vllm_xargs"] = {STOP_PREFIX: before}
     if params is not None and seeded_random(body):
         params = dict(params, sampled_tokens=generated)  # the destination's stream skips their draws
     if params is not None:

@@ -352,7 +352,7 @@ class Relay:
             else:
                 url = inst.url + "/v1/completions"
                 body = legs.resume_leg_body(routed.body, routed.limit.value(), routed.tokens(), len(client.token_ids),
-                                            {"migration_id": routed.mid}, inst.max_model_len(routed.body))
+                                            {"migration_id": routed.mid}, inst.max_model_len(routed.body), client.text)
             try:
                 await self.open(routed, inst, url, body, first_token=not again)
                 if again:
