@@ -168,7 +168,8 @@ def test_a_final_lease_refused_because_the_request_ended_lets_its_stream_finish(
     src = FakeSource(list(range(3, 30)), fail={"ended"})
     drv = FakeDriver(src)
     rec = run(src, drv)
-    assert rec.outcome == live.Outcome.FINISHED and "ended on the source" in rec.reason
+    assert rec.outcome == live.Outcome.FINISHED and rec.reason == live.ENDED_IN_ENGINE
+    assert "engine" in rec.reason and "client gets the tokens still on their way" in rec.reason
     assert drv.stops == 0 and drv.resumed == [] and drv.loads == [] and src.ended == 1
 
 
@@ -184,6 +185,17 @@ def test_a_request_that_ended_first_finishes_where_it_was():
     drv = FakeDriver(src, running=False)
     rec = run(src, drv)
     assert rec.outcome == live.Outcome.FINISHED and drv.resumed == [] and src.ended == 1
+    assert rec.reason == live.ENDED_AT_ROUTER  # never an empty reason: the answer says why
+
+
+def test_a_request_that_ended_during_its_precopy_says_so():
+    for fail, stages, why in (({"ended"}, 3, live.ENDED_IN_ENGINE), (set(), 0, live.ENDED_AT_ROUTER)):
+        src = FakeSource(list(range(3, 30)), fail=fail)
+        drv = FakeDriver(src)
+        drv.done = not fail  # the router took its last token
+        rec = run(src, drv, max_stages=stages)
+        assert (rec.outcome, rec.reason) == (live.Outcome.FINISHED, why), (fail, stages, rec)
+        assert drv.stops == 0 and drv.resumed == [] and src.ended == 1
 
 
 def test_a_destination_that_does_not_resume_fails_the_migration():

@@ -45,6 +45,13 @@ logger = logging.getLogger(__name__)
 
 MAX_STAGES = 3  # pre-copy stages (Llumnix: 3)
 LAST_STAGE_MAX_BLOCKS = 2  # a pre-copy stage that would move at most this many new blocks is the final lease
+# Why a migration ends "finished". A request's engine runs ahead of what its client has: vLLM's
+# API server and the router relay the tokens behind it (on a busy CPU host for seconds), so a
+# move asked while the client still receives tokens may find the request already ended.
+ENDED_IN_ENGINE = ("it had ended on the source: its engine generated its last token before the move, and the "
+                   "client gets the tokens still on their way (vLLM's API server and the router relay them "
+                   "behind the engine)")
+ENDED_AT_ROUTER = "it had ended on the source: the router had its last token before the move's switch"
 
 
 def new_migration_id() -> str:
@@ -233,6 +240,8 @@ async def migrate(record: Record, source: LeaseClient, driver: Driver, *, max_st
         try:
             lease = await _call(source.precopy, mid)
         except ChannelError as e:
+            if isinstance(e, ChannelRefused) and e.kind == messages.RequestEnded.__name__:
+                return await _ends_early(record, source, Outcome.FINISHED, ENDED_IN_ENGINE)
             logger.info("migration %s: no pre-copy (%s)", mid[:8], e)
             break
         leased = time.perf_counter()
@@ -251,7 +260,7 @@ async def migrate(record: Record, source: LeaseClient, driver: Driver, *, max_st
             return await _ends_early(record, source, Outcome.STAYED, "a pre-copy to the destination failed")
         moved = lease.n
     if driver.finished():
-        return await _ends_early(record, source, Outcome.FINISHED)
+        return await _ends_early(record, source, Outcome.FINISHED, ENDED_AT_ROUTER)
 
     record.state = "switch"
     refused = await driver.refuse(record.destination)  # again: what the request showed meanwhile
@@ -265,13 +274,13 @@ async def migrate(record: Record, source: LeaseClient, driver: Driver, *, max_st
             record.final_lease_ms = _ms(time.perf_counter() - started)
         except ChannelRefused as e:
             if e.kind == messages.RequestEnded.__name__:  # its last tokens are on their way: let them come
-                return await _ends_early(record, source, Outcome.FINISHED, "it ended on the source")
+                return await _ends_early(record, source, Outcome.FINISHED, ENDED_IN_ENGINE)
             # the request has no complete block yet, or is preempted: recompute it
             record.reason = f"no final lease ({e}): recomputed"
         except ChannelError as e:
             return await _ends_early(record, source, Outcome.STAYED, f"no final lease: {e}")
     if not await driver.stop():
-        return await _ends_early(record, source, Outcome.FINISHED)
+        return await _ends_early(record, source, Outcome.FINISHED, ENDED_AT_ROUTER)
     record.stopped_at = time.monotonic()
     last = driver.last_token_at()
     record.source_quiet_ms = _ms(record.stopped_at - last) if last is not None else None
