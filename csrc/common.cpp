@@ -15,7 +15,7 @@ int fail(int status, const std::string& message) {
 }
 
 int check_copy_args(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
-                    int32_t num_layers, int32_t num_components, int64_t slice_nbytes) {
+                    int32_t num_layers, int32_t num_components, int64_t slice_nbytes, int64_t num_rows) {
   if (src == nullptr || dst == nullptr) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "src/dst is NULL");
   if (num_ids < 0 || num_layers < 0 || num_components < 1 || num_components > 2 || slice_nbytes < 0)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT,
@@ -29,18 +29,38 @@ int check_copy_args(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t 
     if (side->num_blocks < 0 || side->block_stride < 0 || side->component_stride < 0)
       return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "a side has a negative stride or block count");
   }
+  if (num_rows < 1 || slice_nbytes % num_rows != 0)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "num_rows " + std::to_string(num_rows) +
+                                                   " is not a positive divisor of slice_nbytes " +
+                                                   std::to_string(slice_nbytes));
+  const int64_t row_nbytes = slice_nbytes / num_rows;
+  for (const vllm_ext_side* side : {src, dst}) {
+    const char* name = side == src ? "src" : "dst";
+    if (side->slice_offset < 0)
+      return fail(VLLM_EXT_ERR_INVALID_ARGUMENT,
+                  std::string(name) + " slice_offset " + std::to_string(side->slice_offset) + " is negative");
+    // Rows of one slice must not share bytes: a copy into them would be undefined.
+    if (num_rows > 1 && side->row_stride != 0 && side->row_stride < row_nbytes)
+      return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, std::string(name) + " row_stride " +
+                                                     std::to_string(side->row_stride) + " is below a row's " +
+                                                     std::to_string(row_nbytes) + " bytes (num_rows " +
+                                                     std::to_string(num_rows) + ")");
+  }
   return VLLM_EXT_OK;
 }
 
 int check_digest_args(const vllm_ext_side* cache, const int64_t* ids, int64_t num_ids, int32_t num_layers,
-                      int32_t num_components, int64_t slice_nbytes) {
-  int status = check_copy_args(cache, cache, num_ids, num_layers, num_components, slice_nbytes);
+                      int32_t num_components, int64_t slice_nbytes, int64_t num_rows) {
+  int status = check_copy_args(cache, cache, num_ids, num_layers, num_components, slice_nbytes, num_rows);
   if (status != VLLM_EXT_OK) return status;
   if (cache->block_ids != nullptr)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "block digests: cache->block_ids must be NULL (ids go in `ids`)");
   if (slice_nbytes % 4 != 0)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "block digests: slice_nbytes " + std::to_string(slice_nbytes) +
                                                    " is not a multiple of 4 (the digest reads 32-bit words)");
+  if ((slice_nbytes / num_rows) % 4 != 0)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "block digests: rows of " + std::to_string(slice_nbytes / num_rows) +
+                                                   " bytes are not whole 32-bit words");
   if (num_ids > 0 && ids == nullptr) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "block digests: ids is NULL");
   for (int64_t i = 0; i < num_ids; ++i)
     if (ids[i] < 0 || ids[i] >= cache->num_blocks)

@@ -162,18 +162,36 @@ struct InlineIds {
 };
 
 // The copy kernel's parameters, in order (see copy_blocks_kernel).
-constexpr size_t kInlineParamBytes = 2 * sizeof(vllm_ext_side) + 2 * sizeof(int32_t) + 3 * sizeof(int64_t) +
+constexpr size_t kInlineParamBytes = 2 * sizeof(vllm_ext_side) + 2 * sizeof(int32_t) + 4 * sizeof(int64_t) +
                                      sizeof(InlineIds);
 static_assert(kInlineParamBytes <= 4096, "inline ids: kernel parameters over 4 KB (VLLM_EXT_MAX_INLINE_IDS)");
 static_assert(sizeof(vllm_ext_staging) == 112, "vllm_ext_staging: the layout vllm_ext/_lib.py mirrors");
+static_assert(sizeof(vllm_ext_side) == 72, "vllm_ext_side: the layout vllm_ext/_lib.py mirrors");
 
-template <int kVecBytes, int kUnroll, typename Ids>
+// Where vector v of a slice's moved bytes lies, in vectors from its first one: rows of
+// row_vecs vectors, `pitch` vectors apart. kRows false (whole slices, or adjacent rows): v.
+// The host keeps a slice under 2^32 vectors when kRows (a 32-bit division per access).
+template <bool kRows>
+__device__ __forceinline__ int64_t row_offset(int64_t v, uint32_t row_vecs, int64_t pitch) {
+  if constexpr (!kRows) {
+    return v;
+  } else {
+    const uint32_t r = static_cast<uint32_t>(v) / row_vecs;
+    return int64_t{r} * pitch + (static_cast<uint32_t>(v) - r * row_vecs);
+  }
+}
+
+// kRows: each slice moves as rows of row_vecs vectors (a head range), see row_offset.
+template <int kVecBytes, int kUnroll, bool kRows, typename Ids>
 __global__ void __launch_bounds__(kThreads, VLLM_EXT_MIN_CTAS_PER_SM)
     copy_blocks_kernel(const vllm_ext_side src, const vllm_ext_side dst, int32_t num_layers,
                        int32_t num_components, int64_t slice_vecs, int64_t tiles_per_slice,
-                       int64_t num_tiles, const __grid_constant__ Ids ids) {
+                       int64_t num_tiles, int64_t row_vecs, const __grid_constant__ Ids ids) {
   using Vec = typename VecOf<kVecBytes>::type;
   constexpr int64_t kTileVecs = int64_t{kThreads} * kUnroll;
+  const int64_t src_pitch = kRows ? vllm_ext::row_stride(src, row_vecs * kVecBytes) / kVecBytes : 0;
+  const int64_t dst_pitch = kRows ? vllm_ext::row_stride(dst, row_vecs * kVecBytes) / kVecBytes : 0;
+  const uint32_t rv = static_cast<uint32_t>(row_vecs);
   for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const int64_t slice = tile / tiles_per_slice;
     const int64_t tile_start = (tile - slice * tiles_per_slice) * kTileVecs;
@@ -185,23 +203,23 @@ __global__ void __launch_bounds__(kThreads, VLLM_EXT_MIN_CTAS_PER_SM)
     const int64_t d = ids.dst(dst, i);
     // Never touch memory outside the described blocks, whatever the ids say.
     if (s < 0 || s >= src.num_blocks || d < 0 || d >= dst.num_blocks) continue;
-    const Vec* from = reinterpret_cast<const Vec*>(slice_address(src, layer_base(src, l), s, c)) +
-                      tile_start + threadIdx.x;
-    Vec* to = reinterpret_cast<Vec*>(slice_address(dst, layer_base(dst, l), d, c)) + tile_start + threadIdx.x;
+    const Vec* from = reinterpret_cast<const Vec*>(slice_address(src, layer_base(src, l), s, c));
+    Vec* to = reinterpret_cast<Vec*>(slice_address(dst, layer_base(dst, l), d, c));
+    const int64_t first = tile_start + threadIdx.x;  // this thread's first vector of the slice
     Vec v[kUnroll];
     if (slice_vecs - tile_start >= kTileVecs) {  // a full tile: no per-access bounds checks
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = load_once(from + u * kThreads);
+      for (int u = 0; u < kUnroll; ++u) v[u] = load_once(from + row_offset<kRows>(first + u * kThreads, rv, src_pitch));
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) store_once(to + u * kThreads, v[u]);
+      for (int u = 0; u < kUnroll; ++u) store_once(to + row_offset<kRows>(first + u * kThreads, rv, dst_pitch), v[u]);
     } else {
-      const int64_t left = slice_vecs - tile_start - threadIdx.x;  // vectors from this thread on
+      const int64_t left = slice_vecs - first;  // vectors from this thread on
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
-        if (u * kThreads < left) v[u] = load_once(from + u * kThreads);
+        if (u * kThreads < left) v[u] = load_once(from + row_offset<kRows>(first + u * kThreads, rv, src_pitch));
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
-        if (u * kThreads < left) store_once(to + u * kThreads, v[u]);
+        if (u * kThreads < left) store_once(to + row_offset<kRows>(first + u * kThreads, rv, dst_pitch), v[u]);
     }
   }
 }
@@ -229,56 +247,90 @@ int64_t resident_ctas(int device) {
 // which would also report, and clear, an error some earlier call left pending).
 template <auto kKernel, typename Ids>
 int launch_tiles(vllm_ext_side src, vllm_ext_side dst, int32_t num_layers, int32_t num_components,
-                 int64_t slice_vecs, int64_t tiles_per_slice, int64_t num_tiles, int device, cudaStream_t stream,
-                 int32_t max_ctas, const Ids& ids) {
+                 int64_t slice_vecs, int64_t tiles_per_slice, int64_t num_tiles, int64_t row_vecs, int device,
+                 cudaStream_t stream, int32_t max_ctas, const Ids& ids) {
   int64_t grid = std::min<int64_t>(num_tiles, resident_ctas<kKernel>(device));
   if (max_ctas > 0) grid = std::min<int64_t>(grid, max_ctas);
   void* args[] = {&src,       &dst,        &num_layers, &num_components, &slice_vecs, &tiles_per_slice,
-                  &num_tiles, const_cast<Ids*>(&ids)};
+                  &num_tiles, &row_vecs,   const_cast<Ids*>(&ids)};
   VLLM_EXT_CUDA_TRY(cudaLaunchKernel(reinterpret_cast<const void*>(kKernel), dim3(static_cast<unsigned>(grid)),
                                      dim3(kThreads), args, 0, stream));
   return VLLM_EXT_OK;
 }
 
+// Rows that need the row walk: more than one, and not adjacent on both sides (adjacent rows are
+// one contiguous run, the whole-slice kernel's).
+bool walks_rows(const vllm_ext_side& src, const vllm_ext_side& dst, int64_t slice_nbytes, int64_t num_rows) {
+  const int64_t row_nbytes = slice_nbytes / num_rows;
+  return num_rows > 1 &&
+         (vllm_ext::row_stride(src, row_nbytes) != row_nbytes || vllm_ext::row_stride(dst, row_nbytes) != row_nbytes);
+}
+
 template <int kVecBytes, typename Ids>
 int launch(const vllm_ext_side& src, const vllm_ext_side& dst, int64_t num_ids, int32_t num_layers,
-           int32_t num_components, int64_t slice_nbytes, int device, cudaStream_t stream, int32_t max_ctas,
-           const Ids& ids) {
+           int32_t num_components, int64_t slice_nbytes, int64_t num_rows, int device, cudaStream_t stream,
+           int32_t max_ctas, const Ids& ids) {
   const int64_t slice_vecs = slice_nbytes / kVecBytes;
   const int64_t num_slices = num_ids * num_layers * num_components;
+  const bool rows = walks_rows(src, dst, slice_nbytes, num_rows);
+  const int64_t row_vecs = rows ? slice_vecs / num_rows : slice_vecs;
   // NOTE: small slices (a few hundred vectors) would leave most of a deep tile idle; they
   // get one vector per thread and more tiles instead.
   const bool deep = slice_vecs >= int64_t{kThreads} * kDeepUnroll;
   const int64_t tile_vecs = int64_t{kThreads} * (deep ? kDeepUnroll : 1);
   const int64_t tiles_per_slice = (slice_vecs + tile_vecs - 1) / tile_vecs;
   const int64_t num_tiles = num_slices * tiles_per_slice;
-  return deep ? launch_tiles<copy_blocks_kernel<kVecBytes, kDeepUnroll, Ids>>(
-                    src, dst, num_layers, num_components, slice_vecs, tiles_per_slice, num_tiles, device, stream,
-                    max_ctas, ids)
-              : launch_tiles<copy_blocks_kernel<kVecBytes, 1, Ids>>(src, dst, num_layers, num_components, slice_vecs,
-                                                                    tiles_per_slice, num_tiles, device, stream,
-                                                                    max_ctas, ids);
+  if (rows)
+    return deep ? launch_tiles<copy_blocks_kernel<kVecBytes, kDeepUnroll, true, Ids>>(
+                      src, dst, num_layers, num_components, slice_vecs, tiles_per_slice, num_tiles, row_vecs, device,
+                      stream, max_ctas, ids)
+                : launch_tiles<copy_blocks_kernel<kVecBytes, 1, true, Ids>>(
+                      src, dst, num_layers, num_components, slice_vecs, tiles_per_slice, num_tiles, row_vecs, device,
+                      stream, max_ctas, ids);
+  return deep ? launch_tiles<copy_blocks_kernel<kVecBytes, kDeepUnroll, false, Ids>>(
+                    src, dst, num_layers, num_components, slice_vecs, tiles_per_slice, num_tiles, row_vecs, device,
+                    stream, max_ctas, ids)
+              : launch_tiles<copy_blocks_kernel<kVecBytes, 1, false, Ids>>(
+                    src, dst, num_layers, num_components, slice_vecs, tiles_per_slice, num_tiles, row_vecs, device,
+                    stream, max_ctas, ids);
 }
 
 // One launch of the widest access `alignment` allows (the caller checked it).
 template <typename Ids>
 int launch_aligned(const vllm_ext_side& src, const vllm_ext_side& dst, int64_t num_ids, int32_t num_layers,
-                   int32_t num_components, int64_t slice_nbytes, int32_t alignment, int device, cudaStream_t s,
-                   int32_t max_ctas, const Ids& ids) {
+                   int32_t num_components, int64_t slice_nbytes, int64_t num_rows, int32_t alignment, int device,
+                   cudaStream_t s, int32_t max_ctas, const Ids& ids) {
   switch (std::min(alignment, 16)) {
-    case 16: return launch<16>(src, dst, num_ids, num_layers, num_components, slice_nbytes, device, s, max_ctas, ids);
-    case 8: return launch<8>(src, dst, num_ids, num_layers, num_components, slice_nbytes, device, s, max_ctas, ids);
-    case 4: return launch<4>(src, dst, num_ids, num_layers, num_components, slice_nbytes, device, s, max_ctas, ids);
-    case 2: return launch<2>(src, dst, num_ids, num_layers, num_components, slice_nbytes, device, s, max_ctas, ids);
-    default: return launch<1>(src, dst, num_ids, num_layers, num_components, slice_nbytes, device, s, max_ctas, ids);
+    case 16: return launch<16>(src, dst, num_ids, num_layers, num_components, slice_nbytes, num_rows, device, s, max_ctas, ids);
+    case 8: return launch<8>(src, dst, num_ids, num_layers, num_components, slice_nbytes, num_rows, device, s, max_ctas, ids);
+    case 4: return launch<4>(src, dst, num_ids, num_layers, num_components, slice_nbytes, num_rows, device, s, max_ctas, ids);
+    case 2: return launch<2>(src, dst, num_ids, num_layers, num_components, slice_nbytes, num_rows, device, s, max_ctas, ids);
+    default: return launch<1>(src, dst, num_ids, num_layers, num_components, slice_nbytes, num_rows, device, s, max_ctas, ids);
   }
 }
 
-int check_alignment(int32_t alignment, int64_t slice_nbytes) {
-  if (alignment <= 0 || (alignment & (alignment - 1)) != 0 || slice_nbytes % alignment != 0)
+// The access width must divide a row (slice_nbytes / num_rows; the caller checked num_rows
+// divides slice_nbytes), and the row walk indexes a slice's vectors in 32 bits.
+int check_alignment(int32_t alignment, int64_t slice_nbytes, int64_t num_rows = 1) {
+  const int64_t row_nbytes = num_rows > 0 ? slice_nbytes / num_rows : slice_nbytes;
+  if (alignment <= 0 || (alignment & (alignment - 1)) != 0 || row_nbytes % alignment != 0)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT,
-                "alignment " + std::to_string(alignment) + " is not a power of two dividing slice_nbytes " +
-                    std::to_string(slice_nbytes));
+                "alignment " + std::to_string(alignment) + " is not a power of two dividing a row's " +
+                    std::to_string(row_nbytes) + " bytes (slice_nbytes " + std::to_string(slice_nbytes) +
+                    ", num_rows " + std::to_string(num_rows) + ")");
+  if (num_rows > 1 && slice_nbytes / alignment > int64_t{UINT32_MAX})
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "slice_nbytes " + std::to_string(slice_nbytes) +
+                                                   " in rows: a slice of 2^32 vectors or more");
+  return VLLM_EXT_OK;
+}
+
+// The part of a slice a side names (slice_offset, row_stride) must sit on the access width.
+int check_part_alignment(const vllm_ext_side& side, const char* name, int32_t alignment) {
+  if (side.slice_offset % alignment != 0 || side.row_stride % alignment != 0)
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, std::string(name) + ": slice_offset " +
+                                                   std::to_string(side.slice_offset) + " or row_stride " +
+                                                   std::to_string(side.row_stride) + " is not a multiple of alignment " +
+                                                   std::to_string(alignment));
   return VLLM_EXT_OK;
 }
 
@@ -297,7 +349,8 @@ bool inline_id(int64_t id, int64_t num_blocks, int32_t* out) {
 // most kMaxInlineIds ids.
 int launch_inline(const vllm_ext_side& src, const vllm_ext_side& dst, const int64_t* src_ids,
                   const int64_t* dst_ids, int64_t num_ids, int32_t num_layers, int32_t num_components,
-                  int64_t slice_nbytes, int32_t alignment, int device, cudaStream_t stream, int32_t max_ctas) {
+                  int64_t slice_nbytes, int64_t num_rows, int32_t alignment, int device, cudaStream_t stream,
+                  int32_t max_ctas) {
   InlineIds ids;
   ids.has_src = src_ids != nullptr;
   ids.has_dst = dst_ids != nullptr;
@@ -314,8 +367,8 @@ int launch_inline(const vllm_ext_side& src, const vllm_ext_side& dst, const int6
       if (dst_ids) inline_id(dst_ids[first + i], dst.num_blocks, &ids.dst_ids[i]);
     }
     // A side without a list: the kernel's bound (num_blocks) still applies to first + i.
-    const int status =
-        launch_aligned(src, dst, n, num_layers, num_components, slice_nbytes, alignment, device, stream, max_ctas, ids);
+    const int status = launch_aligned(src, dst, n, num_layers, num_components, slice_nbytes, num_rows, alignment,
+                                      device, stream, max_ctas, ids);
     if (status != VLLM_EXT_OK) return status;
   }
   return VLLM_EXT_OK;
@@ -338,16 +391,20 @@ __device__ __forceinline__ uint64_t digest_terms(uint4 v, uint64_t raw) {
 // digest is the same whatever the grid. Ids were checked on the host.
 // NOTE: every thread of a CTA walks the same tiles, so the warp reduction below is reached by
 // all 32 lanes (threads past the end of a partial tile add 0).
-template <int kVecBytes, int kUnroll>
+// kRows: the slice's moved part is rows of row_vecs vectors (a head range), see row_offset;
+// a row's words follow the previous row's in the block row the digest is defined on.
+template <int kVecBytes, int kUnroll, bool kRows>
 __global__ void __launch_bounds__(kThreads, VLLM_EXT_MIN_CTAS_PER_SM)
     block_digests_kernel(const vllm_ext_side cache, int32_t num_layers, int32_t num_components, int64_t slice_vecs,
-                         int64_t tiles_per_slice, int64_t num_tiles, unsigned long long* out,
+                         int64_t tiles_per_slice, int64_t num_tiles, int64_t row_vecs, unsigned long long* out,
                          const __grid_constant__ InlineIds ids) {
   using Vec = typename VecOf<kVecBytes>::type;
   constexpr int kWords = kVecBytes / 4;
   constexpr int64_t kTileVecs = int64_t{kThreads} * kUnroll;
   constexpr uint64_t kUnrollStep = VLLM_EXT_DIGEST_STEP * kThreads * kWords;  // raw from vector u to u + 1
   const int64_t per_block = int64_t{num_layers} * num_components;
+  const int64_t pitch = kRows ? vllm_ext::row_stride(cache, row_vecs * kVecBytes) / kVecBytes : 0;
+  const uint32_t rv = static_cast<uint32_t>(row_vecs);
   for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const int64_t slice = tile / tiles_per_slice;
     const int64_t first_vec = (tile - slice * tiles_per_slice) * kTileVecs + threadIdx.x;
@@ -355,20 +412,20 @@ __global__ void __launch_bounds__(kThreads, VLLM_EXT_MIN_CTAS_PER_SM)
     const int64_t b = ids.src(cache, i);
     if (b < 0 || b >= cache.num_blocks) continue;  // never outside the cache (the whole CTA skips)
     const int32_t l = static_cast<int32_t>(k / num_components), c = static_cast<int32_t>(k % num_components);
-    const Vec* from = reinterpret_cast<const Vec*>(slice_address(cache, layer_base(cache, l), b, c)) + first_vec;
+    const Vec* from = reinterpret_cast<const Vec*>(slice_address(cache, layer_base(cache, l), b, c));
     const uint64_t raw = vllm_ext::digest_raw(static_cast<uint64_t>((k * slice_vecs + first_vec) * kWords));
     Vec v[kUnroll];
     uint64_t sum = 0;
     if (slice_vecs - (first_vec - threadIdx.x) >= kTileVecs) {  // a full tile: no per-access bounds checks
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = load_once(from + u * kThreads);
+      for (int u = 0; u < kUnroll; ++u) v[u] = load_once(from + row_offset<kRows>(first_vec + u * kThreads, rv, pitch));
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) sum += digest_terms(v[u], raw + u * kUnrollStep);
     } else {
       const int64_t left = slice_vecs - first_vec;  // vectors from this thread on
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
-        if (u * kThreads < left) v[u] = load_once(from + u * kThreads);
+        if (u * kThreads < left) v[u] = load_once(from + row_offset<kRows>(first_vec + u * kThreads, rv, pitch));
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
         if (u * kThreads < left) sum += digest_terms(v[u], raw + u * kUnrollStep);
@@ -379,24 +436,38 @@ __global__ void __launch_bounds__(kThreads, VLLM_EXT_MIN_CTAS_PER_SM)
   }
 }
 
-template <int kVecBytes>
-int launch_digests(const vllm_ext_side& cache, int64_t num_ids, int32_t num_layers, int32_t num_components,
-                   int64_t slice_nbytes, unsigned long long* out, int device, cudaStream_t stream, const InlineIds& ids) {
+template <int kVecBytes, bool kRows>
+int launch_digests_rows(const vllm_ext_side& cache, int64_t num_ids, int32_t num_layers, int32_t num_components,
+                        int64_t slice_nbytes, int64_t num_rows, unsigned long long* out, int device,
+                        cudaStream_t stream, const InlineIds& ids) {
   vllm_ext_side side = cache;
   int64_t slice_vecs = slice_nbytes / kVecBytes;
+  int64_t row_vecs = slice_vecs / num_rows;
   const bool deep = slice_vecs >= int64_t{kThreads} * kDeepUnroll;
   const int64_t tile_vecs = int64_t{kThreads} * (deep ? kDeepUnroll : 1);
   int64_t tiles_per_slice = (slice_vecs + tile_vecs - 1) / tile_vecs;
   int64_t num_tiles = num_ids * num_layers * num_components * tiles_per_slice;
-  const void* kernel = deep ? reinterpret_cast<const void*>(block_digests_kernel<kVecBytes, kDeepUnroll>)
-                            : reinterpret_cast<const void*>(block_digests_kernel<kVecBytes, 1>);
-  const int64_t resident = deep ? resident_ctas<block_digests_kernel<kVecBytes, kDeepUnroll>>(device)
-                                : resident_ctas<block_digests_kernel<kVecBytes, 1>>(device);
+  const void* kernel = deep ? reinterpret_cast<const void*>(block_digests_kernel<kVecBytes, kDeepUnroll, kRows>)
+                            : reinterpret_cast<const void*>(block_digests_kernel<kVecBytes, 1, kRows>);
+  const int64_t resident = deep ? resident_ctas<block_digests_kernel<kVecBytes, kDeepUnroll, kRows>>(device)
+                                : resident_ctas<block_digests_kernel<kVecBytes, 1, kRows>>(device);
   const int64_t grid = std::min<int64_t>(num_tiles, resident);
-  void* args[] = {&side, &num_layers, &num_components, &slice_vecs, &tiles_per_slice, &num_tiles, &out,
+  void* args[] = {&side, &num_layers, &num_components, &slice_vecs, &tiles_per_slice, &num_tiles, &row_vecs, &out,
                   const_cast<InlineIds*>(&ids)};
   VLLM_EXT_CUDA_TRY(cudaLaunchKernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), args, 0, stream));
   return VLLM_EXT_OK;
+}
+
+template <int kVecBytes>
+int launch_digests(const vllm_ext_side& cache, int64_t num_ids, int32_t num_layers, int32_t num_components,
+                   int64_t slice_nbytes, int64_t num_rows, unsigned long long* out, int device, cudaStream_t stream,
+                   const InlineIds& ids) {
+  const int64_t row_nbytes = slice_nbytes / num_rows;
+  if (num_rows > 1 && vllm_ext::row_stride(cache, row_nbytes) != row_nbytes)
+    return launch_digests_rows<kVecBytes, true>(cache, num_ids, num_layers, num_components, slice_nbytes, num_rows,
+                                                out, device, stream, ids);
+  return launch_digests_rows<kVecBytes, false>(cache, num_ids, num_layers, num_components, slice_nbytes, 1, out,
+                                               device, stream, ids);
 }
 
 using GetAddressRange = int (*)(unsigned long long* base, size_t* size, unsigned long long ptr);
@@ -410,33 +481,41 @@ GetAddressRange driver_get_address_range() {  // cuMemGetAddressRange, looked up
 
 extern "C" {
 
+// The checks every copy entry point makes before any CUDA call.
+int check_cuda_copy(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids, int32_t num_layers,
+                    int32_t num_components, int64_t slice_nbytes, int64_t num_rows, int32_t alignment) {
+  int status = vllm_ext::check_copy_args(src, dst, num_ids, num_layers, num_components, slice_nbytes, num_rows);
+  if (status == VLLM_EXT_OK) status = check_alignment(alignment, slice_nbytes, num_rows);
+  if (status == VLLM_EXT_OK) status = check_part_alignment(*src, "src", alignment);
+  if (status == VLLM_EXT_OK) status = check_part_alignment(*dst, "dst", alignment);
+  return status;
+}
+
 int vllm_ext_copy_blocks_cuda(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
                               int32_t num_layers, int32_t num_components, int64_t slice_nbytes,
-                              int32_t alignment, int32_t device, void* stream, int32_t max_ctas) {
-  int status = vllm_ext::check_copy_args(src, dst, num_ids, num_layers, num_components, slice_nbytes);
-  if (status == VLLM_EXT_OK) status = check_alignment(alignment, slice_nbytes);
+                              int64_t num_rows, int32_t alignment, int32_t device, void* stream, int32_t max_ctas) {
+  const int status = check_cuda_copy(src, dst, num_ids, num_layers, num_components, slice_nbytes, num_rows, alignment);
   if (status != VLLM_EXT_OK) return status;
   if (num_ids == 0 || num_layers == 0 || slice_nbytes == 0) return VLLM_EXT_OK;
   DeviceGuard guard(device);
   if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
-  return launch_aligned(*src, *dst, num_ids, num_layers, num_components, slice_nbytes, alignment, device,
+  return launch_aligned(*src, *dst, num_ids, num_layers, num_components, slice_nbytes, num_rows, alignment, device,
                         static_cast<cudaStream_t>(stream), max_ctas, SideIds{});
 }
 
 int vllm_ext_copy_blocks_cuda_inline(const vllm_ext_side* src, const vllm_ext_side* dst, const int64_t* src_ids,
                                      const int64_t* dst_ids, int64_t num_ids, int32_t num_layers,
-                                     int32_t num_components, int64_t slice_nbytes, int32_t alignment, int32_t device,
-                                     void* stream, int32_t max_ctas) {
-  int status = vllm_ext::check_copy_args(src, dst, num_ids, num_layers, num_components, slice_nbytes);
-  if (status == VLLM_EXT_OK) status = check_alignment(alignment, slice_nbytes);
+                                     int32_t num_components, int64_t slice_nbytes, int64_t num_rows,
+                                     int32_t alignment, int32_t device, void* stream, int32_t max_ctas) {
+  const int status = check_cuda_copy(src, dst, num_ids, num_layers, num_components, slice_nbytes, num_rows, alignment);
   if (status != VLLM_EXT_OK) return status;
   if (src->block_ids != nullptr || dst->block_ids != nullptr)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "the sides' block_ids must be NULL (ids go in src_ids/dst_ids)");
   if (num_ids == 0 || num_layers == 0 || slice_nbytes == 0) return VLLM_EXT_OK;
   DeviceGuard guard(device);
   if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
-  return launch_inline(*src, *dst, src_ids, dst_ids, num_ids, num_layers, num_components, slice_nbytes, alignment,
-                       device, static_cast<cudaStream_t>(stream), max_ctas);
+  return launch_inline(*src, *dst, src_ids, dst_ids, num_ids, num_layers, num_components, slice_nbytes, num_rows,
+                       alignment, device, static_cast<cudaStream_t>(stream), max_ctas);
 }
 
 int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging* lanes, int32_t num_lanes,
@@ -476,7 +555,7 @@ int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging*
   for (int32_t i = 0; i < num_lanes && status == VLLM_EXT_OK; ++i) {
     for (int slot = 0; slot < 2 && status == VLLM_EXT_OK; ++slot) {
       vllm_ext_side probe = {nullptr, lanes[i].slots[slot], 0, 0, 0, slot_blocks, nullptr};
-      status = vllm_ext::check_copy_args(cache, &probe, 0, num_layers, num_components, slice_nbytes);
+      status = vllm_ext::check_copy_args(cache, &probe, 0, num_layers, num_components, slice_nbytes, 1);
     }
   }
   if (status != VLLM_EXT_OK) return status;
@@ -525,7 +604,7 @@ int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging*
     auto copy = stream_of(g.lane->copy_stream);
     VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(copy, event_of(g.lane->moved[g.slot]), 0));
     const int rc = launch_inline(g.rows, *cache, nullptr, ids + bounds[c], g.rows.num_blocks, num_layers,
-                                 num_components, slice_nbytes, alignment, device, copy, g.lane->max_ctas);
+                                 num_components, slice_nbytes, 1, alignment, device, copy, g.lane->max_ctas);
     if (rc != VLLM_EXT_OK) return rc;
     VLLM_EXT_CUDA_TRY(cudaEventRecord(event_of(g.lane->copied[g.slot]), copy));
     return VLLM_EXT_OK;
@@ -536,7 +615,7 @@ int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging*
     if (send) {
       if (g.lane_chunk >= 2) VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(copy, event_of(g.lane->moved[g.slot]), 0));
       status = launch_inline(*cache, g.rows, ids + bounds[c], nullptr, g.rows.num_blocks, num_layers, num_components,
-                             slice_nbytes, alignment, device, copy, g.lane->max_ctas);
+                             slice_nbytes, 1, alignment, device, copy, g.lane->max_ctas);
       if (status != VLLM_EXT_OK) return status;
       VLLM_EXT_CUDA_TRY(cudaEventRecord(event_of(g.lane->copied[g.slot]), copy));
       VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(comm, event_of(g.lane->copied[g.slot]), 0));
@@ -561,10 +640,11 @@ int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging*
 }
 
 int vllm_ext_block_digests_cuda(const vllm_ext_side* cache, const int64_t* ids, int64_t num_ids, int32_t num_layers,
-                                int32_t num_components, int64_t slice_nbytes, int32_t alignment, uint64_t* out,
-                                int32_t device, void* stream) {
-  int status = vllm_ext::check_digest_args(cache, ids, num_ids, num_layers, num_components, slice_nbytes);
-  if (status == VLLM_EXT_OK) status = check_alignment(alignment, slice_nbytes);
+                                int32_t num_components, int64_t slice_nbytes, int64_t num_rows, int32_t alignment,
+                                uint64_t* out, int32_t device, void* stream) {
+  int status = vllm_ext::check_digest_args(cache, ids, num_ids, num_layers, num_components, slice_nbytes, num_rows);
+  if (status == VLLM_EXT_OK) status = check_alignment(alignment, slice_nbytes, num_rows);
+  if (status == VLLM_EXT_OK) status = check_part_alignment(*cache, "cache", alignment);
   if (status != VLLM_EXT_OK) return status;
   if (alignment < 4) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "block digests: alignment " +
                                                                     std::to_string(alignment) + " is below 4");
@@ -588,9 +668,9 @@ int vllm_ext_block_digests_cuda(const vllm_ext_side* cache, const int64_t* ids, 
     chunk.first = first;
     for (int64_t i = 0; i < n; ++i) inline_id(ids[first + i], cache->num_blocks, &chunk.src_ids[i]);
     switch (std::min(alignment, 16)) {
-      case 16: status = launch_digests<16>(*cache, n, num_layers, num_components, slice_nbytes, sums + first, device, s, chunk); break;
-      case 8: status = launch_digests<8>(*cache, n, num_layers, num_components, slice_nbytes, sums + first, device, s, chunk); break;
-      default: status = launch_digests<4>(*cache, n, num_layers, num_components, slice_nbytes, sums + first, device, s, chunk); break;
+      case 16: status = launch_digests<16>(*cache, n, num_layers, num_components, slice_nbytes, num_rows, sums + first, device, s, chunk); break;
+      case 8: status = launch_digests<8>(*cache, n, num_layers, num_components, slice_nbytes, num_rows, sums + first, device, s, chunk); break;
+      default: status = launch_digests<4>(*cache, n, num_layers, num_components, slice_nbytes, num_rows, sums + first, device, s, chunk); break;
     }
     if (status != VLLM_EXT_OK) return status;
   }
@@ -600,7 +680,7 @@ int vllm_ext_block_digests_cuda(const vllm_ext_side* cache, const int64_t* ids, 
 int vllm_ext_copy_blocks_memcpy(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
                                 int32_t num_layers, int32_t num_components, int64_t slice_nbytes,
                                 int32_t device, void* stream) {
-  int status = vllm_ext::check_copy_args(src, dst, num_ids, num_layers, num_components, slice_nbytes);
+  int status = vllm_ext::check_copy_args(src, dst, num_ids, num_layers, num_components, slice_nbytes, 1);
   if (status != VLLM_EXT_OK) return status;
   DeviceGuard guard(device);
   if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
@@ -637,7 +717,7 @@ int vllm_ext_check_device(int32_t device, int32_t* major, int32_t* minor) {
   if (!guard.ok()) return cuda_fail(cudaGetLastError(), "cudaSetDevice");
   cudaFuncAttributes attr;
   // Loading the kernel is what fails on a GPU with neither machine code nor usable PTX.
-  VLLM_EXT_CUDA_TRY(cudaFuncGetAttributes(&attr, copy_blocks_kernel<16, kDeepUnroll, SideIds>));
+  VLLM_EXT_CUDA_TRY(cudaFuncGetAttributes(&attr, copy_blocks_kernel<16, kDeepUnroll, false, SideIds>));
   return VLLM_EXT_OK;
 }
 

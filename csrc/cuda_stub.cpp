@@ -10,9 +10,9 @@ int no_cuda() {
 
 extern "C" {
 int vllm_ext_copy_blocks_cuda(const vllm_ext_side*, const vllm_ext_side*, int64_t, int32_t,
-                              int32_t, int64_t, int32_t, int32_t, void*, int32_t) { return no_cuda(); }
+                              int32_t, int64_t, int64_t, int32_t, int32_t, void*, int32_t) { return no_cuda(); }
 int vllm_ext_copy_blocks_cuda_inline(const vllm_ext_side*, const vllm_ext_side*, const int64_t*, const int64_t*,
-                                     int64_t, int32_t, int32_t, int64_t, int32_t, int32_t, void*, int32_t) {
+                                     int64_t, int32_t, int32_t, int64_t, int64_t, int32_t, int32_t, void*, int32_t) {
   return no_cuda();
 }
 int vllm_ext_staged_transfer(const vllm_ext_side*, const vllm_ext_staging*, int32_t, const int64_t*, const int64_t*,
@@ -29,8 +29,8 @@ int vllm_ext_pull_server_wait(vllm_ext_pull_server*, int64_t, int32_t*, int32_t*
   return no_cuda();
 }
 int vllm_ext_pull_server_destroy(vllm_ext_pull_server*) { return no_cuda(); }
-int vllm_ext_block_digests_cuda(const vllm_ext_side*, const int64_t*, int64_t, int32_t, int32_t, int64_t, int32_t,
-                                uint64_t*, int32_t, void*) {
+int vllm_ext_block_digests_cuda(const vllm_ext_side*, const int64_t*, int64_t, int32_t, int32_t, int64_t, int64_t,
+                                int32_t, uint64_t*, int32_t, void*) {
   return no_cuda();
 }
 int vllm_ext_copy_blocks_memcpy(const vllm_ext_side*, const vllm_ext_side*, int64_t, int32_t, int32_t,

@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define VLLM_EXT_ABI_VERSION 8
+#define VLLM_EXT_ABI_VERSION 9
 
 /* The library is built with hidden visibility; only these functions are exported. */
 #if defined(__GNUC__)
@@ -41,14 +41,23 @@ typedef enum {
 } vllm_ext_status;
 
 /*
- * One side of a block copy. Chunk (layer l, component c) of block b starts at
- *   layer_base(l) + b * block_stride + c * component_stride
+ * One side of a block copy. Slice (layer l, component c) of block b starts at
+ *   layer_base(l) + b * block_stride + c * component_stride + slice_offset
  * where layer_base(l) = layer_ptrs[l] if layer_ptrs is non-null, else base + l * layer_stride.
  * A buffer of rows [n, num_layers * num_components * slice_nbytes] is the side
  *   {layer_ptrs = NULL, base = buf, layer_stride = C * slice, block_stride = L * C * slice,
- *    component_stride = slice, block_ids = NULL}.
+ *    component_stride = slice, block_ids = NULL, slice_offset = 0, row_stride = 0}.
  * Ids >= num_blocks or < 0 are skipped by every implementation: nothing outside the
  * described blocks is ever read or written (callers validate ids before calling).
+ *
+ * Part of each slice (a head range): the copies and digests take `num_rows`. The bytes that
+ * move of each slice are then num_rows rows of slice_nbytes / num_rows bytes, row r at
+ *   slice start (above, slice_offset included) + r * row_stride
+ * on each side (row_stride 0: the rows are adjacent, as in a buffer). KV heads
+ * [h, h + n) of a cache whose slices are [block_size, num_kv_heads, head_size] (NHD) are
+ * num_rows = block_size rows of n * head_bytes, slice_offset = h * head_bytes and
+ * row_stride = num_kv_heads * head_bytes; of an HND slice, one row at h * block_size *
+ * head_bytes. num_rows = 1 with slice_offset 0 moves whole slices (the fast path).
  */
 typedef struct {
   const uint64_t* layer_ptrs; /* [num_layers] base addresses; [device] for CUDA, [host] for CPU */
@@ -58,14 +67,17 @@ typedef struct {
   int64_t component_stride;   /* bytes between K and V of one block (0 when one component) */
   int64_t num_blocks;         /* blocks this side holds: the bound for block_ids */
   const int64_t* block_ids;   /* [num_ids]; [device] for CUDA, [host] for CPU; NULL = 0..n-1 */
+  int64_t slice_offset;       /* bytes from a slice's start to the first byte that moves (0: all) */
+  int64_t row_stride;         /* bytes between the rows of one slice (num_rows > 1); 0: adjacent */
 } vllm_ext_side;
 
 /*
  * Copies slice (l, c) of block src.block_ids[i] to slice (l, c) of block dst.block_ids[i] for
- * every i < num_ids, l < num_layers, c < num_components.
- * `alignment` is a power of two that divides slice_nbytes, every stride and every base
- * address of both sides (the caller knows the addresses); it selects the access width (16
- * bytes at most).
+ * every i < num_ids, l < num_layers, c < num_components: slice_nbytes bytes of each, in
+ * num_rows rows (>= 1, dividing slice_nbytes; see vllm_ext_side).
+ * `alignment` is a power of two that divides slice_nbytes / num_rows, every stride and offset
+ * and every base address of both sides (the caller knows the addresses); it selects the access
+ * width (16 bytes at most).
  */
 
 /* CUDA: one kernel launch on `device`, enqueued on `stream`; no allocation, no synchronisation,
@@ -74,7 +86,8 @@ typedef struct {
  * room on every SM. */
 VLLM_EXT_API int vllm_ext_copy_blocks_cuda(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
                               int32_t num_layers, int32_t num_components, int64_t slice_nbytes,
-                              int32_t alignment, int32_t device, void* stream, int32_t max_ctas);
+                              int64_t num_rows, int32_t alignment, int32_t device, void* stream,
+                              int32_t max_ctas);
 
 /* The same copy with the block ids given as [host] arrays, read during the call and carried
  * by the launch itself (kernel parameters): no upload, no device buffer, no event, so a small
@@ -85,7 +98,8 @@ VLLM_EXT_API int vllm_ext_copy_blocks_cuda(const vllm_ext_side* src, const vllm_
 VLLM_EXT_API int vllm_ext_copy_blocks_cuda_inline(const vllm_ext_side* src, const vllm_ext_side* dst,
                                      const int64_t* src_ids, const int64_t* dst_ids, int64_t num_ids,
                                      int32_t num_layers, int32_t num_components, int64_t slice_nbytes,
-                                     int32_t alignment, int32_t device, void* stream, int32_t max_ctas);
+                                     int64_t num_rows, int32_t alignment, int32_t device, void* stream,
+                                     int32_t max_ctas);
 
 /*
  * Staged transfer: the enqueue sequence of one side of a pipelined pull, in one call.
@@ -212,7 +226,7 @@ VLLM_EXT_API int vllm_ext_copy_blocks_memcpy(const vllm_ext_side* src, const vll
 /* CPU twin: the same copy with memcpy over [host] memory, split over num_threads threads. */
 VLLM_EXT_API int vllm_ext_copy_blocks_cpu(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
                              int32_t num_layers, int32_t num_components, int64_t slice_nbytes,
-                             int32_t num_threads);
+                             int64_t num_rows, int32_t num_threads);
 
 /*
  * Block digests: one 64-bit digest per block over every byte of it, so that a transfer can be
@@ -225,7 +239,10 @@ VLLM_EXT_API int vllm_ext_copy_blocks_cpu(const vllm_ext_side* src, const vllm_e
  * order, so every implementation (and any split of the work) gives the same value. Each byte
  * is read once. `cache` is a paged side (its block_ids NULL); ids are [host], num_ids of them,
  * each in [0, cache->num_blocks) (else VLLM_EXT_ERR_INVALID_ARGUMENT, nothing done);
- * slice_nbytes is a multiple of 4.
+ * slice_nbytes is a multiple of 4. With num_rows, slice_offset and row_stride selecting part of
+ * each slice (a head range, as for the copy), the digest is that of the block's row in a buffer
+ * of those parts: what a gather of the part writes, so a head range digests the same on a
+ * source and on a destination of other head counts. Rows are whole words (a multiple of 4).
  */
 #define VLLM_EXT_DIGEST_STEP 0x9E3779B97F4A7C15ull
 #define VLLM_EXT_DIGEST_SEED 0x243F6A8885A308D3ull
@@ -236,12 +253,13 @@ VLLM_EXT_API int vllm_ext_copy_blocks_cpu(const vllm_ext_side* src, const vllm_e
  * address; it selects the access width. */
 VLLM_EXT_API int vllm_ext_block_digests_cuda(const vllm_ext_side* cache, const int64_t* ids, int64_t num_ids,
                                 int32_t num_layers, int32_t num_components, int64_t slice_nbytes,
-                                int32_t alignment, uint64_t* out, int32_t device, void* stream);
+                                int64_t num_rows, int32_t alignment, uint64_t* out, int32_t device,
+                                void* stream);
 
 /* CPU twin: the same digests of [host] memory into `out` [host], over num_threads threads. */
 VLLM_EXT_API int vllm_ext_block_digests_cpu(const vllm_ext_side* cache, const int64_t* ids, int64_t num_ids,
                                int32_t num_layers, int32_t num_components, int64_t slice_nbytes,
-                               uint64_t* out, int32_t num_threads);
+                               int64_t num_rows, uint64_t* out, int32_t num_threads);
 
 /* Checks that the library holds code that runs on `device` (loading the kernel on it).
  * Returns VLLM_EXT_ERR_NO_KERNEL_IMAGE for a GPU arch the library was not built for.

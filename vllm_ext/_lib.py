@@ -15,7 +15,7 @@ _DIR = Path(__file__).resolve().parent
 # VLLM_EXT_LIBRARY loads another build of the library (tests use it for arch checks).
 LIBRARY_PATH = Path(os.environ.get("VLLM_EXT_LIBRARY") or _DIR / "libvllm_ext.so")
 BUILD_INFO_PATH = _DIR / "_build_info.json"
-ABI_VERSION = 8
+ABI_VERSION = 9
 IPC_HANDLE_BYTES = 64
 
 # vllm_ext_status
@@ -23,7 +23,8 @@ OK, ERR_INVALID_ARGUMENT, ERR_NO_CUDA, ERR_CUDA, ERR_NO_KERNEL_IMAGE, ERR_TRANSF
 
 
 class Side(ctypes.Structure):
-    """vllm_ext_side: one side of a block copy (see csrc/vllm_ext.h)."""
+    """vllm_ext_side: one side of a block copy (see csrc/vllm_ext.h). slice_offset and row_stride
+    (0 unless given) place a part of each slice (a head range) that moves in num_rows rows."""
 
     _fields_ = [
         ("layer_ptrs", ctypes.c_void_p),
@@ -33,6 +34,8 @@ class Side(ctypes.Structure):
         ("component_stride", ctypes.c_int64),
         ("num_blocks", ctypes.c_int64),
         ("block_ids", ctypes.c_void_p),
+        ("slice_offset", ctypes.c_int64),
+        ("row_stride", ctypes.c_int64),
     ]
 
 
@@ -75,15 +78,15 @@ _handle = ctypes.c_uint8 * IPC_HANDLE_BYTES
 # name: (restype, argtypes). The C prototype of each row is in csrc/vllm_ext.h.
 _FUNCTIONS = {
     # int vllm_ext_copy_blocks_cuda(const side* src, const side* dst, int64 num_ids,
-    #     int32 num_layers, int32 num_components, int64 slice_nbytes, int32 alignment,
-    #     int32 device, void* stream, int32 max_ctas)
-    "vllm_ext_copy_blocks_cuda": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i32, _i32, _ptr, _i32]),
+    #     int32 num_layers, int32 num_components, int64 slice_nbytes, int64 num_rows,
+    #     int32 alignment, int32 device, void* stream, int32 max_ctas)
+    "vllm_ext_copy_blocks_cuda": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i64, _i32, _i32, _ptr, _i32]),
     # int vllm_ext_copy_blocks_cuda_inline(const side* src, const side* dst,
     #     const int64* src_ids, const int64* dst_ids, int64 num_ids, int32 num_layers,
-    #     int32 num_components, int64 slice_nbytes, int32 alignment, int32 device, void* stream,
-    #     int32 max_ctas)
-    "vllm_ext_copy_blocks_cuda_inline": (_i32, [_side_p, _side_p, _ptr, _ptr, _i64, _i32, _i32, _i64, _i32,
-                                                _i32, _ptr, _i32]),
+    #     int32 num_components, int64 slice_nbytes, int64 num_rows, int32 alignment, int32 device,
+    #     void* stream, int32 max_ctas)
+    "vllm_ext_copy_blocks_cuda_inline": (_i32, [_side_p, _side_p, _ptr, _ptr, _i64, _i32, _i32, _i64, _i64,
+                                                _i32, _i32, _ptr, _i32]),
     # int vllm_ext_staged_transfer(const side* cache, const staging* lanes, int32 num_lanes,
     #     const int64* ids, const int64* bounds, int32 first_chunk, int32 num_chunks,
     #     int32 num_layers, int32 num_components, int64 slice_nbytes, int32 alignment,
@@ -110,15 +113,17 @@ _FUNCTIONS = {
     #     int32 num_layers, int32 num_components, int64 slice_nbytes, int32 device, void* stream)
     "vllm_ext_copy_blocks_memcpy": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i32, _ptr]),
     # int vllm_ext_copy_blocks_cpu(const side* src, const side* dst, int64 num_ids,
-    #     int32 num_layers, int32 num_components, int64 slice_nbytes, int32 num_threads)
-    "vllm_ext_copy_blocks_cpu": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i32]),
+    #     int32 num_layers, int32 num_components, int64 slice_nbytes, int64 num_rows,
+    #     int32 num_threads)
+    "vllm_ext_copy_blocks_cpu": (_i32, [_side_p, _side_p, _i64, _i32, _i32, _i64, _i64, _i32]),
     # int vllm_ext_block_digests_cuda(const side* cache, const int64* ids, int64 num_ids,
-    #     int32 num_layers, int32 num_components, int64 slice_nbytes, int32 alignment,
-    #     uint64* out, int32 device, void* stream)
-    "vllm_ext_block_digests_cuda": (_i32, [_side_p, _ptr, _i64, _i32, _i32, _i64, _i32, _ptr, _i32, _ptr]),
+    #     int32 num_layers, int32 num_components, int64 slice_nbytes, int64 num_rows,
+    #     int32 alignment, uint64* out, int32 device, void* stream)
+    "vllm_ext_block_digests_cuda": (_i32, [_side_p, _ptr, _i64, _i32, _i32, _i64, _i64, _i32, _ptr, _i32, _ptr]),
     # int vllm_ext_block_digests_cpu(const side* cache, const int64* ids, int64 num_ids,
-    #     int32 num_layers, int32 num_components, int64 slice_nbytes, uint64* out, int32 num_threads)
-    "vllm_ext_block_digests_cpu": (_i32, [_side_p, _ptr, _i64, _i32, _i32, _i64, _ptr, _i32]),
+    #     int32 num_layers, int32 num_components, int64 slice_nbytes, int64 num_rows, uint64* out,
+    #     int32 num_threads)
+    "vllm_ext_block_digests_cpu": (_i32, [_side_p, _ptr, _i64, _i32, _i32, _i64, _i64, _ptr, _i32]),
     # int vllm_ext_check_device(int32 device, int32* major, int32* minor)
     "vllm_ext_check_device": (_i32, [_i32, _i32_p, _i32_p]),
     # int vllm_ext_stream_is_capturing(void* stream, int32* capturing)
@@ -285,19 +290,21 @@ def ipc_close(base, device):
 
 
 def copy_blocks_cuda(src, dst, num_ids, num_layers, num_components, slice_nbytes, alignment, device,
-                     stream, max_ctas=0):
+                     stream, max_ctas=0, num_rows=1):
+    """num_rows > 1: each slice's slice_nbytes move as that many rows (a head range; the sides'
+    slice_offset and row_stride place them)."""
     check(lib().vllm_ext_copy_blocks_cuda(ctypes.byref(src), ctypes.byref(dst), num_ids, num_layers,
-                                          num_components, slice_nbytes, alignment, device, stream,
+                                          num_components, slice_nbytes, num_rows, alignment, device, stream,
                                           max_ctas),
           "vllm_ext_copy_blocks_cuda")
 
 
 def copy_blocks_cuda_inline(src, dst, src_ids, dst_ids, num_ids, num_layers, num_components, slice_nbytes,
-                            alignment, device, stream, max_ctas=0):
+                            alignment, device, stream, max_ctas=0, num_rows=1):
     """src_ids / dst_ids: addresses of [host] int64 arrays of num_ids ids, or None (rows 0..)."""
     check(lib().vllm_ext_copy_blocks_cuda_inline(ctypes.byref(src), ctypes.byref(dst), src_ids, dst_ids, num_ids,
-                                                 num_layers, num_components, slice_nbytes, alignment, device,
-                                                 stream, max_ctas),
+                                                 num_layers, num_components, slice_nbytes, num_rows, alignment,
+                                                 device, stream, max_ctas),
           "vllm_ext_copy_blocks_cuda_inline")
 
 
@@ -380,22 +387,22 @@ def copy_blocks_memcpy(src, dst, num_ids, num_layers, num_components, slice_nbyt
           "vllm_ext_copy_blocks_memcpy")
 
 
-def copy_blocks_cpu(src, dst, num_ids, num_layers, num_components, slice_nbytes, num_threads):
+def copy_blocks_cpu(src, dst, num_ids, num_layers, num_components, slice_nbytes, num_threads, num_rows=1):
     check(lib().vllm_ext_copy_blocks_cpu(ctypes.byref(src), ctypes.byref(dst), num_ids, num_layers,
-                                         num_components, slice_nbytes, num_threads),
+                                         num_components, slice_nbytes, num_rows, num_threads),
           "vllm_ext_copy_blocks_cpu")
 
 
 def block_digests_cuda(cache, ids, num_ids, num_layers, num_components, slice_nbytes, alignment, out, device,
-                       stream):
+                       stream, num_rows=1):
     """ids: address of a [host] int64 array; out: address of num_ids uint64 on the device."""
     check(lib().vllm_ext_block_digests_cuda(ctypes.byref(cache), ids, num_ids, num_layers, num_components,
-                                            slice_nbytes, alignment, out, device, stream),
+                                            slice_nbytes, num_rows, alignment, out, device, stream),
           "vllm_ext_block_digests_cuda")
 
 
-def block_digests_cpu(cache, ids, num_ids, num_layers, num_components, slice_nbytes, out, num_threads):
+def block_digests_cpu(cache, ids, num_ids, num_layers, num_components, slice_nbytes, out, num_threads, num_rows=1):
     """ids: address of a [host] int64 array; out: address of num_ids uint64 in host memory."""
     check(lib().vllm_ext_block_digests_cpu(ctypes.byref(cache), ids, num_ids, num_layers, num_components,
-                                           slice_nbytes, out, num_threads),
+                                           slice_nbytes, num_rows, out, num_threads),
           "vllm_ext_block_digests_cpu")

@@ -14,6 +14,13 @@ dimensions inside a block half must be dense, in this order. `blocks` is vLLM's 
 (0.32: `[B, H, N, C]` of one allocation in any of its LB**/BL** physical orders; 0.26: the
 FlashAttention tensor `[B, H, N, 2 * head_size]`): its dimensions after the first may be dense
 in any order, and the whole block of a layer, as it lies in memory, is the one slice.
+
+Head ranges (`KVCache.head_part`): the ops can move KV heads [first, first + count) of each
+block instead of all of them (tensor parallelism of unequal sizes). Within a slice the heads
+lie in `rows` runs of num_kv_heads heads (`head_nbytes` bytes each): block_size runs for the
+token-major layouts (flash, flashinfer, a `blocks` view in N-before-H order), one for a
+heads-major `blocks` view (H before N). A head range is then `rows` runs of count heads; `mla`
+has no KV heads (one latent per token) and refuses them.
 """
 
 import dataclasses
@@ -53,6 +60,32 @@ def _dtype_from_name(name):
 
 
 @dataclasses.dataclass(frozen=True)
+class HeadPart:
+    """Where KV heads [first, first + count) lie in each slice of a cache: `num_rows` runs of
+    `row_nbytes` bytes, the first `offset` bytes from the slice's start, `row_stride` bytes apart
+    (see the module docstring). `slice_nbytes` is what moves of each slice, and a buffer row of
+    the head range holds num_layers x num_components of them (the heads in the cache's order:
+    for flash, [block_size, count, head_size] per slice)."""
+
+    first: int
+    count: int
+    num_rows: int
+    row_nbytes: int
+    offset: int
+    row_stride: int
+    head_nbytes: int  # bytes of one head in one run
+
+    @property
+    def slice_nbytes(self) -> int:
+        return self.num_rows * self.row_nbytes
+
+    @property
+    def adjacent(self) -> bool:
+        """The runs touch (every head of the cache, or one run): one contiguous range."""
+        return self.num_rows == 1 or self.row_stride == self.row_nbytes
+
+
+@dataclasses.dataclass(frozen=True)
 class IpcCacheHandle:
     """What a peer process needs to map a CUDA KVCache (picklable, a few hundred bytes + 64 per
     allocation). Made by KVCache.export_ipc(), used by KVCache.import_ipc()."""
@@ -80,7 +113,7 @@ class KVCache:
 
     def __init__(self, *, layout, num_layers, num_blocks, block_size, num_kv_heads, head_size,
                  dtype, device, layer_addresses, block_stride, component_stride, layers=None,
-                 pinned=False, ipc_mappings=None):
+                 pinned=False, ipc_mappings=None, head_stride=None):
         self.layout = layout
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -99,6 +132,12 @@ class KVCache:
         self.layer_addresses = tuple(int(a) for a in layer_addresses)
         self.alignment = _pow2_alignment(
             [*self.layer_addresses, block_stride, component_stride, self.slice_nbytes])
+        # Bytes from one KV head to the next inside a slice (None: unknown, or no heads (mla)).
+        if layout in ("flash", "flashinfer"):
+            head_stride = head_size * dtype.itemsize
+        elif num_kv_heads == 1 and layout == "blocks":
+            head_stride = self.slice_nbytes
+        self.head_stride = None if layout == "mla" else head_stride
         self._ipc_mappings = ipc_mappings  # [(base, device)] for an imported cache
         self._tables = {}
         self._extents = None  # the layers' byte ranges, computed on first use (never change)
@@ -151,6 +190,7 @@ class KVCache:
             layer_addresses=[t.data_ptr() for t in layers], block_stride=block_stride,
             component_stride=component_stride, layers=list(layers),
             pinned=_all_pinned(layers),
+            head_stride=first.stride(1) * item if layout == "blocks" else None,
         )
         _check_no_overlap(cache)
         return cache
@@ -190,6 +230,43 @@ class KVCache:
             "dtype": _dtype_name(self.dtype),
             "slice_nbytes": self.slice_nbytes,
         }
+
+    def head_part(self, heads, name: str = "heads") -> HeadPart:
+        """Where KV heads [first, first + count) lie in each slice, for `heads = (first, count)`
+        (None: every head). Raises ValueError or TypeError naming `name` for a range outside the
+        cache's num_kv_heads, a count below 1, an `mla` cache (no KV heads), or an imported
+        `blocks` cache of several heads (its handle does not say where they lie)."""
+        given = heads
+        if heads is None:
+            heads = (0, self.num_kv_heads)
+        if (not isinstance(heads, (tuple, list)) or len(heads) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in heads)):
+            raise TypeError(f"{name}: expected (first, count), two ints, got {heads!r}")
+        first, count = heads
+        if self.layout == "mla":
+            what = "every head" if given is None else f"{tuple(heads)}"
+            raise ValueError(f"{name}: a head range ({what}) of an 'mla' cache; it holds one latent per "
+                             "token, replicated across TP ranks, and has no KV heads to split")
+        if self.head_stride is None:
+            raise ValueError(f"{name}: {tuple(heads)} given for an imported '{self.layout}' cache of "
+                             f"{self.num_kv_heads} KV heads whose handle does not say where its heads lie; "
+                             "move whole blocks")
+        if count < 1:
+            raise ValueError(f"{name}: count {count} in {tuple(heads)}; a head range holds at least one head")
+        if first < 0 or first + count > self.num_kv_heads:
+            raise ValueError(f"{name}: heads [{first}, {first + count}) of {tuple(heads)} are outside the "
+                             f"cache's {self.num_kv_heads} KV heads [0, {self.num_kv_heads})")
+        run = self.num_kv_heads * self.head_stride
+        return HeadPart(first=first, count=count, num_rows=self.slice_nbytes // run,
+                        row_nbytes=count * self.head_stride, offset=first * self.head_stride,
+                        row_stride=run, head_nbytes=self.head_stride)
+
+    def buffer_row_nbytes(self, heads=None) -> int:
+        """Bytes of one buffer row (one block) of gather_blocks / scatter_blocks with `heads`
+        (first, count); None: every head, `block_nbytes`."""
+        if heads is None:
+            return self.block_nbytes
+        return self.num_layers * self.num_components * self.head_part(heads).slice_nbytes
 
     def __repr__(self):
         return (f"KVCache(layout={self.layout!r}, num_layers={self.num_layers}, "

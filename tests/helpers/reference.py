@@ -126,3 +126,83 @@ def ref_block_digests(cache: KVCache, ids) -> list:
         weights = (p * np.uint64(DIGEST_STEP) + np.uint64(DIGEST_SEED)) | np.uint64(1)
         out.append(int((words * weights).sum(dtype=np.uint64).astype(np.int64)))
     return out
+
+
+# ---- head ranges (ops with heads=(first, count)) --------------------------------------------------
+# Layouts whose KV heads can be split, as test ids: vLLM's `blocks` view in both physical
+# orders (heads-major HND, token-major NHD) beside flash and flashinfer.
+HEAD_LAYOUTS = ("flash", "flashinfer", "blocks_hnd", "blocks_nhd")
+
+
+def head_cache_layout(kind: str) -> str:
+    return "blocks" if kind.startswith("blocks") else kind
+
+
+def random_head_geometry(rng: random.Random, max_blocks: int = 12) -> dict:
+    return {
+        "num_layers": rng.randint(1, 3),
+        "num_blocks": rng.randint(1, max_blocks),
+        "block_size": rng.choice(BLOCK_SIZES),
+        "num_kv_heads": rng.randint(1, 6),
+        "head_size": rng.choice(HEAD_SIZES),
+    }
+
+
+def random_head_cache(geometry: dict, dtype, kind: str, device="cpu", seed=0) -> KVCache:
+    """A cache of one of HEAD_LAYOUTS, random bytes everywhere. blocks_nhd is a [B, H, N, C] view
+    of [B, N, H, C] memory, as vLLM's NHD backends hand it over."""
+    if kind in ("flash", "flashinfer", "blocks_hnd"):
+        return random_cache(geometry, dtype, head_cache_layout(kind), device=device, seed=seed)
+    assert kind == "blocks_nhd", kind
+    g = torch.Generator().manual_seed(seed)
+    shape = (geometry["num_blocks"], geometry["block_size"], geometry["num_kv_heads"], geometry["head_size"])
+    layers = [fill_random_(torch.empty(shape, dtype=dtype), g).to(device).transpose(1, 2)
+              for _ in range(geometry["num_layers"])]
+    return KVCache.from_layers(layers, layout="blocks")
+
+
+def head_view(layer: torch.Tensor, layout: str, block: int, component: int, first: int, count: int):
+    """Heads [first, first + count) of one slice, as a view with its dims in memory order (so
+    .contiguous() gives the bytes a head-range row holds, in the cache's own order)."""
+    v = chunk_view(layer, layout, block, component)
+    if layout in ("flash", "flashinfer"):  # [block_size, heads, head_size]
+        return v[:, first:first + count]
+    assert layout == "blocks", layout  # [heads, block_size, C], any dense order in memory
+    order = sorted(range(3), key=lambda d: -v.stride(d))
+    v = v.permute(order)
+    return v.narrow(order.index(0), first, count)
+
+
+def ref_gather_heads(cache: KVCache, ids, first: int, count: int) -> torch.Tensor:
+    rows = []
+    for b in ids:
+        parts = [head_view(t, cache.layout, int(b), c, first, count).contiguous().view(torch.uint8).flatten().cpu()
+                 for t in cache.layers for c in range(cache.num_components)]
+        rows.append(torch.cat(parts))
+    if not rows:
+        return torch.empty((0, cache.buffer_row_nbytes((first, count))), dtype=torch.uint8)
+    return torch.stack(rows)
+
+
+def ref_scatter_heads(buf: torch.Tensor, cache: KVCache, ids, first: int, count: int) -> None:
+    for i, b in enumerate(ids):
+        row, k = buf[i].cpu(), 0
+        for t in cache.layers:
+            for c in range(cache.num_components):
+                view = head_view(t, cache.layout, int(b), c, first, count)
+                n = view.numel() * t.element_size()
+                view.copy_(row[k:k + n].view(t.dtype).view(view.shape).to(view.device))
+                k += n
+
+
+def ref_head_digests(cache: KVCache, ids, first: int, count: int) -> list:
+    """The digest definition (ref_block_digests) over ref_gather_heads's rows."""
+    import numpy as np
+
+    out = []
+    for row in ref_gather_heads(cache, ids, first, count).numpy():
+        words = row.view("<u4").astype(np.uint64)
+        p = np.arange(words.size, dtype=np.uint64)
+        weights = (p * np.uint64(DIGEST_STEP) + np.uint64(DIGEST_SEED)) | np.uint64(1)
+        out.append(int((words * weights).sum(dtype=np.uint64).astype(np.int64)))
+    return out
