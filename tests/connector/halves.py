@@ -64,12 +64,14 @@ STATIC = {"vllm": "0.32", "attn_backend": ["CPU_ATTN"], "kv_cache_layout": "LBHN
           "block_size": BLOCK_SIZE, "num_kv_heads": 2, "head_size": 8}
 
 
-def make_worker(kv_caches, producer, static=STATIC, pull_timeout_s=10.0, allowed=(), connect_to=()):
-    """`allowed`: the producers (schedulers, or "host:port") a consumer may dial."""
+def make_worker(kv_caches, producer, static=STATIC, pull_timeout_s=10.0, allowed=(), connect_to=(), tp_rank=0,
+                tp_size=1):
+    """`allowed`: the producers (schedulers, or "host:port") a consumer may dial; `tp_rank` of
+    `tp_size`: the worker's tensor-parallel rank (`kv_caches` are its shard)."""
     allowed = [a if isinstance(a, str) else "{}:{}".format(*a.lease_address) for a in allowed]
     w = WorkerHalf(is_producer=producer, is_consumer=not producer, backend="gloo", endpoint_host="127.0.0.1",
                    endpoint_options={}, secret=SECRET, pull_timeout_s=pull_timeout_s, static_fields=dict(static),
-                   connect_to=list(connect_to), allowed_producers=allowed)
+                   connect_to=list(connect_to), allowed_producers=allowed, tp_rank=tp_rank, tp_size=tp_size)
     w.register_kv_caches(kv_caches)
     return w
 

@@ -60,7 +60,11 @@ def test_duplicate_and_unknown_leases_are_refused(producer):
     assert re.search("lease.acquire: unexpected steal",
                      refusal(sched, Raw("lease.acquire", lease=other["remote_lease"], hold_s=5,
                                         num_tokens=other["remote_num_tokens"],
-                                        prompt_hash=other["remote_prompt_hash"], steal=1)))
+                                        prompt_hash=other["remote_prompt_hash"], rank=0, ranks=1, steal=1)))
+    assert re.search("ranks: expected",
+                     refusal(sched, Raw("lease.acquire", lease=other["remote_lease"], hold_s=5,
+                                        num_tokens=other["remote_num_tokens"],
+                                        prompt_hash=other["remote_prompt_hash"], rank=0, ranks=0)))
     assert re.search("unknown request 'steal'", refusal(sched, Raw("steal", lease=params["remote_lease"])))
     assert re.search("unknown request 'gloo.pull'", refusal(sched, protocol.GlooPull(1, 5.0)))  # an endpoint's
     client.close()

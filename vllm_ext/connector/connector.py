@@ -112,10 +112,7 @@ class VllmExtConnector(KVConnectorBase_V1):
         # every key checked here, in both roles (the worker's is built before the model loads)
         settings = ConnectorSettings.parse(config.kv_connector_extra_config,
                                            device_type=vllm_config.device_config.device_type)
-        parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-            raise ValueError(f"VllmExtConnector: tensor_parallel_size {parallel.tensor_parallel_size} and "
-                             f"pipeline_parallel_size {parallel.pipeline_parallel_size}: only 1 and 1 are supported")
+        tp_rank, tp_size = _tensor_parallel(vllm_config.parallel_config, role)
         secret = deployment_secret()
         _log_under_vllm()
         self._scheduler = self._worker = None
@@ -146,7 +143,7 @@ class VllmExtConnector(KVConnectorBase_V1):
                 endpoint_options=dict(settings.backend_options), secret=secret,
                 pull_timeout_s=settings.pull_timeout_s, static_fields=_static_fields(vllm_config),
                 connect_to=list(settings.connect_to), allowed_producers=list(settings.allowed_producers),
-                verify_kv=settings.verify_kv)
+                verify_kv=settings.verify_kv, tp_rank=tp_rank, tp_size=tp_size)
 
     # ==== worker side =====================================================================
     def register_kv_caches(self, kv_caches):
@@ -232,6 +229,23 @@ class VllmExtConnector(KVConnectorBase_V1):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return VllmExtPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _tensor_parallel(parallel, role) -> Tuple[int, int]:
+    """(this worker's TP rank, the TP size); the scheduler's rank is 0. Every TP rank's worker
+    moves its own shard of the KV heads; pipeline and context parallelism split the cache in
+    ways the connector does not move, and are refused."""
+    for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
+        value = getattr(parallel, name, 1)
+        if value != 1:
+            raise ValueError(f"VllmExtConnector: {name} {value}: only 1 is supported (tensor parallelism is: every "
+                             "TP rank moves its own shard; run data-parallel ranks as independent instances)")
+    size = parallel.tensor_parallel_size
+    if role == KVConnectorRole.SCHEDULER or size == 1:
+        return 0, size
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank(), size
 
 
 def max_tokens_limits(model) -> Tuple[int, int]:

@@ -87,16 +87,23 @@ if KVConnectorWorkerMetadata is not None:
         """Worker -> scheduler, per step: the leases (ids) whose blocks the worker's endpoint
         now serves (granted), so that the lease channel hands a lease out only once its blocks
         can be pulled; and the requests whose loads before this step's forward (sync) ended,
-        failed or not (a failure's blocks are in the same output's invalid_block_ids)."""
+        failed or not (a failure's blocks are in the same output's invalid_block_ids). Keyed by
+        TP rank: vLLM aggregates every rank's worker metadata into the one the scheduler sees."""
 
-        granted: List[str] = dataclasses.field(default_factory=list)
-        # lease id -> one digest per block (verify_kv): what a consumer checks after its pull
-        digests: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
+        granted: Dict[int, List[str]] = dataclasses.field(default_factory=dict)  # TP rank -> lease ids
+        # TP rank -> lease id -> one digest per block of its shard (verify_kv): what a consumer's
+        # rank checks after its pull
+        digests: Dict[int, Dict[str, List[int]]] = dataclasses.field(default_factory=dict)
         loaded: List[str] = dataclasses.field(default_factory=list)
 
         def aggregate(self, other):
-            return VllmExtWorkerMetadata(granted=list(self.granted) + list(getattr(other, "granted", [])),
-                                         digests={**self.digests, **(getattr(other, "digests", None) or {})},
+            granted = {rank: list(ids) for rank, ids in self.granted.items()}
+            for rank, ids in (getattr(other, "granted", None) or {}).items():
+                granted.setdefault(rank, []).extend(ids)
+            digests = {rank: dict(d) for rank, d in self.digests.items()}
+            for rank, d in (getattr(other, "digests", None) or {}).items():
+                digests.setdefault(rank, {}).update(d)
+            return VllmExtWorkerMetadata(granted=granted, digests=digests,
                                          loaded=list(self.loaded) + list(getattr(other, "loaded", [])))
 else:
     VllmExtWorkerMetadata = None

@@ -10,6 +10,10 @@ A consumer dials only producers on its allow-list; every job has a deadline coun
 was queued, and a producer that just failed a job is not dialled again for BACKOFF_S. At
 start-up it connects to its connect_to producers ahead of the first pull, retrying while they
 start (for CONNECT_AHEAD_S); those attempts hold no pull back.
+
+Under tensor parallelism each TP rank's worker has a Receiver: rank r describes, connects to and
+pulls from the producer's rank r (its shard of every block), and acquires and releases the lease
+as rank r of `ranks`; the producer ends the lease once every rank released it.
 """
 
 import concurrent.futures
@@ -91,8 +95,9 @@ class Receiver:
     may replace them on an instance (tests/e2e/live_faults.py), and read `stream`."""
 
     def __init__(self, *, secret: bytes, allowed: Set[str], connect_to: List[str], pull_timeout_s: float,
-                 verify_kv: bool):
+                 verify_kv: bool, rank: int = 0, ranks: int = 1):
         self._secret = secret
+        self.rank, self.ranks = rank, ranks  # this worker's TP rank and the instance's TP size
         self._allowed = set(allowed)
         self._connect_to = list(connect_to)
         self.pull_timeout_s = pull_timeout_s
@@ -109,8 +114,9 @@ class Receiver:
         self._sync_failed_blocks: Set[int] = set()  # of failed sync loads: always reported as invalid
         self._stats = VllmExtStats()
         self._clients: Dict[Tuple[str, int, int], LeaseClient] = {}  # (host, port, thread id) -> its connection
+        # producer instance's endpoint id (its rank 0's, which requests name) -> its endpoint of this rank
         self._peers: Dict[str, PeerDescriptor] = {}
-        self._endpoint_at: Dict[Tuple[str, int], str] = {}  # producer -> the endpoint id last connected there
+        self._endpoint_at: Dict[Tuple[str, int], str] = {}  # producer -> the instance endpoint id last connected there
         self._peer_locks: Dict[Tuple[str, int], threading.Lock] = {}
         self._backoff: Dict[Tuple[str, int], float] = {}  # producer -> monotonic time it may be dialled again
 
@@ -192,7 +198,8 @@ class Receiver:
             marks.append(("connect", time.monotonic()))
             try:  # the producer answers once its worker serves the blocks: a busy one takes a while
                 lease_blocks, lease_tokens, lease_hash, digests = client.acquire(
-                    job.lease, _left(deadline) + 5.0, _left(deadline), job.num_tokens, job.prompt_hash)
+                    job.lease, _left(deadline) + 5.0, _left(deadline), job.num_tokens, job.prompt_hash,
+                    self.rank, self.ranks)
             except ChannelRefused as refused:
                 if refused.kind == messages.NotThisPrompt.__name__:  # the params (the client's) named a
                     # lease on other tokens, whose KV would be cached here under this request's block
@@ -279,14 +286,14 @@ class Receiver:
             if not job.sync:  # vLLM waits for an asynchronous load's report; a sync load has none
                 self._done.add(job.req_id)
             if ok:
-                self._stats.record_transfer(nbytes, seconds)
+                self._stats.record_transfer(nbytes, seconds, self.rank)
             else:
                 if job.sync:
                     self._sync_failed_blocks.update(job.dst_block_ids)
                 else:
                     self._failed.add(job.req_id)
                 self._failed_blocks.update(job.dst_block_ids)
-                self._stats.record_failure()
+                self._stats.record_failure(self.rank)
         if not ok:
             logger.warning("request %s: receiving its KV failed: %s", job.req_id, why)
 
@@ -295,7 +302,7 @@ class Receiver:
         running request's pre-copy, preempted), or when the release fails (the lease then
         expires by itself, and what was pulled cannot be vouched for)."""
         try:
-            return client.release(lease, CHANNEL_TIMEOUT_S)
+            return client.release(lease, CHANNEL_TIMEOUT_S, self.rank, self.ranks)
         except ChannelError as e:
             logger.warning("lease %s: release failed (it expires by itself): %s", lease[:8], e)
             return False
@@ -352,17 +359,22 @@ class Receiver:
             if peer is not None:
                 return peer
             try:
-                reply = client.describe(_left(deadline, CHANNEL_TIMEOUT_S))
+                reply = client.describe(_left(deadline, CHANNEL_TIMEOUT_S), rank=self.rank)
             except ChannelError:
                 if back_off:
                     self._back_off(host, port)
                 raise
             diff = fingerprint_mismatch(self._fingerprint_fields, reply.fingerprint_fields)
             if diff:
+                theirs = reply.fingerprint_fields.get("tp_size", 1)
+                if theirs != self._fingerprint_fields.get("tp_size", 1):
+                    diff += (f" (P and D at different tensor-parallel sizes, {theirs} and "
+                             f"{self._fingerprint_fields.get('tp_size', 1)}, are not supported yet)")
                 raise TransferFailed(f"producer {host}:{port} has an incompatible KV cache: {diff}")
             peer = descriptor_from_fields(reply.descriptor)
-            if endpoint_id and peer.endpoint_id != endpoint_id:
-                raise TransferFailed(f"producer {host}:{port} serves endpoint {peer.endpoint_id[:8]}, the request "
+            instance = reply.endpoint_id or peer.endpoint_id
+            if endpoint_id and instance != endpoint_id:
+                raise TransferFailed(f"producer {host}:{port} serves endpoint {instance[:8]}, the request "
                                      f"names {endpoint_id[:8]} (the prefill instance restarted?)")
             started = time.perf_counter()
             try:
@@ -376,8 +388,8 @@ class Receiver:
             with self._lock:
                 if len(self._peers) >= MAX_PRODUCERS:  # endpoints of restarted producers
                     self._peers.pop(next(iter(self._peers)))
-                self._peers[peer.endpoint_id] = peer
-                self._endpoint_at[(host, port)] = peer.endpoint_id
+                self._peers[instance] = peer
+                self._endpoint_at[(host, port)] = instance
             return peer
 
     def _connect_ahead(self, address: str) -> None:

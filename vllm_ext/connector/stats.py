@@ -10,6 +10,11 @@
     vllm:vllm_ext_leased_blocks            (gauge) the producer's blocks that P/D leases hold now
     vllm:vllm_ext_evicted_leases_total     untaken producer leases ended early to make room for new ones
     vllm:vllm_ext_unleased_prefills_total  prefills answered without a lease (max_leased_fraction reached)
+    vllm:vllm_ext_rank_transfers_total, vllm:vllm_ext_rank_failed_transfers_total,
+    vllm:vllm_ext_rank_transfer_bytes_total
+                                           the same per TP rank (label `tp_rank`): under tensor
+                                           parallelism every rank pulls its own shard, and the
+                                           totals above count each rank's pull
 """
 
 import dataclasses
@@ -23,6 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 _COUNTS = ("transfers", "failed", "expired", "bytes", "mismatches", "refused", "evicted", "unleased")
 LEASED = "leased_blocks"  # a gauge: the latest value wins when stats are merged
+RANKS = "ranks"  # TP rank (a string: the stats cross processes) -> {"transfers", "failed", "bytes"}
+_RANK_COUNTS = ("transfers", "failed", "bytes")
 
 
 def _empty() -> Dict[str, Any]:
@@ -36,13 +43,20 @@ class VllmExtStats(KVConnectorStats):
         if not self.data:
             self.data = _empty()
 
-    def record_transfer(self, nbytes: int, seconds: float) -> None:
+    def _rank(self, rank: int) -> Dict[str, int]:
+        return self.data.setdefault(RANKS, {}).setdefault(str(rank), dict.fromkeys(_RANK_COUNTS, 0))
+
+    def record_transfer(self, nbytes: int, seconds: float, rank: int = 0) -> None:
         self.data["transfers"] += 1
         self.data["bytes"] += int(nbytes)
         self.data["seconds"].append(float(seconds))
+        counts = self._rank(rank)
+        counts["transfers"] += 1
+        counts["bytes"] += int(nbytes)
 
-    def record_failure(self) -> None:
+    def record_failure(self, rank: int = 0) -> None:
         self.data["failed"] += 1
+        self._rank(rank)["failed"] += 1
 
     def record_expiry(self) -> None:
         self.data["expired"] += 1
@@ -71,6 +85,10 @@ class VllmExtStats(KVConnectorStats):
             for key in _COUNTS:
                 merged[key] += int(source.get(key, 0))
             merged["seconds"].extend(source.get("seconds", []))
+            for rank, counts in (source.get(RANKS) or {}).items():
+                into = merged.setdefault(RANKS, {}).setdefault(rank, dict.fromkeys(_RANK_COUNTS, 0))
+                for key in _RANK_COUNTS:
+                    into[key] += int(counts.get(key, 0))
             if LEASED in source:  # `other` is the newer
                 merged[LEASED] = int(source[LEASED])
         return VllmExtStats(data=merged)
@@ -82,6 +100,7 @@ class VllmExtStats(KVConnectorStats):
                 "digest_mismatches": self.data.get("mismatches", 0), "refused_leases": self.data.get("refused", 0),
                 "evicted_leases": self.data.get("evicted", 0), "unleased_prefills": self.data.get("unleased", 0),
                 **({LEASED: self.data[LEASED]} if LEASED in self.data else {}),
+                **({RANKS: self.data[RANKS]} if self.data.get(RANKS) else {}),
                 "avg_pull_ms": round(1e3 * sum(seconds) / len(seconds), 3) if seconds else 0.0}
 
     def is_empty(self) -> bool:
@@ -118,6 +137,12 @@ class VllmExtPromMetrics(KVConnectorPromMetrics):
             name="vllm:vllm_ext_pull_seconds", documentation="time of one KV pull (lease to blocks written)",
             buckets=[1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0], labelnames=labelnames)
         self.seconds = create_metric_per_engine(hist, per_engine_labelvalues)
+        self._labelvalues = per_engine_labelvalues
+        self._by_rank = {key: self._counter_cls(name=f"vllm:vllm_ext_rank_{name}", documentation=doc,
+                                                labelnames=[*labelnames, "tp_rank"])
+                         for key, name, doc in (("transfers", "transfers", "KV pulls completed, per TP rank"),
+                                                ("failed", "failed_transfers", "KV receives that failed, per TP rank"),
+                                                ("bytes", "transfer_bytes", "KV bytes pulled, per TP rank"))}
 
     def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0):
         for metric, key in ((self.transfers, "transfers"), (self.failed, "failed"),
@@ -130,3 +155,8 @@ class VllmExtPromMetrics(KVConnectorPromMetrics):
             self.leased[engine_idx].set(int(transfer_stats_data[LEASED]))
         for s in transfer_stats_data.get("seconds", []):
             self.seconds[engine_idx].observe(s)
+        for rank, counts in (transfer_stats_data.get(RANKS) or {}).items():
+            for key, metric in self._by_rank.items():
+                value = int(counts.get(key, 0))
+                if value:
+                    metric.labels(*self._labelvalues[engine_idx], str(rank)).inc(value)

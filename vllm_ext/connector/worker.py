@@ -10,6 +10,11 @@ scheduler, whose lease channel hands the lease out only then), revoked when the 
 (released after the consumer's pull, or expired: an acquire holds a lease past the pull's
 deadline). ipc maps the whole cache: its authenticated peers are trusted with all of it.
 
+Under tensor parallelism there is one WorkerHalf per TP rank, each with its own shard of the
+cache (its KV heads) and its own endpoint; every rank gets the same metadata each step. A
+consumer's rank r pulls from the producer's rank r (equal TP sizes), and vLLM counts a receive
+done once every rank reported it, failed if any rank failed it.
+
 Who calls what (vLLM, on the worker's thread): register_kv_caches once; per step
 start_load_kv (with the step's metadata), get_transfer_results, get_stats.
 """
@@ -74,8 +79,12 @@ class WorkerHalf:
     def __init__(self, *, is_producer: bool, is_consumer: bool, backend: Optional[str], endpoint_host: str,
                  endpoint_options: Dict[str, Any], secret: bytes, pull_timeout_s: float,
                  static_fields: Dict[str, Any], connect_to: List[str],
-                 allowed_producers: Optional[List[str]] = None, verify_kv: bool = True):
+                 allowed_producers: Optional[List[str]] = None, verify_kv: bool = True,
+                 tp_rank: int = 0, tp_size: int = 1):
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank: expected 0 to {tp_size - 1} (tp_size {tp_size}), got {tp_rank}")
         self.is_producer = is_producer
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.is_consumer = is_consumer
         self._backend = backend
         self._endpoint_host = endpoint_host
@@ -91,7 +100,8 @@ class WorkerHalf:
         # consumer: lease channels ("host:port") it dials, by default the connect_to entries
         self.receiver = Receiver(secret=secret, allowed=set(connect_to if allowed_producers is None
                                                             else allowed_producers),
-                                 connect_to=connect_to, pull_timeout_s=pull_timeout_s, verify_kv=verify_kv)
+                                 connect_to=connect_to, pull_timeout_s=pull_timeout_s, verify_kv=verify_kv,
+                                 rank=tp_rank, ranks=tp_size)
         self.leased_blocks: Dict[str, List[int]] = {}  # producer: lease id -> blocks granted for it
         self._granted_now: List[str] = []  # producer: leases granted since the last worker metadata
         self._digests_now: Dict[str, List[int]] = {}  # producer: their digests (verify_kv)
@@ -113,15 +123,16 @@ class WorkerHalf:
             **self._static_fields, "protocol": PROTOCOL, "migration_backend": backend,
             "dtype": str(first.dtype).replace("torch.", ""), "layer_shape": list(first.shape[1:]),
             "physical_order": physical_order(first), "num_layers": len(names), "layer_names": names,
-            "device_type": first.device.type,
+            "device_type": first.device.type, "tp_size": self.tp_size,
         }
         self.fingerprint = layout_fingerprint(self.fingerprint_fields)
         self._grants = self.is_producer and backend in GRANTED_BACKENDS
         self.endpoint = make_endpoint(self.cache, backend, self._endpoint_host, self._endpoint_options, self._secret,
                                       serve="granted" if self._grants else "all")
         stream = torch.cuda.Stream(device=first.device) if first.is_cuda else None
-        logger.info("vllm-ext connector: %r serving %d layers [%s] over %s, fingerprint %s", self.cache,
-                    len(names), self.fingerprint_fields["physical_order"], backend, self.fingerprint)
+        logger.info("vllm-ext connector: %r serving %d layers [%s] over %s, fingerprint %s (TP rank %d of %d)",
+                    self.cache, len(names), self.fingerprint_fields["physical_order"], backend, self.fingerprint,
+                    self.tp_rank, self.tp_size)
         self.receiver.start(self.cache, self.endpoint, self.fingerprint_fields, stream)
 
     def handshake(self) -> VllmExtHandshake:
@@ -160,7 +171,8 @@ class WorkerHalf:
         self._granted_now, self._digests_now, self._loaded_now = [], {}, []
         if not (granted or loaded) or VllmExtWorkerMetadata is None:
             return None
-        return VllmExtWorkerMetadata(granted=granted, digests=digests, loaded=loaded)
+        return VllmExtWorkerMetadata(granted={self.tp_rank: granted} if granted else {},
+                                     digests={self.tp_rank: digests} if digests else {}, loaded=loaded)
 
     def take_results(self, meta: Optional[VllmExtMetadata]) -> Tuple[Set[str], Set[str], Set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call; failed

@@ -147,16 +147,18 @@ class LeaseClient:
         except ProtocolError as e:
             raise ChannelError(f"{where}: a malformed reply: {e}") from e
 
-    def describe(self, timeout: Optional[float] = None) -> messages.LeaseDescribeReply:
-        return self._request(messages.LeaseDescribe(), timeout, messages.LeaseDescribeReply)[0]
+    def describe(self, timeout: Optional[float] = None, rank: int = 0) -> messages.LeaseDescribeReply:
+        """The instance's TP rank `rank`: its endpoint descriptor and KV layout."""
+        return self._request(messages.LeaseDescribe(rank), timeout, messages.LeaseDescribeReply)[0]
 
     def acquire(self, lease: str, hold_s: float, timeout: float, num_tokens: int,
-                prompt_hash: str) -> Tuple[List[int], int, str, List[int]]:
+                prompt_hash: str, rank: int = 0, ranks: int = 1) -> Tuple[List[int], int, str, List[int]]:
         """(block ids, num_tokens, prompt_hash, digests: [] or one per block) of a live lease,
         now taken by this pull of the KV of `num_tokens` tokens hashing to `prompt_hash` (the
-        producer refuses a lease on other tokens)."""
-        reply, payload = self._request(messages.LeaseAcquire(lease, float(hold_s), num_tokens, prompt_hash), timeout,
-                                       messages.LeaseAcquireReply)
+        producer refuses a lease on other tokens), by the consumer's TP rank `rank` of `ranks`
+        (the digests are that rank's shard's)."""
+        reply, payload = self._request(messages.LeaseAcquire(lease, float(hold_s), num_tokens, prompt_hash, rank,
+                                                             ranks), timeout, messages.LeaseAcquireReply)
         try:
             if reply.n_digests not in (0, reply.n):
                 raise ProtocolError(f"n_digests: {reply.n_digests} for {reply.n} blocks")
@@ -165,9 +167,11 @@ class LeaseClient:
             raise ChannelError(f"lease channel {self.host}:{self.port}: a malformed reply: {e}") from e
         return ids[:reply.n], reply.num_tokens, reply.prompt_hash, ids[reply.n:]
 
-    def release(self, lease: str, timeout: float) -> bool:
-        """Ends the lease; True when its blocks stayed its request's throughout."""
-        return self._request(messages.LeaseRelease(lease), timeout, messages.LeaseReleaseReply)[0].intact
+    def release(self, lease: str, timeout: float, rank: int = 0, ranks: int = 1) -> bool:
+        """Ends the lease for the consumer's TP rank `rank` of `ranks` (it ends once every rank
+        released it; `ranks` 1 ends it now); True when its blocks stayed its request's throughout."""
+        return self._request(messages.LeaseRelease(lease, rank, ranks), timeout,
+                             messages.LeaseReleaseReply)[0].intact
 
     # ---- live migration (a router -> a migration's source, or its destination) ------------------
     def precopy(self, migration_id: str, timeout: Optional[float] = None) -> MigrationLease:

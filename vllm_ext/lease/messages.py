@@ -46,7 +46,12 @@ from ..migration.protocol import (
 # 14: lease.acquire names the tokens the consumer will load (its own request's first
 #     `num_tokens`, their `prompt_hash`); the producer refuses a lease on other tokens (a
 #     migration lease: a prefix of them may be loaded) before it hands out a block.
-LEASE_PROTOCOL = 14
+# 15: tensor parallelism: lease.describe names the producer's TP rank whose endpoint it wants
+#     (its reply gives that rank's descriptor and the instance's `endpoint_id`, rank 0's);
+#     lease.acquire and lease.release name the consumer's rank and its TP size (`rank`,
+#     `ranks`): a lease is taken once per rank, its reply carries that rank's digests, and it
+#     ends once every rank released it (a release with `ranks` 1, a router's, ends it at once).
+LEASE_PROTOCOL = 15
 
 # The server id a lease server authenticates as (it serves no endpoint of its own).
 LEASE_SERVER_ID = "vllm-ext-lease"
@@ -54,6 +59,7 @@ MAX_HOLD_S = 3600.0  # how long an acquire may hold a lease
 MAX_DESCRIBE_BYTES = 16 << 10  # the JSON objects a describe reply carries
 MAX_WALL_CLOCK_S = 1e11  # a time.time() in a message (migrate.trace.reply)
 MAX_TRACE_WAIT_S = 60.0  # how long a migrate.trace may wait for the resume's first step
+MAX_TP_RANKS = 1024  # the tensor-parallel size a lease message may name
 
 
 class NotThisPrompt(ValueError):
@@ -102,6 +108,7 @@ _LEASE_FIELD_CHECKS: Dict[str, Callable[[Any], None]] = dict(
     num_prompt_tokens=_count("num_prompt_tokens", 1 << 40),
     default_max_tokens=_count("default_max_tokens", 1 << 40), max_tokens_cap=_count("max_tokens_cap", 1 << 40),
     endpoint_id=lambda v: check_str("endpoint_id", v, 64),
+    rank=lambda v: check_int("rank", v, 0, MAX_TP_RANKS - 1), ranks=lambda v: check_int("ranks", v, 1, MAX_TP_RANKS),
     lease_s=lambda v: check_number("lease_s", v, 0, MAX_HOLD_S),
     arrival_s=_wall_clock("arrival_s"), seen_s=_wall_clock("seen_s"), scheduled_s=_wall_clock("scheduled_s"))
 
@@ -116,9 +123,11 @@ class LeaseMessage(Message):
 # ---- P/D: a consumer's worker -> the producer's lease server ------------------------------------
 @dataclasses.dataclass(frozen=True)
 class LeaseDescribe(LeaseMessage):
-    """The producer's endpoint descriptor and KV layout (LeaseDescribeReply)."""
+    """The endpoint descriptor and KV layout of the producer's TP rank `rank`
+    (LeaseDescribeReply)."""
 
     op: ClassVar[str] = "lease.describe"
+    rank: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +136,9 @@ class LeaseDescribeReply(LeaseMessage):
     say the same, not empty, continue each other's seeded requests; connector/sampling.py).
     `default_max_tokens`: the output limit its OpenAI server gives a request that sets none (the
     generation config's max_new_tokens); `max_tokens_cap`: the limit it puts on every request
-    (--override-generation-config's max_new_tokens, or a --generation-config folder's); 0: none."""
+    (--override-generation-config's max_new_tokens, or a --generation-config folder's); 0: none.
+    `descriptor` and `fingerprint_fields` are the asked rank's; `endpoint_id` is the instance's
+    (its rank 0 endpoint's: the one kv_transfer_params and migration leases name)."""
 
     op: ClassVar[str] = "lease.describe.reply"
     descriptor: Dict[str, Any]
@@ -136,25 +147,30 @@ class LeaseDescribeReply(LeaseMessage):
     sampler: str
     default_max_tokens: int
     max_tokens_cap: int
+    endpoint_id: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class LeaseAcquire(LeaseMessage):
     """Takes a live lease for one pull, holding it at least `hold_s` more (LeaseAcquireReply),
     for a consumer whose request's first `num_tokens` tokens hash to `prompt_hash`: refused
-    unless the lease holds those tokens (all of a P/D lease's; a prefix of a migration lease's)."""
+    unless the lease holds those tokens (all of a P/D lease's; a prefix of a migration lease's).
+    `rank` of `ranks`: the consumer's TP rank and size (each rank takes the lease once)."""
 
     op: ClassVar[str] = "lease.acquire"
     lease: str
     hold_s: float
     num_tokens: int
     prompt_hash: str
+    rank: int = 0
+    ranks: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class LeaseAcquireReply(LeaseMessage):
     """The lease's n block ids follow in the payload (encode_ids), then n_digests (0 or n)
-    digests of those blocks as the producer's worker saw them when it served them."""
+    digests of those blocks as the producer's worker of the acquire's rank saw them when it
+    served them."""
 
     op: ClassVar[str] = "lease.acquire.reply"
     n: int
@@ -165,10 +181,13 @@ class LeaseAcquireReply(LeaseMessage):
 
 @dataclasses.dataclass(frozen=True)
 class LeaseRelease(LeaseMessage):
-    """Ends a lease: the producer frees its blocks (LeaseReleaseReply)."""
+    """Ends a lease for the consumer's TP rank `rank` of `ranks`: the producer frees its blocks
+    once every rank released it (LeaseReleaseReply); `ranks` 1 (a router's) ends it at once."""
 
     op: ClassVar[str] = "lease.release"
     lease: str
+    rank: int = 0
+    ranks: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

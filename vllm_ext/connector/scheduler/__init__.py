@@ -95,7 +95,8 @@ class SchedulerHalf(LeaseRequests):
         self._traces = Traces()  # a lock of its own
         self._consumer = Consumer(block_size=block_size, failure_policy=failure_policy,
                                   whole_blocks=whole_blocks) if is_consumer else None  # engine thread only
-        self._handshake: Optional[VllmExtHandshake] = None
+        self._handshake: Optional[VllmExtHandshake] = None  # TP rank 0's: the instance's endpoint id
+        self._handshakes: Dict[int, VllmExtHandshake] = {}  # TP rank -> its worker's
         self._stats = VllmExtStats()
         self._server = None
         if is_producer:
@@ -106,9 +107,19 @@ class SchedulerHalf(LeaseRequests):
 
     # ---- start-up ------------------------------------------------------------------------
     def set_handshake(self, metadata: Dict[int, VllmExtHandshake]) -> None:
-        if set(metadata) != {0}:
-            raise ValueError(f"VllmExtConnector supports one worker (TP=1, PP=1); got ranks {sorted(metadata)}")
+        """Every TP rank's worker's handshake (rank -> it): each serves its own shard of the
+        cache, with an endpoint of its own; the shards' layouts must agree."""
+        ranks = sorted(metadata)
+        if ranks != list(range(len(ranks))) or not ranks:
+            raise ValueError(f"VllmExtConnector: expected the handshakes of TP ranks 0 to n-1, got ranks {ranks}")
+        fingerprints = {rank: h.fingerprint for rank, h in metadata.items()}
+        if len(set(fingerprints.values())) != 1:
+            raise ValueError(f"VllmExtConnector: the TP ranks' KV cache shards differ (fingerprints {fingerprints}): "
+                             "a model whose KV heads do not split evenly over the ranks is not supported")
+        self._handshakes = dict(metadata)
         self._handshake = metadata[0]
+        with self._lock:
+            self._leases.ranks = len(ranks)
         if self._consumer is not None:
             self._consumer.fingerprint = self._handshake.fingerprint
 
@@ -243,12 +254,14 @@ class SchedulerHalf(LeaseRequests):
         blocks of loads that failed (a resumed request's: its trace says so)."""
         meta = getattr(output, "kv_connector_worker_meta", None)
         self._traces.step_reported(getattr(output, "invalid_block_ids", None), getattr(meta, "loaded", None) or ())
-        granted = getattr(meta, "granted", None)
+        granted = getattr(meta, "granted", None) or {}
+        digests = getattr(meta, "digests", None) or {}
         with self._lock:
             self._step_passed(-1)
-            for lease in self._leases.grant(granted or [], getattr(meta, "digests", None) or {}):
-                if lease.migration_id is not None:
-                    self._source.digested(lease)
+            for rank, lease_ids in granted.items():  # each TP rank's worker's
+                for lease in self._leases.grant(lease_ids, digests.get(rank, {}), rank):
+                    if lease.migration_id is not None:
+                        self._source.digested(lease)
 
     def _step_passed(self, scheduled: int) -> None:
         """With the lock held: a step was scheduled (+1) or its output came in (-1)."""

@@ -47,10 +47,15 @@ class LeaseRequests:
         """A consumer's or a router's request on the lease channel (authenticated, its fields
         checked by protocol.py): (reply message or None, payload). ValueError refuses."""
         if isinstance(request, messages.LeaseDescribe):
-            handshake = self._registered()
+            instance = self._registered()
+            handshake = self._handshakes.get(request.rank)
+            if handshake is None:
+                raise ValueError(f"rank: this instance runs {len(self._handshakes)} tensor-parallel rank(s), "
+                                 f"got {request.rank}")
             return messages.LeaseDescribeReply(handshake.descriptor, handshake.fingerprint,
                                                handshake.fingerprint_fields, handshake.sampler,
-                                               *self.max_tokens_limits), b""
+                                               *self.max_tokens_limits,
+                                               endpoint_id=instance.descriptor["endpoint_id"]), b""
         if isinstance(request, messages.MigrateTrace):
             return self._trace(request.migration_id, request.wait_s), b""
         if isinstance(request, messages.MigratePrecopy):
@@ -60,8 +65,9 @@ class LeaseRequests:
             self._registered()
             return self._serve_end(request.migration_id)
         if isinstance(request, messages.LeaseAcquire):
-            return self._serve_acquire(request.lease, request.hold_s, request.num_tokens, request.prompt_hash)
-        return self._serve_release(request.lease)
+            return self._serve_acquire(request.lease, request.hold_s, request.num_tokens, request.prompt_hash,
+                                       request.rank, request.ranks)
+        return self._serve_release(request.lease, request.rank, request.ranks)
 
     def _registered(self) -> VllmExtHandshake:
         if self._handshake is None:
@@ -75,29 +81,38 @@ class LeaseRequests:
             raise ValueError(f"lease {lease_id[:8]}: unknown, released or expired")
         return lease
 
-    def _serve_acquire(self, lease_id: str, hold_s: float, num_tokens: int, hash_: str):
+    def _serve_acquire(self, lease_id: str, hold_s: float, num_tokens: int, hash_: str, rank: int = 0,
+                       ranks: int = 1):
+        """For the consumer's TP rank `rank` of `ranks`: each rank pulls its shard from this
+        instance's rank of the same number (equal TP sizes only)."""
         with self._lock:
             self._reap_expired()
             lease = self._live_lease(lease_id)
+            if ranks != self._leases.ranks or rank >= ranks:
+                raise ValueError(f"lease {lease_id[:8]}: asked for tensor-parallel rank {rank} of {ranks}; this "
+                                 f"instance runs {self._leases.ranks} rank(s) (P and D at different TP sizes are "
+                                 "not supported)")
             if hold_s > MAX_HOLD_S:
                 raise ValueError(f"hold_s: expected at most {MAX_HOLD_S:g} seconds, got {hold_s!r}")
             if not holds_tokens(lease, num_tokens, hash_):  # the lease stays its own consumer's
                 raise messages.NotThisPrompt(f"lease {lease_id[:8]}: it holds {lease.num_tokens} tokens of another "
                                              f"prompt, not the {num_tokens} (hash {hash_[:8]}) of the request that "
                                              "asks; refused before any pull")
-            if lease.taken:
-                raise ValueError(f"lease {lease_id[:8]}: already taken by another pull")
-            lease.taken = True  # before waiting: a second acquire is refused meanwhile
+            if rank in lease.taken_ranks or rank in lease.released_ranks:
+                raise ValueError(f"lease {lease_id[:8]}: already taken by another pull"
+                                 + (f" (rank {rank})" if ranks > 1 else ""))
+            lease.taken_ranks.add(rank)  # before waiting: a second acquire is refused meanwhile
             why = self._wait_for_grant(lease, hold_s)
             if not self._leases.is_live(lease):
                 raise ValueError(f"lease {lease_id[:8]}: released or expired")
             if why:
-                lease.taken = False
+                lease.taken_ranks.discard(rank)
                 raise ValueError(f"lease {lease_id[:8]}: its blocks are not served yet ({why})")
             self._leases.take(lease, hold_s)
+            digests = lease.digests.get(rank, []) if len(lease.digests) == ranks else []
             return (messages.LeaseAcquireReply(len(lease.block_ids), lease.num_tokens, lease.prompt_hash,
-                                               len(lease.digests)),
-                    protocol.encode_ids(lease.block_ids + lease.digests))
+                                               len(digests)),
+                    protocol.encode_ids(lease.block_ids + digests))
 
     def _wait_for_grant(self, lease: Lease, hold_s: float) -> str:
         """With the lock held: waits until the worker serves the lease's blocks or the lease
@@ -117,14 +132,17 @@ class LeaseRequests:
             self._granted.wait(until - now)
         return ""
 
-    def _serve_release(self, lease_id: str):
+    def _serve_release(self, lease_id: str, rank: int = 0, ranks: int = 1):
         """A pre-copy lease's blocks were its request's throughout unless it was preempted
-        meanwhile (its blocks then went back to vLLM, and may hold others' KV)."""
+        meanwhile (its blocks then went back to vLLM, and may hold others' KV). The lease ends
+        once `ranks` consumer ranks released it (1: at once)."""
         with self._lock:
             self._reap_expired()
             lease = self._live_lease(lease_id)
             intact = lease.preemptions is None or self._source.preemptions(lease.migration_id) == lease.preemptions
-            self._end_lease(lease, "released")
+            lease.released_ranks.add(rank if ranks > 1 else 0)
+            if len(lease.released_ranks) >= ranks:
+                self._end_lease(lease, "released")
             return messages.LeaseReleaseReply(intact), b""
 
     def _serve_precopy(self, mid: str):

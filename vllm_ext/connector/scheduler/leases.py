@@ -3,7 +3,11 @@
 A lease is made on the engine thread (a finished `do_remote_decode` request's, or a running
 request's complete blocks for a migration's pre-copy), granted by the worker in the next step
 (its endpoint then serves the blocks; the step's output says so, with the blocks' digests),
-taken by one consumer's acquire and ended by its release or at expiry. What the table learns in
+taken by one consumer's acquire and ended by its release or at expiry.
+
+Under tensor parallelism every TP rank's worker serves its own shard of each block: a lease is
+granted once every rank granted it, carries each rank's digests, is taken once by each of the
+consumer's ranks and ends once every consumer rank released it (or at expiry). What the table learns in
 between goes to the worker with the next step's metadata: leases made (to grant), leases ended
 (to revoke), requests whose blocks go back to vLLM (finished_sending).
 
@@ -19,7 +23,7 @@ Not thread-safe: SchedulerHalf calls it under its lock (engine thread and lease 
 import collections
 import dataclasses
 import secrets
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set
 
 
 @dataclasses.dataclass(eq=False)
@@ -33,16 +37,25 @@ class Lease:
     num_tokens: int
     prompt_hash: str  # of the request's first num_tokens token ids
     expires_at: float
-    granted: bool  # the worker's endpoint serves block_ids
-    taken: bool = False  # a consumer's acquire holds it
+    granted: bool  # every TP rank's worker's endpoint serves block_ids
+    granted_ranks: Set[int] = dataclasses.field(default_factory=set)
+    taken_ranks: Set[int] = dataclasses.field(default_factory=set)  # the consumer ranks whose acquire holds it
+    released_ranks: Set[int] = dataclasses.field(default_factory=set)  # the consumer ranks that released it
     # migration leases: the request's migration id, its tokens so far, its prompt's length, and
     # its preemption count when the lease was made (a preemption gives its blocks back to vLLM)
     migration_id: Optional[str] = None
     token_ids: List[int] = dataclasses.field(default_factory=list)
     num_prompt_tokens: int = 0
     preemptions: Optional[int] = None
-    digests: List[int] = dataclasses.field(default_factory=list)  # the blocks', from the worker that serves them
-    known_digests: List[int] = dataclasses.field(default_factory=list)  # of its first blocks, known when made
+    # TP rank -> the blocks' digests, from that rank's worker when it served them (complete:
+    # one per block, for every rank)
+    digests: Dict[int, List[int]] = dataclasses.field(default_factory=dict)
+    known_digests: Dict[int, List[int]] = dataclasses.field(default_factory=dict)  # of its first blocks, when made
+
+    @property
+    def taken(self) -> bool:
+        """A consumer's acquire holds it (one of its ranks, at least)."""
+        return bool(self.taken_ranks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +66,7 @@ class Digested:
 
     preemptions: Optional[int]
     block_ids: List[int]
-    digests: List[int]
+    digests: Dict[int, List[int]]  # TP rank -> one per block
 
 
 @dataclasses.dataclass
@@ -69,7 +82,8 @@ class LeaseChanges:
 class LeaseTable:
     """Args are values: how long an untaken lease lives, the clock it is counted on, whether a
     lease waits for the worker's grant (False: releases without worker metadata, served at once),
-    and the most blocks P/D leases may hold together (None: no bound)."""
+    and the most blocks P/D leases may hold together (None: no bound). `ranks`: the instance's TP
+    ranks (set once its workers registered)."""
 
     def __init__(self, *, lease_s: float, clock: Callable[[], float], wait_for_grant: bool,
                  max_blocks: Optional[int] = None):
@@ -80,6 +94,7 @@ class LeaseTable:
         self._leases: Dict[str, Lease] = {}  # in the order they were made
         self._held: collections.Counter = collections.Counter()  # block -> P/D leases holding it
         self._changes = LeaseChanges()
+        self.ranks = 1
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -134,7 +149,7 @@ class LeaseTable:
             while k < min(len(last.block_ids), len(block_ids)) and last.block_ids[k] == block_ids[k]:
                 k += 1
             if k:
-                lease.known_digests = last.digests[:k]
+                lease.known_digests = {rank: digests[:k] for rank, digests in last.digests.items()}
                 self._changes.digest_from[lease.lease_id] = k
         return lease
 
@@ -159,18 +174,22 @@ class LeaseTable:
         finished_sending)."""
         self._changes.finished_sending.append(req_id)
 
-    def grant(self, lease_ids: List[str], digests: Dict[str, List[int]]) -> List[Lease]:
-        """The worker serves these leases' blocks now; returns those whose digests are complete."""
+    def grant(self, lease_ids: List[str], digests: Dict[str, List[int]], rank: int = 0) -> List[Lease]:
+        """TP rank `rank`'s worker serves these leases' blocks now, with their digests; returns
+        those whose digests just became complete on every rank."""
         digested = []
         for lease_id in lease_ids:
             lease = self._leases.get(lease_id)
             if lease is None:
                 continue
-            lease.granted = True
+            lease.granted_ranks.add(rank)
+            lease.granted = len(lease.granted_ranks) >= self.ranks
             found = digests.get(lease_id)
-            if found is not None and len(lease.known_digests) + len(found) == len(lease.block_ids):
-                lease.digests = lease.known_digests + list(found)
-                digested.append(lease)
+            known = lease.known_digests.get(rank, [])
+            if found is not None and rank not in lease.digests and len(known) + len(found) == len(lease.block_ids):
+                lease.digests[rank] = known + list(found)
+                if len(lease.digests) == self.ranks:
+                    digested.append(lease)
         return digested
 
     def take_changes(self) -> LeaseChanges:

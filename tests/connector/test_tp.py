@@ -1,0 +1,268 @@
+"""Tensor parallelism between real halves: a TP = 2 producer (one scheduler, a worker per rank,
+each with its own shard of the KV heads and its own gloo endpoint) and TP = 2 consumers, their
+steps' outputs aggregated by vLLM's own KVOutputAggregator as its executor does. Each consumer
+rank pulls its shard from the producer's rank of the same number; a lease is served once every
+rank serves it, taken once per rank and ended once every rank released it; a request whose pull
+fails on one rank fails as a whole; unequal TP sizes are refused, naming them."""
+
+import dataclasses
+import time
+
+import pytest
+import torch
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+from tests.connector.halves import (
+    STATIC,
+    expect,
+    finish_prefill,
+    lease_client,
+    make_request,
+    make_scheduler,
+    make_worker,
+    vllm_layers,
+)
+from vllm_ext.connector.receiver import TransferFailed
+from vllm_ext.lease.channel import ChannelError
+
+TP = 2
+HEADS = STATIC["num_kv_heads"]  # the model's; each rank holds HEADS // its TP size
+DEADLINE_S = 30.0  # generous: a stated bound, never a speed assertion
+
+
+@dataclasses.dataclass
+class Instance:
+    """One instance's scheduler half and its ranks' worker halves, stepped as vLLM's executor does."""
+
+    sched: object
+    workers: list
+    aggregator: KVOutputAggregator
+
+    def step(self, ranks=None) -> KVConnectorOutput:
+        """One engine step: the metadata to every rank's worker, their outputs aggregated (of
+        `ranks` only: the others' outputs do not reach the scheduler this step)."""
+        meta = self.sched.build_connector_meta(None)
+        outputs = []
+        for rank, worker in enumerate(self.workers):
+            worker.start_load_kv(meta)
+            if ranks is not None and rank not in ranks:
+                continue
+            sending, recving, failed = worker.take_results(meta)
+            out = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+            out.kv_connector_output = KVConnectorOutput(
+                finished_sending=sending or None, finished_recving=recving or None, failed_recving=failed,
+                kv_connector_worker_meta=worker.build_worker_meta())
+            outputs.append(out)
+        output = self.aggregator.aggregate(outputs).kv_connector_output
+        self.sched.update_connector_output(output)
+        return output
+
+    def until(self, what, deadline_s=DEADLINE_S) -> KVConnectorOutput:
+        """Steps until `what(output)` holds (a stated, generous deadline); that step's output."""
+        deadline = time.monotonic() + deadline_s
+        while True:
+            output = self.step()
+            if what(output):
+                return output
+            assert time.monotonic() < deadline, "not reached within the deadline"
+            time.sleep(0.01)
+
+    def shutdown(self):
+        for half in (self.sched, *self.workers):
+            half.shutdown()
+
+
+def instance(producer: bool, tp: int, seed: int, allowed=()) -> Instance:
+    """An instance of `tp` ranks; rank r's shard is drawn with seed `seed + r` (every shard differs)."""
+    workers = [make_worker(vllm_layers(heads=HEADS // tp, seed=seed + rank), producer, allowed=allowed,
+                           tp_rank=rank, tp_size=tp) for rank in range(tp)]
+    sched = make_scheduler(producer, policy="recompute")
+    sched.set_handshake({rank: w.handshake() for rank, w in enumerate(workers)})
+    return Instance(sched, workers, KVOutputAggregator(tp))
+
+
+@pytest.fixture
+def prefill():
+    p = instance(True, TP, seed=10)
+    try:
+        yield p
+    finally:
+        p.shutdown()
+
+
+def decode_instance(p: Instance, tp=TP, seed=20) -> Instance:
+    return instance(False, tp, seed, allowed=[p.sched])
+
+
+def reported(worker, deadline_s=DEADLINE_S):
+    """A worker's (finished_recving, failed_recving) once it reported a receive."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        _, done, failed = worker.take_results(None)
+        if done:
+            return done, failed
+        assert time.monotonic() < deadline, "no receive reported within the deadline"
+        time.sleep(0.01)
+
+
+def admit(d: Instance, prompt, params, req_id="d-0", local=(20, 21, 22, 23)):
+    """D admits the request (no local hit): its receive job, handed to its ranks at its next step."""
+    req = make_request(prompt, params, req_id=req_id)
+    matched, is_async = d.sched.get_num_new_matched_tokens(req, 0)
+    assert is_async and matched > 0
+    d.sched.update_state_after_alloc(req, list(local), matched)
+    return req
+
+
+def test_every_rank_pulls_its_own_shard_and_the_lease_ends_after_the_last_rank(prefill):
+    p = prefill
+    d = decode_instance(p)
+    try:
+        prompt = list(range(50))  # 4 blocks
+        _, params = finish_prefill(p.sched, prompt)
+        p.step()  # both ranks grant the lease
+        admit(d, prompt, params)
+        meta = d.sched.build_connector_meta(None)
+        d.workers[0].start_load_kv(meta)  # rank 0 alone first: the lease outlives its release
+        assert reported(d.workers[0]) == ({"d-0"}, set())
+        assert p.step().finished_sending is None and p.sched.num_leases() == 1
+        d.workers[1].start_load_kv(meta)
+        assert reported(d.workers[1]) == ({"d-0"}, set())
+        for rank in range(TP):
+            src, dst = p.workers[rank].cache.layers, d.workers[rank].cache.layers
+            other = p.workers[1 - rank].cache.layers
+            for layer in range(len(src)):
+                for s, t in zip(params["remote_block_ids"], [20, 21, 22, 23]):
+                    assert torch.equal(dst[layer][t], src[layer][s])  # its own rank's shard
+                    assert not torch.equal(dst[layer][t], other[layer][s])
+        assert p.until(lambda o: o.finished_sending).finished_sending == {"p-0"}
+        assert p.sched.num_leases() == 0 and all(w.leased_blocks == {} for w in p.workers)
+        stats = [w.get_stats() for w in d.workers]
+        assert [s.data["transfers"] for s in stats] == [1, 1]  # every rank's transfer counted
+        nbytes = 4 * p.workers[0].cache.block_nbytes
+        assert stats[0].aggregate(stats[1]).reduce()["ranks"] == {"0": {"transfers": 1, "failed": 0, "bytes": nbytes},
+                                                                  "1": {"transfers": 1, "failed": 0, "bytes": nbytes}}
+    finally:
+        d.shutdown()
+
+
+def test_a_lease_is_served_once_every_rank_serves_it_with_each_ranks_digests(prefill):
+    p = prefill
+    client0, client1 = lease_client(p.sched), lease_client(p.sched)
+    try:
+        _, params = finish_prefill(p.sched, list(range(40)))
+        p.step(ranks={0})  # rank 1's output is late: its endpoint may not serve the blocks yet
+        with pytest.raises(ChannelError, match="not served yet"):
+            client0.acquire(params["remote_lease"], 0.3, 5, *expect(params), 0, TP)
+        p.step()  # the next step brings both ranks' grants
+        got = [c.acquire(params["remote_lease"], 5, 5, *expect(params), rank, TP)
+               for rank, c in enumerate((client0, client1))]
+        assert [g[0] for g in got] == [params["remote_block_ids"]] * 2
+        from vllm_ext import ops
+
+        for rank, (_, _, _, digests) in enumerate(got):  # each rank's shard's own digests
+            assert digests == ops.block_digests(p.workers[rank].cache, params["remote_block_ids"])
+        assert got[0][3] != got[1][3]
+        with pytest.raises(ChannelError, match=r"already taken by another pull \(rank 1\)"):
+            client1.acquire(params["remote_lease"], 5, 5, *expect(params), 1, TP)
+        assert client0.release(params["remote_lease"], 5, 0, TP) is True
+        assert p.step().finished_sending is None  # rank 1 still holds it
+        assert client1.release(params["remote_lease"], 5, 1, TP) is True
+        assert p.until(lambda o: o.finished_sending).finished_sending == {"p-0"}
+    finally:
+        client0.close()
+        client1.close()
+
+
+def test_a_routers_release_ends_a_tp_lease_at_once(prefill):
+    """A front's release (rank 0 of 1: it pulls nothing) frees every rank's blocks."""
+    p = prefill
+    client = lease_client(p.sched)
+    try:
+        _, params = finish_prefill(p.sched, list(range(40)))
+        p.step()
+        assert client.release(params["remote_lease"], 5) is True
+        assert p.until(lambda o: o.finished_sending).finished_sending == {"p-0"}
+    finally:
+        client.close()
+
+
+def test_a_pull_that_fails_on_one_rank_fails_the_request_on_all(prefill):
+    """Rank 1's blocks change after P digested them (its pull fails the check twice); rank 0's
+    pull succeeds. vLLM's aggregation reports the request received and failed, once, so the
+    scheduler recomputes (or fails) it as a whole: no rank decodes on a partial KV."""
+    p = prefill
+    d = decode_instance(p)
+    try:
+        prompt = list(range(50))
+        _, params = finish_prefill(p.sched, prompt)
+        p.step()
+        for t in p.workers[1].cache.layers:
+            t[params["remote_block_ids"][2]].add_(1.0)
+        admit(d, prompt, params)
+        outputs = []
+        deadline = time.monotonic() + DEADLINE_S
+        while not any(o.finished_recving for o in outputs):
+            assert time.monotonic() < deadline
+            outputs.append(d.step())
+            time.sleep(0.01)
+        done = [o for o in outputs if o.finished_recving]
+        assert len(done) == 1 and done[0].finished_recving == {"d-0"} and done[0].failed_recving == {"d-0"}
+        assert not any(o.finished_recving for o in outputs[:-1])  # not before the last rank reported
+        assert p.until(lambda o: o.finished_sending).finished_sending == {"p-0"}  # both ranks released
+        stats = [w.get_stats().data for w in d.workers]
+        block_nbytes = p.workers[0].cache.block_nbytes
+        assert [s["transfers"] for s in stats] == [1, 0] and [s["failed"] for s in stats] == [0, 1]
+        assert [s["ranks"] for s in stats] == [{"0": {"transfers": 1, "failed": 0, "bytes": 4 * block_nbytes}},
+                                               {"1": {"transfers": 0, "failed": 1, "bytes": 0}}]
+    finally:
+        d.shutdown()
+
+
+def test_unequal_tp_sizes_are_refused_naming_them(prefill):
+    p = prefill
+    d = decode_instance(p, tp=1)
+    client = lease_client(p.sched)
+    try:
+        host, port = p.sched.lease_address
+        with pytest.raises(TransferFailed, match="tensor-parallel sizes, 2 and 1, are not supported"):
+            d.workers[0].receiver.connect_producer(host, port, None, time.monotonic() + 10)
+        _, params = finish_prefill(p.sched, list(range(40)))
+        p.step()
+        with pytest.raises(ChannelError, match="rank 0 of 1; this instance runs 2 rank"):
+            client.acquire(params["remote_lease"], 5, 5, *expect(params), 0, 1)
+        with pytest.raises(ChannelError, match="rank: this instance runs 2 tensor-parallel rank"):
+            client.describe(5, rank=2)
+    finally:
+        client.close()
+        d.shutdown()
+
+
+def test_handshakes_of_every_rank_with_one_layout_are_required():
+    workers = [make_worker(vllm_layers(heads=1, seed=rank), True, tp_rank=rank, tp_size=TP) for rank in range(TP)]
+    odd = make_worker(vllm_layers(heads=2, seed=5), True, tp_rank=1, tp_size=TP)
+    sched = make_scheduler(True)
+    try:
+        with pytest.raises(ValueError, match=r"TP ranks 0 to n-1, got ranks \[0, 2\]"):
+            sched.set_handshake({0: workers[0].handshake(), 2: workers[1].handshake()})
+        with pytest.raises(ValueError, match="shards differ"):
+            sched.set_handshake({0: workers[0].handshake(), 1: odd.handshake()})
+        with pytest.raises(ValueError, match=r"tp_rank: expected 0 to 1 \(tp_size 2\), got 2"):
+            make_worker(vllm_layers(heads=1), True, tp_rank=2, tp_size=TP)
+    finally:
+        for half in (sched, odd, *workers):
+            half.shutdown()
+
+
+@pytest.mark.parametrize("field", ["pipeline_parallel_size", "decode_context_parallel_size"])
+def test_pipeline_and_context_parallelism_are_refused_by_name(field):
+    from vllm.config import ParallelConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from vllm_ext.connector.connector import _tensor_parallel
+
+    sizes = {"tensor_parallel_size": 2, field: 2}
+    with pytest.raises(ValueError, match=rf"VllmExtConnector: {field} 2: only 1 is supported"):
+        _tensor_parallel(ParallelConfig(**sizes), KVConnectorRole.SCHEDULER)
+    assert _tensor_parallel(ParallelConfig(tensor_parallel_size=2), KVConnectorRole.SCHEDULER) == (0, 2)
