@@ -242,7 +242,7 @@ def test_a_non_streaming_request_migrates(cluster):
             break
         assert time.monotonic() < deadline and t.is_alive(), "the request did not start"
         time.sleep(0.01)
-    status, record = admin(cluster["router"], "/migrate", {"request_id": running[0]["id"]})
+    status, record = admin(cluster["router"], "/migrate", {"request_id": running[0]["request_id"]})
     t.join(fleet.REQUEST_TIMEOUT_S)
     assert status == 200 and record["outcome"] == "moved", record
     status, answer = box["answer"]
@@ -333,8 +333,8 @@ def test_requests_that_cannot_move_are_refused_by_name(cluster):
     finish([s])
     # relayed as is (not held by the router): never among the movable requests (an unmovable one
     # is listed under the router's relay key, with its reason)
-    assert status == 200 and all(r["id"] != s.rid for r in running["running"]) and s.error is None
-    assert all(not r["migratable"] and r["why_not"] for r in running["running"] if r["id"].startswith("relay-"))
+    assert status == 200 and all(r["request_id"] != s.rid for r in running["running"]) and s.error is None
+    assert all(not r["migratable"] and r["why_not"] for r in running["running"] if r["request_id"].startswith("relay-"))
     assert s.rid.startswith("cmpl-") and len(s.ids) == 0  # the instance's own stream, untouched
 
 

@@ -147,7 +147,7 @@ def move_unstreamed(cluster, path, body, k, **how):
     while t.is_alive():
         running = [r for r in admin(router, "/requests")[1]["running"] if r["migratable"]]
         if running and running[0]["generated"] >= k:
-            status, record = migrate(router, running[0]["id"], **how)
+            status, record = migrate(router, running[0]["request_id"], **how)
             break
         assert time.monotonic() < deadline, "the request did not start"
         time.sleep(0.005)

@@ -335,6 +335,7 @@ def test_a_request_that_cannot_move_is_listed_with_its_reason_while_it_runs(monk
     during, load, (status, body), after = asyncio.run(go())
     (listed,) = during["running"]
     assert listed["migratable"] is False and listed["why_not"] == "n > 1", listed
+    assert listed["request_id"] and "id" not in listed, listed  # the key /migrate takes
     assert load == 1 and status == 200 and len(body["choices"]) == 2 and "kv_transfer_params" not in got[0]
     assert after["running"] == [], after
 
@@ -377,7 +378,8 @@ def test_a_chat_stream_whose_instance_parses_reasoning_relays_it_and_stays_there
                         during = await r.json()
                 (listed,) = during["running"]
                 to = b if listed["instance"] == a else a
-                async with s.post(url + "/migrate", headers=admin, json={"request_id": listed["id"], "to": to}) as r:
+                move = {"request_id": listed["request_id"], "to": to}  # the key /requests lists it by
+                async with s.post(url + "/migrate", headers=admin, json=move) as r:
                     refused = r.status, await r.json()
                 release.set()
                 async with await call as r:

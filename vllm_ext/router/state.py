@@ -233,7 +233,7 @@ class Routed:
         return self._leg if self.migration is None else None
 
     def describe(self) -> Dict[str, Any]:
-        return {"id": self.rid, "instance": self.instance.url if self.instance else None,
+        return {"request_id": self.rid, "instance": self.instance.url if self.instance else None,
                 "generated": len(self.client.token_ids), "migratable": self.pinned is None,
                 "why_not": self.pinned, "migrating": self.migration is not None,
                 "migrations": len(self.migrations)}
@@ -251,4 +251,4 @@ class Relayed:
         return self.leg
 
     def describe(self) -> Dict[str, Any]:
-        return {"id": self.key, "instance": self.instance.url, "migratable": False, "why_not": self.reason}
+        return {"request_id": self.key, "instance": self.instance.url, "migratable": False, "why_not": self.reason}
