@@ -13,14 +13,14 @@ else:
 from vllm_ext.connector import check_vllm_version  # noqa: E402
 
 
-@pytest.mark.parametrize("version", ["0.26.0", "0.32.0", "0.32.0+cpu", "0.33.1"])
+@pytest.mark.parametrize("version", ["0.26.0", "0.32.0", "0.32.0+cpu", "0.33.1", "0.34.0"])
 def test_supported_releases(version):
     check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.25.2", "0.34.0", "1.0.0", "dev"])
+@pytest.mark.parametrize("version", ["0.25.2", "0.35.0", "1.0.0", "dev"])
 def test_unsupported_release_is_refused_with_the_range(version):
-    with pytest.raises(RuntimeError, match=rf"supports vLLM 0\.26 to 0\.33; this is vLLM {version}"):
+    with pytest.raises(RuntimeError, match=rf"supports vLLM 0\.26 to 0\.34; this is vLLM {version}"):
         check_vllm_version(version)
 
 
@@ -38,7 +38,7 @@ def test_an_unsupported_release_is_named_before_any_import_fails():
             "    except RuntimeError as e:\n        print(m, e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     for m in ("connector", "metadata", "stats"):
-        assert f"{m} vllm-ext's VllmExtConnector supports vLLM 0.26 to 0.33; this is vLLM 0.40.0" in out.stdout, \
+        assert f"{m} vllm-ext's VllmExtConnector supports vLLM 0.26 to 0.34; this is vLLM 0.40.0" in out.stdout, \
             out.stdout + out.stderr
 
 

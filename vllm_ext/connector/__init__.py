@@ -7,16 +7,10 @@ works once vllm-ext is installed (the `vllm.general_plugins` entry point runs `r
 so does `"kv_connector_module_path": "vllm_ext.connector.connector"`. See docs/connector.md.
 """
 
-SUPPORTED = ((0, 26), (0, 33))  # vLLM releases, inclusive
+from .compat import release as _release
+
+SUPPORTED = ((0, 26), (0, 34))  # vLLM releases, inclusive (what differs between them: compat.py)
 CONNECTOR_NAME = "VllmExtConnector"
-
-
-def _release(version: str):
-    parts = version.split("+")[0].split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return None
 
 
 def check_vllm_version(version=None) -> None:

@@ -32,7 +32,7 @@ instance. Failed receives follow vLLM's `kv_load_failure_policy` ("fail" or "rec
 import logging
 from typing import TYPE_CHECKING, Any, Optional, Tuple
 
-from . import check_vllm_version
+from . import check_vllm_version, compat
 
 check_vllm_version()  # before importing what another release may lack: one clear message
 
@@ -221,7 +221,14 @@ class VllmExtConnector(KVConnectorBase_V1):
     def has_pending_block_frees(self) -> bool:
         return self._scheduler.has_pending_frees() if self._scheduler is not None else False
 
+    def may_load_async(self, request) -> bool:  # vLLM 0.34+
+        return compat.may_load_async(request.kv_transfer_params)
+
     # ==== class methods (also called in the API server) ====================================
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config):  # vLLM 0.34+
+        return compat.kv_cache_access(kv_transfer_config)
+
     @classmethod
     def build_kv_connector_stats(cls, data=None):
         return VllmExtStats(data=data) if data is not None else VllmExtStats()

@@ -25,6 +25,8 @@ from typing import Callable, Dict, Optional
 
 import torch
 
+from .compat import uses_v2_model_runner
+
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
 # How far up the call stack register_kv_caches looks for the model runner (V1: its caller;
@@ -132,7 +134,7 @@ def find(vllm_config) -> SeededStreams:
     if getattr(sampler, "use_fp64_gumbel", False) or getattr(getattr(sampler, "topk_topp_sampler", None),
                                                               "use_fp64_gumbel", False):
         tags.append("fp64")
-    if getattr(vllm_config, "use_v2_model_runner", False):
+    if uses_v2_model_runner(vllm_config):
         return SeededStreams(":".join(["position", *tags]))
     if vllm_config.device_config.device_type == "cuda":  # a CUDA generator's stream depends on the launch shape
         tags.append(torch.cuda.get_device_name().replace(":", " "))

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Set
 
 from ...lease import messages
 from ...lease.kv_params import migration_id_of
+from ..compat import resumed_req_ids
 from .leases import Digested, Lease
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
@@ -112,10 +113,7 @@ class MigrationSource:
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
         if cached is None:
             return
-        resumed = getattr(cached, "resumed_req_ids", None)
-        if resumed is None:  # releases with a per-request flag
-            flags = getattr(cached, "resumed_from_preemption", [])
-            resumed = {r for r, f in zip(cached.req_ids, flags) if f}
+        resumed = resumed_req_ids(cached)
         for req_id, new_ids in zip(cached.req_ids, cached.new_block_ids):
             mid = self._by_req.get(req_id)
             if mid is None or new_ids is None:
