@@ -33,3 +33,20 @@ class FaultInjectingConnector(VllmExtConnector):
         with open(path + ".done.tmp", "w") as f:
             f.write(" ".join(corrupted))
         os.replace(path + ".done.tmp", path + ".done")
+
+
+class OverrunConnector(VllmExtConnector):
+    """A decode server that sends past max_tokens: while the file named by VLLM_EXT_TEST_OVERRUN
+    exists, each new request's output limit in the scheduler is raised by that file's number of
+    tokens (the API server, which knows the request's max_tokens, is not told), so its answer
+    goes on past what the client asked for."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        path = os.environ.get("VLLM_EXT_TEST_OVERRUN", "")
+        if path and request.max_tokens == request.sampling_params.max_tokens:
+            try:
+                with open(path) as f:
+                    request.max_tokens += int(f.read() or "0")
+            except OSError:  # not there (any more): the request's own limit
+                pass
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)

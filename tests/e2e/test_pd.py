@@ -467,13 +467,16 @@ FLOOD_BLOCKS = 4  # each cheap request's prompt
 def bounded(request, tmp_path_factory):
     """A prefill server with a small cache (BOUNDED_CACHE_BLOCKS) and the default lease bound,
     whose steps that grant leases end late while the file `slow` names holds a number of seconds
-    (tests/e2e/busy_producer.py); a decode server with policy "fail" (a failed load is a failed
-    request); and the proxy before them."""
+    (tests/e2e/busy_producer.py), and whose leases' params name one token less while the file
+    `short` exists (the decode side's load then fails); a decode server with policy "fail" (a
+    failed load is a failed request) that sends a file `overrun`'s number of tokens past each
+    request's max_tokens while that file exists (tests/e2e/fault_connector.py); and the proxy
+    before them."""
     device = fleet.DEVICES[request.param]
     work = tmp_path_factory.mktemp(f"bounded-{device.name}")
     model = fleet.write_checkpoint(work / "model", device=device)
     fleet.write_word_tokenizer(model)
-    slow = work / "slow-grant"
+    slow, short, overrun = work / "slow-grant", work / "short-count", work / "overrun"
     lease_port = fleet.free_port()
     extra = {"lease_s": LEASE_S, "pull_timeout_s": PULL_TIMEOUT_S, "load_whole_blocks": False}
     started = []
@@ -481,15 +484,17 @@ def bounded(request, tmp_path_factory):
         prefill = fleet.start_vllm(
             "prefill", model, work, device=device, core="0", tokenizer=True, extra_pythonpath=str(ROOT),
             extra_args=["--no-enable-prefix-caching", "--num-gpu-blocks-override", str(BOUNDED_CACHE_BLOCKS)],
-            extra_env={"VLLM_EXT_TEST_SLOW_GRANT": str(slow)},
+            extra_env={"VLLM_EXT_TEST_SLOW_GRANT": str(slow), "VLLM_EXT_TEST_SHORT_COUNT": str(short)},
             kv_config={"kv_connector": "BusyProducerConnector", "kv_connector_module_path": "tests.e2e.busy_producer",
                        "kv_role": "kv_producer", "kv_connector_extra_config": dict(extra, lease_port=lease_port)})
         started.append(prefill)
         if device.sequential_start:
             prefill.wait_healthy()
         decode = fleet.start_vllm(
-            "decode", model, work, device=device, core="1", tokenizer=True,
-            kv_config={"kv_connector": "VllmExtConnector", "kv_role": "kv_consumer", "kv_load_failure_policy": "fail",
+            "decode", model, work, device=device, core="1", tokenizer=True, extra_pythonpath=str(ROOT),
+            extra_env={"VLLM_EXT_TEST_OVERRUN": str(overrun)},
+            kv_config={"kv_connector": "OverrunConnector", "kv_connector_module_path": "tests.e2e.fault_connector",
+                       "kv_role": "kv_consumer", "kv_load_failure_policy": "fail",
                        "kv_connector_extra_config": dict(extra, connect_to=[f"127.0.0.1:{lease_port}"])})
         started.append(decode)
         for server in started:
@@ -497,7 +502,7 @@ def bounded(request, tmp_path_factory):
         proxy = fleet.start_proxy("proxy", [prefill.url], [decode.url], work, device=device)
         started.append(proxy)
         proxy.wait_healthy(timeout=60)
-        yield {"prefill": prefill, "decode": decode, "proxy": proxy, "slow": slow}
+        yield {"prefill": prefill, "decode": decode, "proxy": proxy, "slow": slow, "short": short, "overrun": overrun}
     finally:
         for p in reversed(started):
             p.stop()
@@ -567,3 +572,72 @@ def test_pd_requests_on_a_saturated_host_are_answered(bounded):
     after = fleet.metrics(d)
     assert after["vllm:vllm_ext_failed_transfers_total"] == before.get("vllm:vllm_ext_failed_transfers_total", 0)
     assert after["vllm:vllm_ext_transfers_total"] - before.get("vllm:vllm_ext_transfers_total", 0) == len(cases)
+
+
+def test_the_proxy_ends_an_overrunning_decode_servers_answer_at_max_tokens(bounded):
+    """The decode server goes on 6 tokens past each request's max_tokens (asked directly it sends
+    max_tokens + 6): through the proxy a stream ends at max_tokens with the single instance's
+    tokens, finishing "length"; a whole answer, whose text the proxy cannot cut (this word-level
+    tokenizer's logprobs do not spell it), is a clear 502, never more than was asked."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, 1000) for _ in range(rng.randrange(40, 120))]
+    limit = 5
+    want, single = complete(bounded["prefill"].url, prompt, limit, ignore_eos=True)
+    bounded["overrun"].write_text("6")
+    try:
+        direct, _ = complete(bounded["decode"].url, prompt, limit, ignore_eos=True)
+        assert len(direct) == limit + 6, f"seed {seed}: the decode server did not overrun: {direct}"
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": limit, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        req = urllib.request.Request(bounded["proxy"].url + "/v1/completions",
+                                     data=json.dumps(dict(body, stream=True)).encode(),
+                                     headers={"Content-Type": "application/json"})
+        ids, text, finishes = [], "", []
+        with urllib.request.urlopen(req, timeout=fleet.REQUEST_TIMEOUT_S) as r:
+            for event in fleet.events(r):
+                assert "error" not in event, event
+                for choice in event.get("choices") or []:
+                    ids += choice.get("token_ids") or []
+                    text += choice.get("text") or ""
+                    finishes.append(choice.get("finish_reason"))
+        assert ids == want and finishes[-1] == "length", f"seed {seed}: {ids} != {want} ({finishes})"
+        assert text == single["choices"][0]["text"], f"seed {seed}: {text!r}"
+        status, answer = fleet.post(bounded["proxy"].url + "/v1/completions", body)
+        assert status == 502 and "past the client's max_tokens" in answer["error"]["message"], answer
+    finally:
+        bounded["overrun"].unlink()
+
+
+def test_a_failed_load_is_recomputed_once_through_the_proxy(bounded):
+    """With the decode server's policy "fail", a load that fails (the lease's params name a
+    prefix the producer did not lease: refused, the lease freed) fails the request there; through
+    the proxy the request is asked again without the remote KV, once, and answered with the single
+    instance's tokens, streamed or not; the producer's lease is gone."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    d, p = bounded["decode"].url, bounded["prefill"].url
+    cases = []
+    for streamed in (False, True):
+        n = rng.randrange(2, 8) * fleet.BLOCK_SIZE + rng.randrange(2, fleet.BLOCK_SIZE)  # one token less: same blocks
+        prompt = [rng.randrange(3, 1000) for _ in range(n)]
+        cases.append((streamed, prompt, complete(p, prompt)[0]))
+    before = fleet.metrics(d).get("vllm:vllm_ext_failed_transfers_total", 0)
+    bounded["short"].touch()
+    try:
+        _, leg = complete(p, cases[0][1], 1, kv_transfer_params={"do_remote_decode": True})
+        status, answer = fleet.post(d + "/v1/completions", {"model": "tiny", "prompt": cases[0][1], "max_tokens": 4,
+                                                           "kv_transfer_params": leg["kv_transfer_params"]})
+        assert_failed(status, answer)  # directly: the request is lost with its load
+        for streamed, prompt, want in cases:
+            got = stream(bounded["proxy"].url, prompt) if streamed else complete(bounded["proxy"].url, prompt)[0]
+            assert got == want, f"seed {seed}: stream={streamed}: {got} != {want}"
+    finally:
+        bounded["short"].unlink()
+    assert fleet.metrics(d)["vllm:vllm_ext_failed_transfers_total"] == before + 3
+    assert bounded["proxy"].log_tail(400).count("failed the request's KV load") == 2, bounded["proxy"].log_tail()
+    deadline = time.monotonic() + KV_DRAIN_TIMEOUT_S
+    while fleet.metrics(p).get("vllm:vllm_ext_leased_blocks", 0) != 0:
+        assert time.monotonic() < deadline, f"seed {seed}: P still leases {fleet.metrics(p)}"
+        time.sleep(0.2)
+

@@ -440,3 +440,149 @@ def test_a_body_too_large_gets_413_and_requests_over_the_limit_503_with_retry_af
         prefill_answer, decode, calls, settings=ProxySettings(max_requests=1, max_body_bytes=4096))
     assert s1 == 413 and "larger than 4096 bytes" in b1["error"]["message"]
     assert s2 == 503 and retry == "1" and "limit of 1 requests at once" in b2["error"]["message"]
+
+
+# ---- what a decode server can make the proxy relay or hold -------------------------------------
+def overrunning(tokens, extra_event=None):
+    """A decode server that streams `tokens` one per chunk (with vLLM's continuous usage when
+    asked), whatever max_tokens says, then `extra_event`, usage and [DONE]; the bodies it got."""
+    import json
+
+    from aiohttp import web
+
+    bodies = []
+
+    async def decode(request):
+        body = await request.json()
+        bodies.append(body)
+        usage = (body.get("stream_options") or {}).get("continuous_usage_stats")
+        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for n, token in enumerate(tokens, 1):
+            chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+                     "choices": [{"index": 0, "text": f"t{token} ", "token_ids": [token], "finish_reason": None}]}
+            if usage:
+                chunk["usage"] = {"prompt_tokens": 2, "completion_tokens": n, "total_tokens": 2 + n}
+            await out.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if extra_event is not None:
+            await out.write(extra_event)
+        await out.write(b'data: {"id": "cmpl-1", "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": '
+                        + str(len(tokens)).encode() + b"}}\n\ndata: [DONE]\n\n")
+        return out
+
+    return decode, bodies
+
+
+def _stream(proxy_body):
+    async def calls(session, url):
+        async with session.post(url + "/v1/completions", json=proxy_body) as r:
+            return r.status, (await r.read()).decode()
+    return calls
+
+
+def _events(text):
+    import json
+
+    return [json.loads(line[6:]) if line[6:] != "[DONE]" else "[DONE]"
+            for line in text.split("\n") if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("usage", [False, True])
+def test_a_stream_ends_at_the_clients_max_tokens_whatever_the_decode_server_sends(usage):
+    """The decode server sends 12 tokens for max_tokens 5: the client gets the first 5, the fifth
+    finishing "length", then [DONE] (and usage saying 5, when it asked for usage), nothing more."""
+    decode, bodies = overrunning(list(range(100, 112)))
+    body = {"model": "m", "prompt": "hi", "max_tokens": 5, "stream": True}
+    if usage:
+        body["stream_options"] = {"include_usage": True}
+    status, text = run_with_backends(prefill_answer, decode, _stream(body))
+    events = _events(text)
+    assert status == 200 and events[-1] == "[DONE]", text
+    chunks = [e for e in events[:-1] if e.get("choices")]
+    assert [c["choices"][0]["token_ids"] for c in chunks] == [[t] for t in range(100, 105)], text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in c for c in chunks), text  # the continuous usage the proxy asked for is not told
+    usage_events = [e for e in events[:-1] if not e.get("choices")]
+    assert [e["usage"]["completion_tokens"] for e in usage_events] == ([5] if usage else []), text
+    asked = bodies[0]["stream_options"]
+    assert asked["include_usage"] and asked["continuous_usage_stats"] and bodies[0]["max_tokens"] == 5
+
+
+def test_a_whole_answer_past_max_tokens_is_cut_or_refused():
+    """A whole answer of 9 tokens for max_tokens 3: cut where its logprobs' tokens spell its text
+    (usage says 3), a 502 when its text cannot be cut there (no logprobs)."""
+    import json
+
+    from aiohttp import web
+
+    tokens = [f" w{i}" for i in range(9)]
+
+    async def decode(request):
+        with_logprobs = (await request.json()).get("logprobs") is not None
+        logprobs = {"tokens": tokens, "token_logprobs": [0.0] * 9, "text_offset": [3 * i for i in range(9)]}
+        choice = {"index": 0, "text": "".join(tokens), "token_ids": list(range(9)), "finish_reason": "length",
+                  "logprobs": logprobs if with_logprobs else None}
+        return web.json_response({"choices": [choice], "usage": {"prompt_tokens": 2, "completion_tokens": 9}})
+
+    async def calls(session, url):
+        got = []
+        for extra in ({"logprobs": 0}, {}):
+            body = dict({"model": "m", "prompt": "hi", "max_tokens": 3, "return_token_ids": True}, **extra)
+            async with session.post(url + "/v1/completions", json=body) as r:
+                got.append((r.status, json.loads(await r.read())))
+        return got
+
+    (status, answer), (status2, refused) = run_with_backends(prefill_answer, decode, calls)
+    assert status == 200 and answer["choices"][0]["text"] == " w0 w1 w2" and answer["choices"][0]["token_ids"] == \
+        [0, 1, 2] and answer["usage"]["completion_tokens"] == 3, answer
+    assert status2 == 502 and "past the client's max_tokens" in refused["error"]["message"], refused
+
+
+def test_an_event_larger_than_the_proxy_holds_ends_the_stream_with_an_error():
+    """One event of the decode server over max_event_bytes: the stream ends with an error event
+    after what came before it; the proxy never holds it."""
+    from vllm_ext.router.settings import ProxySettings
+
+    decode, _ = overrunning([1, 2], extra_event=b"data: " + b"x" * (64 << 10) + b"\n\n")
+    status, text = run_with_backends(prefill_answer, decode, _stream({"model": "m", "prompt": "hi", "stream": True}),
+                                     settings=ProxySettings(max_event_bytes=16 << 10))
+    events = _events(text)
+    assert status == 200 and [e["choices"][0]["token_ids"] for e in events[:2]] == [[1], [2]], text
+    assert events[-1]["error"]["type"] == "BadGatewayError" and "larger than the proxy holds" in text, text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failed_load_is_asked_again_once_without_the_remote_kv(producer, stream):
+    """A decode server answers vLLM's internal error of a failed KV load (policy "fail"): the
+    proxy asks again, once, without kv_transfer_params, and releases the prefill lease; the
+    client gets the second answer."""
+    import json
+
+    from aiohttp import web
+
+    bodies = []
+
+    async def decode(request):
+        body = await request.json()
+        bodies.append(body)
+        failed = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
+                            "code": 500}}
+        if "kv_transfer_params" in body:
+            if not body.get("stream"):
+                return web.json_response(failed, status=500)
+            out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            await out.write(b"data: " + json.dumps(failed).encode() + b"\n\ndata: [DONE]\n\n")
+            return out
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": "computed"}]})
+        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(b'data: {"choices": [{"index": 0, "text": "computed", "finish_reason": "length"}]}\n\n'
+                        b"data: [DONE]\n\n")
+        return out
+
+    (status, raw), released = _decode_fails(producer, decode, body={"stream": stream})
+    assert status == 200 and b"computed" in raw and b"error" not in raw, raw
+    assert [("kv_transfer_params" in b) for b in bodies] == [True, False]
+    assert released == [LEASE]

@@ -188,6 +188,16 @@ async def read_bounded(response: aiohttp.ClientResponse, max_bytes: int) -> byte
     return b"".join(parts)
 
 
+async def read_event(response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    """The next event of a backend's stream, through its blank line (b"" at the end of the
+    stream); TooLarge past `max_bytes` (the connection is closed)."""
+    try:
+        return await response.content.readuntil(b"\n\n", max_size=max_bytes)
+    except aiohttp.http_exceptions.LineTooLong:
+        response.close()
+        raise TooLarge(f"an event of more than {max_bytes} bytes") from None
+
+
 def scrub_answer(raw: bytes, content_type: Optional[str]) -> bytes:
     """A backend's whole (not streamed) answer as the client gets it: without BACKEND_ONLY_FIELDS
     (vLLM's streams carry none of them)."""

@@ -11,13 +11,17 @@ the fields the prefill leg does not carry (stream_options without stream, bad or
 output limits, several choices: one lease serves one) is refused before the prefill server is
 asked; whenever the decode leg fails anyway (refused, unreachable, silent, the client left) the
 prefill server's lease is released at once over its lease channel (with the deployment secret,
-VLLM_EXT_AUTH_SECRET, as the router's). The client's Authorization and X-Request-Id headers go to
-both legs. A prefill server's error answer is relayed as is, one that is not JSON gives 502; a
-server that cannot be reached, or that has begun no answer after first_byte_s and answers no
-/health, is skipped with a log line and the next one tried (503 or 504 when none is left); a
-decode server that fails mid-stream ends the stream with an error event. Also serves /health and
-/v1/models; other routes get a JSON 404 as vLLM gives. Needs aiohttp (a vLLM dependency); does
-not import vLLM.
+VLLM_EXT_AUTH_SECRET, as the router's). A decode server that answers an internal error before
+any token (what vLLM answers a failed KV load under kv_load_failure_policy "fail") is asked once
+more, without the prefill server's KV: the decode side computes the prompt. The decode server's
+answer ends at the client's max_tokens (max_completion_tokens) whatever it sends, and no event of
+it larger than max_event_bytes is held (OutputLimit). The client's Authorization and
+X-Request-Id headers go to both legs. A prefill server's error answer is relayed as is, one that
+is not JSON gives 502; a server that cannot be reached, or that has begun no answer after
+first_byte_s and answers no /health, is skipped with a log line and the next one tried (503 or
+504 when none is left); a decode server that fails mid-stream ends the stream with an error
+event. Also serves /health and /v1/models; other routes get a JSON 404 as vLLM gives. Needs
+aiohttp (a vLLM dependency); does not import vLLM.
 """
 
 import argparse
@@ -46,6 +50,7 @@ from .http import (
     local_limit,
     openai_app,
     read_bounded,
+    read_event,
     scrub_answer,
     unless_client_leaves,
 )
@@ -119,6 +124,197 @@ def refusal(body: Dict[str, Any]) -> Optional[str]:
     return None
 
 
+def asked_limit(body: Dict[str, Any], chat: bool) -> Optional[int]:
+    """The output limit the client gave (None: none given), which the proxy enforces whatever the
+    decode server sends (refusal() has checked its type)."""
+    for name in ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",):
+        if body.get(name) is not None:
+            return body[name]
+    return None
+
+
+def _cut_choice(choice: Dict[str, Any], keep: int) -> bool:
+    """`choice` (of a stream chunk or a whole answer) cut to its first `keep` tokens, finishing
+    "length"; False when its text cannot be cut there (several tokens and no logprobs whose
+    tokens spell it), True when it was."""
+    keep = max(keep, 0)
+    holder = choice.get("delta") if isinstance(choice.get("delta"), dict) else \
+        choice.get("message") if isinstance(choice.get("message"), dict) else choice
+    key = "text" if holder is choice else "content"
+    text = holder.get(key)
+    logprobs = choice.get("logprobs")
+    ids = choice.get("token_ids")
+    if isinstance(ids, list):
+        choice["token_ids"] = ids[:keep]
+    tokens = None
+    if isinstance(logprobs, dict) and isinstance(logprobs.get("tokens"), list):  # completions
+        tokens = logprobs["tokens"]
+        choice["logprobs"] = {k: v[:keep] if isinstance(v, list) else v for k, v in logprobs.items()}
+    elif isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):  # chat
+        tokens = [t.get("token") if isinstance(t, dict) else None for t in logprobs["content"]]
+        choice["logprobs"] = dict(logprobs, content=logprobs["content"][:keep])
+    choice["finish_reason"], choice["stop_reason"] = "length", None
+    if not isinstance(text, str) or not text:
+        return True
+    if keep == 0:
+        holder[key] = ""
+        return True
+    if isinstance(tokens, list) and all(isinstance(t, str) for t in tokens) and "".join(tokens) == text:
+        holder[key] = "".join(tokens[:keep])
+        return True
+    return False
+
+
+class OutputLimit:
+    """What the proxy relays of the decode server's streamed answer: each choice's tokens up to
+    the client's limit (counted by the server's own per-chunk usage, which the decode leg asks
+    for, else by token ids, else one per chunk with text), the chunk that crosses it cut there
+    and finished "length", nothing after; the usage the client did not ask for taken out again."""
+
+    def __init__(self, limit: Optional[int], choices: int, want_usage: bool, want_continuous: bool):
+        self.limit, self.choices = limit, choices
+        self.want_usage, self.want_continuous = want_usage, want_continuous
+        self.counts: Dict[int, int] = {}
+        self.cut: Set[int] = set()  # choices ended here (the server sent past their limit)
+        self.prompt_tokens: Optional[int] = None
+        self.last: Dict[str, Any] = {}  # id, object, created, model of the last chunk
+        self.overran = False
+
+    @property
+    def done(self) -> bool:
+        """Every choice has been ended by the proxy: nothing more of the server is relayed."""
+        return len(self.cut) >= self.choices
+
+    def shape(self, event: bytes) -> bytes:
+        """An event of the server (b"data: ...\n\n") as the client gets it (b"": nothing)."""
+        out = []
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                out.append(line)
+                continue
+            data = line[5:].strip()
+            try:
+                chunk = json.loads(data) if data != b"[DONE]" else None
+            except ValueError:
+                chunk = None
+            if not isinstance(chunk, dict) or "error" in chunk:
+                out.append(line)
+                continue
+            shaped = self._chunk(chunk)
+            if shaped is not None:
+                out.append(b"data: " + json.dumps(shaped).encode())
+        lines = [x for x in out if x]
+        return b"\n".join(lines) + b"\n\n" if lines else b""
+
+    def _chunk(self, chunk: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        usage = chunk.get("usage") if isinstance(chunk.get("usage"), dict) else None
+        if usage is not None and isinstance(usage.get("prompt_tokens"), int):
+            self.prompt_tokens = usage["prompt_tokens"]
+        self.last = {k: chunk[k] for k in ("id", "object", "created", "model") if k in chunk}
+        choices = chunk.get("choices") if isinstance(chunk.get("choices"), list) else []
+        if not choices:  # the usage chunk at the end
+            if not self.want_usage:
+                return None
+            if usage is not None and self.limit is not None:
+                done = sum(min(n, self.limit) for n in self.counts.values())
+                chunk["usage"] = dict(usage, completion_tokens=done, total_tokens=(self.prompt_tokens or 0) + done)
+            return chunk
+        kept = []
+        for choice in choices:
+            if not isinstance(choice, dict):
+                kept.append(choice)
+                continue
+            i = choice.get("index", 0)
+            if i in self.cut:
+                continue  # the server goes on past the limit: nothing more of this choice
+            before = self.counts.get(i, 0)
+            ids = choice.get("token_ids")
+            holder = choice.get("delta") if isinstance(choice.get("delta"), dict) else choice
+            if usage is not None and len(choices) == 1 and isinstance(usage.get("completion_tokens"), int):
+                now = usage["completion_tokens"]
+            elif isinstance(ids, list):
+                now = before + len(ids)
+            else:
+                now = before + (1 if holder.get("text") or holder.get("content") else 0)
+            self.counts[i] = now
+            if self.limit is not None and (now > self.limit or (now == self.limit and not choice.get("finish_reason"))):
+                if not self.overran:  # at the limit, unfinished: it would go on
+                    self.overran = True
+                    logger.warning("the decode server went on past the client's max_tokens (%d): cut there",
+                                   self.limit)
+                _cut_choice(choice, self.limit - before)  # a text that cannot be cut is kept whole
+                self.counts[i] = self.limit
+                self.cut.add(i)
+            kept.append(choice)
+        if not kept:
+            return None
+        chunk["choices"] = kept
+        if not self.want_continuous:
+            chunk.pop("usage", None)
+        elif usage is not None and self.limit is not None and isinstance(usage.get("completion_tokens"), int) \
+                and usage["completion_tokens"] > self.limit:
+            chunk["usage"] = dict(usage, completion_tokens=self.limit,
+                                  total_tokens=(self.prompt_tokens or 0) + self.limit)
+        return chunk
+
+    def end(self) -> bytes:
+        """What ends the client's stream once the proxy ended every choice: the usage chunk (when
+        the client asked for it) and [DONE]."""
+        tail = b""
+        if self.want_usage:
+            done = sum(self.counts.values())
+            usage = {"prompt_tokens": self.prompt_tokens or 0, "completion_tokens": done,
+                     "total_tokens": (self.prompt_tokens or 0) + done}
+            tail = b"data: " + json.dumps(dict(self.last, choices=[], usage=usage)).encode() + b"\n\n"
+        return tail + b"data: [DONE]\n\n"
+
+
+def limit_answer(raw: bytes, limit: Optional[int]) -> Optional[bytes]:
+    """A whole (not streamed) answer of the decode server cut to the client's limit: `raw` when
+    within it, the cut answer, or None when a choice went past it and its text cannot be cut."""
+    if limit is None:
+        return raw
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        return raw
+    choices = body.get("choices") if isinstance(body, dict) else None
+    if not isinstance(choices, list):
+        return raw
+    usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
+    changed = False
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            n = len(ids)
+        elif usage is not None and len(choices) == 1 and isinstance(usage.get("completion_tokens"), int):
+            n = usage["completion_tokens"]
+        else:
+            continue
+        if n > limit:
+            logger.warning("the decode server answered past the client's max_tokens (%d tokens, %d asked)", n, limit)
+            if not _cut_choice(choice, limit):
+                return None
+            changed = True
+    if not changed:
+        return raw
+    if usage is not None and len(choices) == 1:
+        prompt = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else 0
+        body["usage"] = dict(usage, completion_tokens=limit, total_tokens=prompt + limit)
+    return json.dumps(body).encode()
+
+
+def _failed_load(status: int, body: Any) -> bool:
+    """Whether the decode server's answer (its status, its JSON error) is vLLM's to a request whose
+    KV load failed under kv_load_failure_policy "fail": an internal error before any token."""
+    error_ = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error_, dict):
+        return False
+    return status >= 500 or error_.get("code") in (500, "500") or error_.get("type") == "InternalServerError"
+
+
 class Proxy:
     def __init__(self, prefill: Pool, decode: Pool, settings: ProxySettings, secret: Optional[bytes] = None):
         self.prefill, self.decode, self.settings = prefill, decode, settings
@@ -128,6 +324,7 @@ class Proxy:
         self._lease_clients: Dict[Tuple[str, int], LeaseClient] = {}
         self._releasing: Set[asyncio.Task] = set()
         self.released = 0  # leases released after a failed decode leg, since start
+        self.retried = 0  # requests asked again without remote KV after a failed load, since start
 
     async def start(self, app) -> None:
         self.session = backend_session(self.settings.timeout_s)
@@ -187,6 +384,9 @@ class Proxy:
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         decode_body = dict(body)
         decode_body.pop("kv_transfer_params", None)  # a client's own never reach a decode server
+        if body.get("stream"):  # the server's own count of each chunk's tokens (OutputLimit)
+            opts = body.get("stream_options") or {}
+            decode_body["stream_options"] = dict(opts, include_usage=True, continuous_usage_stats=True)
         if isinstance(params, dict):
             decode_body["kv_transfer_params"] = params
         else:
@@ -194,8 +394,18 @@ class Proxy:
                            "the decode server computes the prompt itself")
         served = False
         try:
-            response, served = await self._decode(request, path, decode_body, headers)
-            return response
+            response, served = await self._decode(request, path, decode_body, headers, body)
+            if isinstance(response, FailedLoad) and isinstance(params, dict):
+                # vLLM's kv_load_failure_policy "fail" lost the request with its load: once more, without
+                # the remote KV (the decode server computes the prompt)
+                logger.warning("decode server %s failed the request's KV load (%s): asking again without the "
+                               "prefill server's KV", response.url, response.message)
+                self.retried += 1
+                self._release(params)
+                params = None
+                decode_body.pop("kv_transfer_params", None)
+                response, served = await self._decode(request, path, decode_body, headers, body)
+            return response.response if isinstance(response, FailedLoad) else response
         finally:
             if not served:  # also when the client left (this handler cancelled)
                 self._release(params)
@@ -234,14 +444,14 @@ class Proxy:
             return False
 
     async def _begin(self, backend: Backend, path: str, body: Dict, headers: Dict[str, str]):
-        """(the backend's answer, its first bytes: b"" unless a streamed 200); Stalled when
+        """(the backend's answer, its first event: b"" unless a streamed 200); Stalled when
         nothing of it came within first_byte_s and the backend answers no /health."""
         stream = bool(body.get("stream"))
 
         async def begin():
             r = await self.session.post(backend.url + path, json=body, headers=headers)
             try:
-                first = await r.content.readany() if stream and r.status == 200 else b""
+                first = await read_event(r, self.settings.max_event_bytes) if stream and r.status == 200 else b""
             except BaseException:
                 r.close()
                 raise
@@ -295,10 +505,15 @@ class Proxy:
                          "GatewayTimeoutError")
         return error(503, "no prefill server is reachable", "ServiceUnavailableError")
 
-    async def _decode(self, request: web.Request, path: str, body: Dict,
-                      headers: Dict[str, str]) -> Tuple[web.StreamResponse, bool]:
-        """The client's answer, and whether the decode server served it (200, relayed whole)."""
+    async def _decode(self, request: web.Request, path: str, body: Dict, headers: Dict[str, str],
+                      asked: Dict) -> Tuple[Any, bool]:
+        """The client's answer (a FailedLoad when the server answered an internal error before any
+        token to a body with remote KV), and whether the decode server served it (200, relayed whole). `asked`: the
+        client's own body (its limit, the usage it wants)."""
         stream = bool(body.get("stream"))
+        chat = path.endswith("/chat/completions")
+        limit = asked_limit(asked, chat)
+        remote = "kv_transfer_params" in body  # a failed load can be asked again without it
         stalled = False
         for backend in self.decode.candidates():
             backend.in_flight += 1
@@ -311,16 +526,37 @@ class Proxy:
                         if r.status != 200:
                             logger.info("decode server %s refused a request (%d): %s", backend.url, r.status,
                                         raw[:300])
-                        return web.Response(status=r.status, body=scrub_answer(raw, r.content_type),
-                                            content_type=r.content_type or "application/json"), r.status == 200
+                            failed = _json_or_none(raw)
+                            if remote and _failed_load(r.status, failed):
+                                return FailedLoad(backend.url, r.status, failed, raw, r.content_type), False
+                            return web.Response(status=r.status, body=scrub_answer(raw, r.content_type),
+                                                content_type=r.content_type or "application/json"), False
+                        raw = limit_answer(scrub_answer(raw, r.content_type), limit)
+                        if raw is None:
+                            return error(502, "the decode server answered past the client's max_tokens",
+                                         "BadGatewayError"), False
+                        return web.Response(status=200, body=raw, content_type=r.content_type or "application/json"), \
+                            True
+                    shaper = OutputLimit(limit, _prompts(asked, chat), _wants(asked, "include_usage"),
+                                         _wants(asked, "continuous_usage_stats"))
+                    event = first
+                    failed = _error_event(event)
+                    if remote and failed is not None and _failed_load(500, failed):
+                        return FailedLoad(backend.url, 500, failed, json.dumps(failed).encode(),
+                                          "application/json"), False
                     out = web.StreamResponse(status=200, headers={
                         "Content-Type": r.headers.get("Content-Type", "text/event-stream"),
                         "Cache-Control": "no-cache"})
                     await _to_client(out.prepare(request))
-                    if first:
-                        await _to_client(out.write(first))
-                    async for chunk in r.content.iter_any():
-                        await _to_client(out.write(chunk))
+                    while event:
+                        shaped = shaper.shape(event)
+                        if shaped:
+                            await _to_client(out.write(shaped))
+                        if shaper.done:  # the server sent past the limit: the rest is the proxy's
+                            r.close()
+                            await _to_client(out.write(shaper.end()))
+                            break
+                        event = await read_event(r, self.settings.max_event_bytes)
                     await _to_client(out.write_eof())
                     return out, True
                 finally:
@@ -330,6 +566,9 @@ class Proxy:
                 return out if out is not None else web.Response(status=499), False
             except TooLarge as e:
                 logger.warning("decode server %s sent %s", backend.url, e)
+                if out is not None:
+                    await _end_with_error(out, "the decode server sent an event larger than the proxy holds")
+                    return out, False
                 return error(502, "the decode server's answer is too large", "BadGatewayError"), False
             except Stalled as e:
                 stalled = True
@@ -337,13 +576,7 @@ class Proxy:
             except BACKEND_ERRORS as e:
                 if out is not None:  # part of the stream went out already: it ends here, with an error event
                     logger.warning("decode server %s failed mid-stream (%s: %s)", backend.url, type(e).__name__, e)
-                    event = {"error": {"message": f"the decode server failed mid-stream: {type(e).__name__}",
-                                       "type": "BadGatewayError", "param": None, "code": 502}}
-                    try:
-                        await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-                        await out.write_eof()
-                    except (ConnectionError, RuntimeError) as e2:  # the client left meanwhile
-                        logger.debug("could not end the stream: %s", e2)
+                    await _end_with_error(out, f"the decode server failed mid-stream: {type(e).__name__}")
                     return out, False
                 if local_limit(e) is not None:
                     return busy(f"the proxy is at a local limit ({local_limit(e).strerror}): retry later"), False
@@ -355,6 +588,57 @@ class Proxy:
             return error(504, f"no decode server answered within {self.settings.first_byte_s:g} s",
                          "GatewayTimeoutError"), False
         return error(503, "no decode server is reachable", "ServiceUnavailableError"), False
+
+
+class FailedLoad:
+    """A decode server's internal error before any token (vLLM's answer to a failed KV load
+    under kv_load_failure_policy "fail"): asked once more without remote KV, else relayed."""
+
+    def __init__(self, url: str, status: int, body: Any, raw: bytes, content_type: Optional[str]):
+        self.url, self.status = url, status
+        error_ = body.get("error") if isinstance(body, dict) else None
+        self.message = str(error_.get("message") if isinstance(error_, dict) else body)[:300]
+        self.response = web.Response(status=status, body=raw, content_type=content_type or "application/json")
+
+
+def _json_or_none(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+def _error_event(event: bytes) -> Optional[Dict[str, Any]]:
+    """The error object of a stream's event (`data: {"error": ...}`), None when it is none."""
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:") and b'"error"' in line:
+            data = _json_or_none(line[5:].strip())
+            if isinstance(data, dict) and isinstance(data.get("error"), dict):
+                return data
+    return None
+
+
+def _wants(body: Dict[str, Any], option: str) -> bool:
+    opts = body.get("stream_options")
+    return isinstance(opts, dict) and bool(opts.get(option))
+
+
+def _prompts(body: Dict[str, Any], chat: bool) -> int:
+    """How many choices a request's answer has (one per prompt of a completion's list)."""
+    prompt = body.get("prompt")
+    if chat or not isinstance(prompt, list) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
+
+
+async def _end_with_error(out: web.StreamResponse, message: str) -> None:
+    """Ends a stream already begun with an error event (as vLLM ends one that fails)."""
+    event = {"error": {"message": message, "type": "BadGatewayError", "param": None, "code": 502}}
+    try:
+        await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        await out.write_eof()
+    except (ConnectionError, RuntimeError) as e:  # the client left meanwhile
+        logger.debug("could not end the stream: %s", e)
 
 
 async def _to_client(write) -> None:
