@@ -56,26 +56,30 @@ def start_instance(name, model, work, *, core, lease_ports, faults, lease_s, dev
                                                  "lease_s": lease_s, "pull_timeout_s": 20.0}})
 
 
-def start_pair(work, model, *, lease_s, extra_args=(), router_args=(), proxy=False):
+def start_pair(work, model, *, lease_s, extra_args=(), router_args=(), proxy=False, device=fleet.CPU):
     """Instances A (core 0) and B (core 1) of `model` (start_instance) behind a router (its
     `router_args`) and, with `proxy`, the P/D proxy (A prefills, B decodes); yields the cluster
-    (A, B, router, proxy, work, leases: name -> host:port, model) and stops it all at the end."""
+    (A, B, router, proxy, work, leases: name -> host:port, model, device) and stops it all at the
+    end. On a GPU (`device`: fleet.DEVICES) both share it, started one after the other."""
     ports = {name: fleet.free_port() for name in "AB"}
     faults = fault_files(work)
     started = []
     try:
         for name, core in (("A", "0"), ("B", "1")):
             started.insert(0, start_instance(name, model, work, core=core, lease_ports=ports, faults=faults,
-                                             lease_s=lease_s, extra_args=extra_args))
+                                             lease_s=lease_s, device=device, extra_args=extra_args))
+            if device.sequential_start:  # vLLM sizes its cache from the GPU memory free when it starts
+                started[0].wait_healthy()
         b, a = started
         a.wait_healthy()
         b.wait_healthy()
         leases = {n: f"127.0.0.1:{p}" for n, p in ports.items()}
         router = start_router(work, "router", [a.url, b.url], [leases["A"], leases["B"]], *router_args)
         started.insert(0, router)
-        cluster = {"A": a, "B": b, "router": router, "work": work, "leases": leases, "model": model, **faults}
+        cluster = {"A": a, "B": b, "router": router, "work": work, "leases": leases, "model": model,
+                   "device": device, **faults}
         if proxy:
-            cluster["proxy"] = fleet.start_proxy("proxy", [a.url], [b.url], work)
+            cluster["proxy"] = fleet.start_proxy("proxy", [a.url], [b.url], work, device=device)
             started.insert(0, cluster["proxy"])
             cluster["proxy"].wait_healthy(timeout=60)
         yield cluster

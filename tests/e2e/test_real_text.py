@@ -8,9 +8,13 @@ Two models, each on two kv_both instances behind the router (live_cluster.py), o
                   back often; many moves by every way a request moves (pre-copy, stop-and-copy,
                   recompute, a drain, the balancer, a recovery after a cut connection and after
                   a killed instance), chosen to switch inside runs of held-back text;
+  TestSlowDetokenizer  the tiny model with a Python byte tokenizer (vLLM's slow detokenizer
+                  serves it): moves inside held-back runs;
   TestRealModel   SmolLM2-135M-Instruct in float32 (fleet.real_model_folder: a greedy oracle),
                   a handful of cases: P/D through the proxy (A prefills, B decodes) equal to a
                   single server, and moved chat and completions, streamed and not.
+TestByteLevel and TestRealModel run on the CPU and, marked gpu, on one GPU (both instances on
+it, float32): tools/gpu/connector-e2e.sh with TESTS=tests/e2e/test_real_text.py.
 
 Where a request switched is known afterwards (its migration's stop_tokens); `held_back` says
 whether the client's text then lacked bytes of its last tokens. Prompts and move points are
@@ -37,6 +41,7 @@ MULTI_BYTE = "aé 中文 日本語 🙂 👍🏽 ∑ ok"
 MOVES = ({}, {"stages": 0}, {"recompute": True})  # pre-copy (the router's stages), stop-and-copy, recompute
 BYTE_MAX_TOKENS = 400  # the byte-level model: ~150 tokens a second a core; moves come at 15-80
 REAL_MAX_TOKENS = 40  # the real model: ~18 tokens a second a core in float32
+STRADDLE_TOKENS = 200  # the byte-level model's stop strings that straddle a switch: over a second of tokens
 
 
 @pytest.fixture
@@ -196,14 +201,18 @@ def straddles(ends, start, end, at):
     return at is not None and began <= at < completed
 
 
-def assert_stop_tokens(got_ids, want_ids, straddled, context):
-    """The tokens up to the one that completes the stop string are the single instance's, and so
-    is their number (the backend ended its leg there), unless the stop string straddled the
-    switch: the router finds it then, and where the destination sent several tokens in one
-    chunk (its API server fell behind its engine) it cannot tell which completed it: the client
-    keeps them all (openai.py)."""
-    assert got_ids[:len(want_ids)] == want_ids, context
-    assert straddled or len(got_ids) == len(want_ids), context
+def assert_stop_tokens(got_ids, want_ids, context):
+    """The tokens up to the one that completes the stop string are the single instance's, and
+    no more: also where the stop string straddled the switch (the router sends the destination
+    the end of the client's text, and the connector's detokenizer ends the leg at that token,
+    however many tokens a chunk of the destination holds)."""
+    assert got_ids == want_ids, context
+
+
+def stops_ended(url):
+    """How many requests `url`'s engine ended on a stop string (vLLM's finished_reason "stop")."""
+    return sum(value for key, value in fleet.metrics(url).items()
+               if key.startswith("vllm:request_success_total{") and 'finished_reason="stop"' in key)
 
 
 def move(cluster, path, body, k, streamed, **how):
@@ -238,12 +247,19 @@ def multi_byte(rng, n=60):
     return "".join(rng.choice(LETTERS + MULTI_BYTE) for _ in range(n))
 
 
-@pytest.fixture(scope="class")
-def tiny(tmp_path_factory):
-    work = tmp_path_factory.mktemp("text-byte-level")
+# Each class runs on each device of fleet.DEVICES: the CPU, and one GPU (marked gpu; both
+# instances share it, ipc). Both models are served in float32 there too: greedy oracles.
+DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
+FLOAT32 = ("--dtype", "float32")
+
+
+@pytest.fixture(scope="class", params=DEVICES)
+def tiny(request, tmp_path_factory):
+    device = fleet.DEVICES[request.param]
+    work = tmp_path_factory.mktemp(f"text-byte-level-{device.name}")
     fleet.write_chat_model(work / "model")
-    yield from start_pair(work, work / "model", lease_s=LEASE_S, extra_args=(
-        "--max-model-len", str(fleet.models.CHAT_MODEL_MAX_POSITIONS)))
+    yield from start_pair(work, work / "model", lease_s=LEASE_S, device=device, extra_args=(
+        "--max-model-len", str(fleet.models.CHAT_MODEL_MAX_POSITIONS), *FLOAT32))
 
 
 @pytest.fixture(scope="class")
@@ -359,15 +375,66 @@ class TestByteLevel:
             context = f"stop {stop!r} {body['min_tokens']=} moved at {k} ({how}): {record}"
             assert got["text"] == want["text"], context
             assert (got["finish_reason"], got["stop_reason"]) == ("stop", stop), context
-            begins = len(want["text"]) - (len(stop) if body["include_stop_str_in_output"] else 0)
             moved.append(moved_or_ended(status, record, len(got["token_ids"]), len(got["token_ids"])))
-            straddled = straddles(ends, begins, begins + len(stop), switch_point(record, want_usage))
-            assert_stop_tokens(got["token_ids"], want["token_ids"], straddled, context)
-            assert usage["prompt_tokens"] == want_usage["prompt_tokens"], context
-            assert usage["completion_tokens"] == len(got["token_ids"]), context
-            assert_same_logprobs({key: value[:n] for key, value in got["logprobs"].items()}, want["logprobs"],
-                                 context)
+            assert_stop_tokens(got["token_ids"], want["token_ids"], context)
+            assert counts(usage) == want_usage, context
+            assert_same_logprobs(got["logprobs"], want["logprobs"], context)
         assert any(moved), "each request ended before its move"
+
+    def test_a_stop_string_straddling_the_hand_off(self, tiny, tokenizer, rng):
+        """A stop string that begins in the text the client has at the switch and ends in the
+        destination's, for completions (logprobs too) and chat, streamed and not: the text,
+        token ids, usage, finish and stop reason and logprobs are the unmoved request's, and the
+        destination's engine ended the leg on the stop string itself (the router sent it the
+        end of the client's text): without that the leg runs past the stop string and the
+        router keeps every token of the chunk that completes it. Each case tries up to three
+        moves until one switches inside the stop string."""
+        cases = [("/v1/completions", True), ("/v1/completions", False), ("/v1/chat/completions", True),
+                 ("/v1/chat/completions", False)]
+        for i, (path, streamed) in enumerate(cases):
+            tries, drawn = [], 0
+            while len(tries) < 3 and drawn < 10:
+                drawn += 1
+                # one top logprob (greedy: the chosen token's): a random model's runners-up are near ties
+                extra = {"logprobs": 1} if path == "/v1/completions" else {}
+                body = body_of(path, letters(rng, 60), BYTE_MAX_TOKENS, **extra)
+                free, _ = answer(tiny["A"].url, path, body)
+                ends = emitted_ends(tokenizer, free["token_ids"])
+                k = rng.randrange(15, 40)
+                start, end = ends[k - 3], ends[k + STRADDLE_TOKENS]
+                stop = text_of(free)[start:end]
+                if not stop or text_of(free).find(stop) != start:
+                    continue  # the text repeats itself: another prompt
+                stopped = dict(body, stop=[stop])
+                want, want_usage = answer(tiny["A"].url, path, stopped)
+                assert (want["finish_reason"], text_of(want)) == ("stop", text_of(free)[:start]), (stop, want)
+                stops_before = {url: stops_ended(url) for url in (tiny["A"].url, tiny["B"].url)}
+                how = MOVES[1 + (i + len(tries)) % 2]  # stop-and-copy or recompute: the quicker switches
+                if streamed:
+                    s, status, record = move_streamed(tiny, path, stopped, k, **how)
+                    got = {"text": s.text, "token_ids": s.ids, "finish_reason": s.finish,
+                           "stop_reason": s.choices[-1].get("stop_reason"), "logprobs": merged_logprobs(s.choices)}
+                    usage = counts(s.usage)
+                else:
+                    got, usage, status, record = move_unstreamed(tiny, path, stopped, k, **how)
+                context = f"{path} {'streamed' if streamed else 'whole'}, stop of {len(stop)} characters, " \
+                          f"moved at {k} ({how}): {record}"
+                assert text_of(got) == text_of(want), context
+                assert (got["finish_reason"], got["stop_reason"]) == ("stop", stop), context
+                assert_stop_tokens(got["token_ids"], want["token_ids"], context)
+                assert usage == want_usage, context
+                if extra:
+                    assert_same_logprobs(got["logprobs"], want["logprobs"], context)
+                moved = moved_or_ended(status, record, len(got["token_ids"]), len(got["token_ids"]))
+                at = switch_point(record, want_usage) if moved else None
+                tries.append((k, at))
+                if straddles(ends, start, end, at):
+                    destination = record["destination"]
+                    assert stops_ended(destination) > stops_before[destination], \
+                        f"{context}: the destination did not end the leg on the stop string"
+                    break
+            else:
+                raise AssertionError(f"{path}: no switch fell inside the stop string (move asked at, switch): {tries}")
 
     def test_requests_whose_text_a_move_would_change_stay_and_say_why(self, tiny, rng):
         """echo and chat logprobs are relayed as is (GET /requests lists them as not movable,
@@ -461,6 +528,74 @@ class TestByteLevel:
         assert s.usage == want_usage
 
 
+# ---- a tokenizer that vLLM detokenizes with its slow path --------------------------------------------
+# A Python byte tokenizer (ByT5's) that decodes bytes that are no character yet to U+FFFD, as most
+# do: not `tokenizers`-backed, so vLLM's slow incremental detokenizer serves it.
+REPLACING_TOKENIZER = '''from transformers import ByT5Tokenizer
+
+
+class ReplacingByteTokenizer(ByT5Tokenizer):
+    def convert_tokens_to_string(self, tokens):
+        data = b"".join(bytes([ord(t)]) if len(t) == 1 and ord(t) < 256 else t.encode() for t in tokens)
+        return data.decode("utf-8", errors="replace")
+'''
+SLOW_MAX_POSITIONS = 1024
+
+
+def write_python_tokenizer_model(path, seed=0):
+    """The tiny random Llama with ReplacingByteTokenizer (the folder's own code: served with
+    --trust-remote-code)."""
+    import json
+
+    from transformers import ByT5Tokenizer
+
+    tokenizer = ByT5Tokenizer()
+    config = dict(fleet.TINY, vocab_size=len(tokenizer), max_position_embeddings=SLOW_MAX_POSITIONS,
+                  bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    fleet.models.random_llama(config, seed, "bfloat16").save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    (path / "tokenization_replacing.py").write_text(REPLACING_TOKENIZER)
+    settings = json.loads((path / "tokenizer_config.json").read_text())
+    settings.update(tokenizer_class="ReplacingByteTokenizer",
+                    auto_map={"AutoTokenizer": ["tokenization_replacing.ReplacingByteTokenizer", None]})
+    (path / "tokenizer_config.json").write_text(json.dumps(settings))
+    return path
+
+
+@pytest.fixture(scope="class")
+def python_tokenizer_pair(tmp_path_factory):
+    work = tmp_path_factory.mktemp("text-slow-detokenizer")
+    model = write_python_tokenizer_model(work / "model")
+    yield from start_pair(work, model, lease_s=LEASE_S, extra_args=(
+        "--trust-remote-code", "--max-model-len", str(SLOW_MAX_POSITIONS), *FLOAT32))
+
+
+class TestSlowDetokenizer:
+    def test_moves_inside_held_back_runs_keep_the_text(self, python_tokenizer_pair, rng):
+        """vLLM's slow detokenizer (a Python tokenizer) held text back too: requests moved inside
+        such runs, streamed and not, keep the unmoved text (the connector primes it as a stream
+        that generated the prompt's last tokens; vLLM's own priming drops the held-back text)."""
+        from transformers import AutoTokenizer
+
+        pair = python_tokenizer_pair
+        assert any("Using a slow tokenizer" in log.read_text(errors="replace")
+                   for log in pair["work"].glob("A*.log")), "A does not detokenize with vLLM's slow path"
+        tokenizer = AutoTokenizer.from_pretrained(pair["model"], trust_remote_code=True)
+        inside = []
+        for i, streamed in enumerate((True, False, True)):
+            body, want, want_usage, points = held_case(pair, tokenizer, rng, "/v1/completions", letters,
+                                                       max_tokens=BYTE_MAX_TOKENS // 2)
+            k = rng.choice(points)
+            how = MOVES[1 + i % 2]
+            (text, ids, usage), status, record = move(pair, "/v1/completions", body, k, streamed, **how)
+            context = f"{'streamed' if streamed else 'whole'}, moved at {k} ({how}): {record}"
+            assert_same_text(text, ids, want, context)
+            assert counts(usage) == want_usage, context
+            if moved_or_ended(status, record, len(ids), BYTE_MAX_TOKENS // 2):
+                inside.append(held_back(tokenizer, want["token_ids"], switch_point(record, want_usage)))
+        assert any(inside), inside
+
+
 # ---- the real model -------------------------------------------------------------------------------------
 WORDS = ("the river carries light stone across quiet valleys where old towns keep their bells and "
          "markets open early under tall trees while travellers count coins and stories").split()
@@ -475,10 +610,12 @@ def long_text(rng, words=340):
     return " ".join(rng.choice(WORDS) for _ in range(words)) + ". Summarize this in one sentence:"
 
 
-@pytest.fixture(scope="class")
-def real(tmp_path_factory):
-    work = tmp_path_factory.mktemp("text-real")
-    yield from start_pair(work, fleet.real_model_folder(say=lambda message: None), lease_s=LEASE_S, proxy=True)
+@pytest.fixture(scope="class", params=DEVICES)
+def real(request, tmp_path_factory):
+    device = fleet.DEVICES[request.param]
+    work = tmp_path_factory.mktemp(f"text-real-{device.name}")
+    yield from start_pair(work, fleet.real_model_folder(say=lambda message: None), lease_s=LEASE_S, proxy=True,
+                          device=device, extra_args=FLOAT32)
 
 
 def through(url, path, body, streamed):
@@ -557,7 +694,8 @@ class TestRealModel:
             assert (s.finish, s.choices[-1].get("stop_reason")) == ("stop", stop), context
             at = switch_point(record, want_usage) if moved_or_ended(status, record, len(s.ids), len(s.ids)) else None
             straddled = straddles(ends, start, end, at)
-            assert_stop_tokens(s.ids, want["token_ids"], straddled, context)
+            assert_stop_tokens(s.ids, want["token_ids"], context)
+            assert counts(s.usage) == want_usage, context
             switches.append((k, at))
             if straddled:
                 return

