@@ -8,13 +8,14 @@ import time
 
 import torch
 
+from ..common import noise
 from ..common import report as common_report
 from ..common.geometry import BLOCK_NBYTES, GEOMETRY
 from ..common.runner import log, run_two
 from .destination import dest_main
 from .llumnix import LLUMNIX
 from .rayrpc import measure_rayrpc
-from .report import BIG_BLOCKS, RAY_CEILING, markdown, plot
+from .report import BIG_BLOCKS, RAY_CEILING, markdown, plot, ratios_above_ceiling, spreads
 from .source import source_main
 
 
@@ -105,6 +106,7 @@ def main():
             else f"CPU, {os.cpu_count()} cores")
     log(f"migration benchmark: {mode}; backends {backends}; {samples} samples per size; "
         f"geometry {GEOMETRY} bf16 = 8 MiB per block")
+    host = noise.Host()  # before any work of ours: the load others put on the host
     start = time.time()
 
     proc_backends = [b for b in backends if b != "rayrpc"]
@@ -130,13 +132,16 @@ def main():
             notes.append("rayrpc ran on host caches here (the GPU machine has Ray).")
 
     report = {
-        "meta": {"mode": mode, "geometry": GEOMETRY, "dtype": "bfloat16", "options": args.options,
+        "meta": {"mode": mode, "gpus": gpu_mode, "geometry": GEOMETRY, "dtype": "bfloat16", "options": args.options,
                  "block_nbytes": BLOCK_NBYTES, "samples": samples, "backends": backends,
                  "seconds": round(time.time() - start, 1)},
         "table_sizes": plan["table"], "results": results, "fixed": fixed, "notes": notes,
         "error": error,
         "llumnix_published": {k: {str(s): v for s, v in d.items()} for k, d in LLUMNIX.items()},
     }
+    report["host"] = host.verdict(spreads(report), ratios_above_ceiling(report))
+    if report["host"]["noisy"]:
+        log("NOISY HOST: " + "; ".join(report["host"]["reasons"]))
     md = markdown(report)
     log("\n" + md)
     name = "migration-1gpu" if gpu_mode == 1 else common_report.stem("migration", not gpu_mode)

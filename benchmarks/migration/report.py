@@ -1,6 +1,8 @@
 """The migration report: the speed table with ratios to ceilings and to Llumnix, the fixed
-costs, and the plot."""
+costs, whether the host was noisy (common/noise.py), and the plot. Llumnix's published figures
+are a GPU machine's: a run on host caches prints them but no ratio to them."""
 
+from ..common import noise
 from ..common.geometry import BLOCK_NBYTES, GIB
 from ..common.report import pyplot, save_figure
 from .llumnix import LLUMNIX
@@ -29,8 +31,27 @@ def size_label(n):
     return f"{n * 8} MiB" if n < 128 else f"{n * BLOCK_NBYTES / GIB:.2f} GiB"
 
 
+def ratios_above_ceiling(report):
+    """Rows and sizes whose ratio to their ceiling is above it (noise.ABOVE_CEILING)."""
+    results, out = report["results"], []
+    for ours, ceiling, _ in ROW_ORDER:
+        for ceil in (ceiling, EXTRA_RATIOS.get(ours, (None,))[0]):
+            for n, e in results.get(ours, {}).items():
+                c = results.get(ceil, {}).get(n) if ceil else None
+                if c and noise.above_ceiling(e["gibps"] / c["gibps"]):
+                    out.append(f"{ours} at {size_label(int(n))} vs {ceil}")
+    return out
+
+
+def spreads(report):
+    """Each row and size's spread of its samples (noise.spread)."""
+    return {f"{row} at {size_label(int(n))}": noise.spread(e.get("samples_gibps", ()))
+            for row, entries in report["results"].items() for n, e in entries.items()}
+
+
 def markdown(report):
     results = report["results"]
+    on_gpu = report["meta"].get("gpus", 1) > 0
     columns = [n for n in report["table_sizes"]
                if any(n in results.get(r, {}) for r in results)]
     head = "| migration_size | " + " | ".join(size_label(n) for n in columns) + " |"
@@ -51,15 +72,15 @@ def markdown(report):
                 ratios = []
                 for n in columns:
                     a, c = results[ours].get(n), results[ceil].get(n)
-                    ratios.append(f"{a['gibps'] / c['gibps']:.0%}" if a and c else "-")
+                    ratios.append(noise.ratio_cell(a["gibps"] / c["gibps"]) if a and c else "-")
                 lines.append(f"| {label} | " + " | ".join(ratios) + " |")
         if published:
             pub = LLUMNIX[published]
             row = [f"{pub[n * 8]:.2f}" if n * 8 in pub else
                    (f"{pub[1628]:.2f}" if n == BIG_BLOCKS and 1628 in pub else "-")
                    for n in columns]
-            lines.append(f"| Llumnix {published} (published) | " + " | ".join(row) + " |")
-            if ours in results:
+            lines.append(f"| Llumnix {published} (published, GPU) | " + " | ".join(row) + " |")
+            if ours in results and on_gpu:  # a run on host caches is not comparable with Llumnix's GPUs
                 ratio = [f"{results[ours][n]['gibps'] / pub[n * 8]:.1f}x"
                          if n in results[ours] and n * 8 in pub else "-" for n in columns]
                 lines.append(f"| {published} ours / Llumnix | " + " | ".join(ratio) + " |")
@@ -81,7 +102,15 @@ def markdown(report):
     text = [f"# KV migration benchmark ({report['meta']['mode']})", "",
             "Speeds in GiB/s (Llumnix's \"GB/s\"): bytes / wall time of the destination's pull, "
             "min and max of the samples dropped, mean of the rest. Ceilings move the same bytes "
-            "as one contiguous buffer in the same run.", ""] + lines
+            "as one contiguous buffer in the same run; a ratio to one above "
+            f"{noise.ABOVE_CEILING:.0%} is that ceiling's timing slowed, printed as unreliable.", ""]
+    if not on_gpu:
+        text += ["**Not comparable with GPU figures**: host caches on this machine's CPU. Llumnix's published rows "
+                 "and the README's table (two H200s) are GPU machines'; no ratio "
+                 "to them is printed here.", ""]
+    if "host" in report:
+        text += noise.markdown(report["host"])
+    text += lines
     if report["notes"]:
         text += ["", "Notes:"] + [f"- {n}" for n in report["notes"]]
     return "\n".join(text) + "\n"
