@@ -9,6 +9,7 @@
 #                           :
 #   BASE_IMAGE ─> python-base ─┬─> torch-base ─┬─> vllm-base* ─> test    tests/ against the wheel
 #                              │               └─> server-deps ─> vllm-openai*   vLLM, CUDA
+#                              │                                    └─> vllm-openai-test  tests/connector
 #                              └─> cpu-server-deps ─> vllm-openai-cpu*   vLLM's CPU build
 #   CPU_TORCH_WHEELS ─> cpu-torch-wheels (bind-mounted into cpu-server-deps: the CPU torch)
 #
@@ -138,7 +139,9 @@ LABEL org.opencontainers.image.title="vllm-ext test" \
 
 # ---------------------------------------------------------------------------------------------
 # server-deps: torch-base plus vLLM at a pinned release. requirements-openai.txt includes
-# requirements-cuda.txt, so torch stays at the version torch-base installed.
+# requirements-cuda.txt, so torch stays at the version torch-base installed. Where that vLLM
+# pins a release PyPI does not carry, requirements-openai-overrides.txt names the one installed
+# instead (tools/docker/install-vllm.py: vLLM without its dependencies, then all of them at once).
 # vLLM's kernels compile at run time in two places: Triton builds a small C launcher (gcc,
 # Python headers), and FlashInfer, which has no precompiled-kernel wheel for this release on
 # PyPI, compiles with nvcc and g++. vLLM's dependencies already bring nvcc and the CUDA headers
@@ -154,7 +157,9 @@ RUN --mount=type=secret,id=ca-bundle \
     --mount=type=cache,id=vllm-ext-pip,target=/root/.cache/pip \
     --mount=type=bind,source=requirements-cuda.txt,target=/tmp/requirements-cuda.txt \
     --mount=type=bind,source=requirements-openai.txt,target=/tmp/requirements-openai.txt \
-    pip-install -r /tmp/requirements-openai.txt \
+    --mount=type=bind,source=requirements-openai-overrides.txt,target=/tmp/requirements-openai-overrides.txt \
+    --mount=type=bind,source=tools/docker/install-vllm.py,target=/tmp/install-vllm.py \
+    python /tmp/install-vllm.py /tmp/requirements-openai.txt /tmp/requirements-openai-overrides.txt \
     && toolkit="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia/cu${CUDA_VERSION%%.*}" \
     && test -x "${toolkit}/bin/nvcc" \
     && { [ -e "${toolkit}/lib64" ] || ln -s lib "${toolkit}/lib64"; } \
@@ -178,6 +183,22 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=900s --retries=3 \
 ENTRYPOINT ["vllm", "serve"]
 LABEL org.opencontainers.image.title="vllm-ext vllm-openai" \
       org.opencontainers.image.description="vLLM's OpenAI-compatible server with vllm-ext"
+
+# ---------------------------------------------------------------------------------------------
+# vllm-openai-test: vllm-openai plus pytest and tests/, to run the connector's unit tests
+# (tests/connector) against this image's vLLM, the newest release the connector supports
+# (`make image-test-connector`; no GPU needed). Not shipped: `make image` does not build it.
+FROM vllm-openai AS vllm-openai-test
+RUN --mount=type=secret,id=ca-bundle \
+    --mount=type=cache,id=vllm-ext-pip,target=/root/.cache/pip \
+    pip-install "pytest>=8"
+WORKDIR /workspace
+COPY pyproject.toml ./
+COPY tests tests
+ENTRYPOINT []
+CMD ["python", "-m", "pytest", "tests/connector"]
+LABEL org.opencontainers.image.title="vllm-ext vllm-openai-test" \
+      org.opencontainers.image.description="vllm-openai with the connector's unit tests"
 
 # ---------------------------------------------------------------------------------------------
 # cpu-torch-wheels: the folder the CPU torch may come from (CPU_TORCH_WHEELS; empty by default).

@@ -254,6 +254,16 @@ image-test-cpu: _docker-ready ## Run the CPU tests in the test image, against th
 	@$(WITH_BASE_IMAGES) _image-target TARGET=test
 	$(DOCKER) run --rm $(call image_name,test) python -m pytest $(CPU_TEST_SELECTION) $(PYTEST_ARGS) tests
 
+# The detokenizer tests read the real model's tokenizer from this machine's model cache (made by
+# make test-connector), mounted read-only; without it they fail naming it.
+REAL_MODEL_CACHE = $(or $(VLLM_EXT_CACHE),$(HOME)/.cache/vllm-ext)/models
+.PHONY: image-test-connector
+image-test-connector: _docker-ready ## Run tests/connector against vllm-openai's vLLM (the newest supported release) on the CPU (CI runs it)
+	@$(WITH_BASE_IMAGES) _image-target TARGET=vllm-openai-test
+	$(DOCKER) run --rm -e VLLM_EXT_REQUIRE_VLLM=1 \
+	  $(if $(wildcard $(REAL_MODEL_CACHE)),-v $(REAL_MODEL_CACHE):/cache/models:ro -e VLLM_EXT_CACHE=/cache) \
+	  $(call image_name,vllm-openai-test) python -m pytest $(PYTEST_ARGS) tests/connector
+
 .PHONY: image-serve-cpu
 image-serve-cpu: _docker-ready ## Serve a tiny random model from vllm-openai-cpu and check its answers, and P/D through the proxy (CI runs it)
 	@$(WITH_BASE_IMAGES) _image-target TARGET=vllm-openai-cpu

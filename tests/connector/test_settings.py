@@ -142,6 +142,7 @@ def test_defaults_follow_the_device():
     assert ConnectorSettings.parse({"connect_to": ["a:1"], "allowed_producers": []}).allowed_producers == ()
 
 
+@pytest.mark.serves
 def test_a_real_server_with_a_typo_exits_naming_it(tmp_path):
     """A vLLM CPU server whose kv_connector_extra_config has a typo exits with the message (vLLM
     0.32 builds the worker's connector once the model is loaded, before the compile warm-up):
