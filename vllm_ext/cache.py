@@ -104,6 +104,7 @@ class IpcCacheHandle:
     pci_bus_id: str
     host: str
     pid: int
+    head_stride: int = 0  # KVCache.head_stride (0: none, as for mla)
 
 
 class KVCache:
@@ -235,31 +236,9 @@ class KVCache:
         """Where KV heads [first, first + count) lie in each slice, for `heads = (first, count)`
         (None: every head). Raises ValueError or TypeError naming `name` for a range outside the
         cache's num_kv_heads, a count below 1, an `mla` cache (no KV heads), or an imported
-        `blocks` cache of several heads (its handle does not say where they lie)."""
-        given = heads
-        if heads is None:
-            heads = (0, self.num_kv_heads)
-        if (not isinstance(heads, (tuple, list)) or len(heads) != 2
-                or not all(isinstance(v, int) and not isinstance(v, bool) for v in heads)):
-            raise TypeError(f"{name}: expected (first, count), two ints, got {heads!r}")
-        first, count = heads
-        if self.layout == "mla":
-            what = "every head" if given is None else f"{tuple(heads)}"
-            raise ValueError(f"{name}: a head range ({what}) of an 'mla' cache; it holds one latent per "
-                             "token, replicated across TP ranks, and has no KV heads to split")
-        if self.head_stride is None:
-            raise ValueError(f"{name}: {tuple(heads)} given for an imported '{self.layout}' cache of "
-                             f"{self.num_kv_heads} KV heads whose handle does not say where its heads lie; "
-                             "move whole blocks")
-        if count < 1:
-            raise ValueError(f"{name}: count {count} in {tuple(heads)}; a head range holds at least one head")
-        if first < 0 or first + count > self.num_kv_heads:
-            raise ValueError(f"{name}: heads [{first}, {first + count}) of {tuple(heads)} are outside the "
-                             f"cache's {self.num_kv_heads} KV heads [0, {self.num_kv_heads})")
-        run = self.num_kv_heads * self.head_stride
-        return HeadPart(first=first, count=count, num_rows=self.slice_nbytes // run,
-                        row_nbytes=count * self.head_stride, offset=first * self.head_stride,
-                        row_stride=run, head_nbytes=self.head_stride)
+        `blocks` cache of several heads whose handle does not say where they lie."""
+        return head_part(heads, name, layout=self.layout, num_kv_heads=self.num_kv_heads,
+                         slice_nbytes=self.slice_nbytes, head_stride=self.head_stride)
 
     def buffer_row_nbytes(self, heads=None) -> int:
         """Bytes of one buffer row (one block) of gather_blocks / scatter_blocks with `heads`
@@ -341,7 +320,7 @@ class KVCache:
             dtype=_dtype_name(self.dtype), block_stride=self.block_stride,
             component_stride=self.component_stride, allocations=tuple(allocations),
             layer_offsets=tuple(offsets), pci_bus_id=_lib.device_pci_bus_id(self.device.index),
-            host=socket.gethostname(), pid=os.getpid(),
+            host=socket.gethostname(), pid=os.getpid(), head_stride=self.head_stride or 0,
         )
 
     @classmethod
@@ -369,6 +348,8 @@ class KVCache:
         for field in ("block_stride", "component_stride"):
             if not isinstance(getattr(handle, field), int) or getattr(handle, field) < 0:
                 raise ValueError(f"handle: {field} {getattr(handle, field)!r} is not a non-negative int")
+        if not isinstance(handle.head_stride, int) or handle.head_stride < 0:
+            raise ValueError(f"handle: head_stride {handle.head_stride!r} is not a non-negative int")
         if len(handle.layer_offsets) != handle.num_layers or handle.num_layers <= 0:
             raise ValueError(f"handle: {len(handle.layer_offsets)} layer offsets for "
                              f"{handle.num_layers} layers")
@@ -395,7 +376,7 @@ class KVCache:
                 block_size=handle.block_size, num_kv_heads=handle.num_kv_heads,
                 head_size=handle.head_size, dtype=dtype, device=device, layer_addresses=addresses,
                 block_stride=handle.block_stride, component_stride=handle.component_stride,
-                ipc_mappings=mappings,
+                ipc_mappings=mappings, head_stride=handle.head_stride or None,
             )
             _check_no_overlap(cache)
         except BaseException:
@@ -425,6 +406,38 @@ class KVCache:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def head_part(heads, name: str, *, layout: str, num_kv_heads: int, slice_nbytes: int,
+              head_stride: Optional[int], whose: str = "the cache's") -> HeadPart:
+    """KVCache.head_part for a cache known by its numbers (a peer's descriptor): heads
+    (first, count) or None (every head); head_stride None or 0: unknown (refused)."""
+    given = heads
+    if heads is None:
+        heads = (0, num_kv_heads)
+    if (not isinstance(heads, (tuple, list)) or len(heads) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in heads)):
+        raise TypeError(f"{name}: expected (first, count), two ints, got {heads!r}")
+    first, count = heads
+    if layout == "mla":
+        what = "every head" if given is None else f"{tuple(heads)}"
+        raise ValueError(f"{name}: a head range ({what}) of an 'mla' cache; it holds one latent per "
+                         "token, replicated across TP ranks, and has no KV heads to split")
+    if not head_stride:
+        raise ValueError(f"{name}: {tuple(heads)} given for a '{layout}' cache of {num_kv_heads} KV heads "
+                         "that does not say where its heads lie (an imported view, or a peer of an older "
+                         "release); move whole blocks")
+    if count < 1:
+        raise ValueError(f"{name}: count {count} in {tuple(heads)}; a head range holds at least one head")
+    if first < 0 or first + count > num_kv_heads:
+        raise ValueError(f"{name}: heads [{first}, {first + count}) of {tuple(heads)} are outside {whose} "
+                         f"{num_kv_heads} KV heads [0, {num_kv_heads})")
+    run = num_kv_heads * head_stride
+    if run <= 0 or slice_nbytes % run:
+        raise ValueError(f"{name}: {num_kv_heads} heads of {head_stride} bytes do not tile a slice of "
+                         f"{slice_nbytes} bytes")
+    return HeadPart(first=first, count=count, num_rows=slice_nbytes // run, row_nbytes=count * head_stride,
+                    offset=first * head_stride, row_stride=run, head_nbytes=head_stride)
 
 
 def _all_pinned(layers) -> bool:

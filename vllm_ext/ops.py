@@ -247,13 +247,20 @@ def _part_alignment(alignment: int, part: HeadPart) -> int:
     return _pow2_alignment([alignment, part.offset, part.row_nbytes, part.row_stride])
 
 
+def _pair_alignment(src_cache: KVCache, dst_cache: KVCache,
+                    parts: Optional[Tuple[HeadPart, HeadPart]] = None) -> int:
+    """The access width a copy between two caches allows (of head ranges `parts`, if any)."""
+    alignment = min(src_cache.alignment, dst_cache.alignment)
+    for part in parts or ():
+        alignment = _part_alignment(alignment, part)
+    return alignment
+
+
 def _copy_prechecked(src_cache: KVCache, src_ids: Ids, dst_cache: KVCache, dst_ids: Ids,
                      device: torch.device, parts: Optional[Tuple[HeadPart, HeadPart]] = None) -> None:
     src_part, dst_part = parts or (None, None)
     rows = _Rows.of(src_cache, src_part, dst_part)
-    alignment = min(src_cache.alignment, dst_cache.alignment)
-    for part in (src_part, dst_part):
-        alignment = alignment if part is None else _part_alignment(alignment, part)
+    alignment = _pair_alignment(src_cache, dst_cache, parts)
     _launch(_cache_side(src_cache, src_ids, device, rows.src), _cache_side(dst_cache, dst_ids, device, rows.dst),
             src_ids, dst_ids, src_cache, alignment, device, rows=rows)
 
@@ -463,21 +470,31 @@ def _head_part(cache: KVCache, heads: Heads, name: str) -> Optional[HeadPart]:
 
 def _pair_parts(src_cache: KVCache, src_heads: Heads, dst_cache: KVCache,
                 dst_heads: Heads) -> Tuple[HeadPart, HeadPart]:
-    """The head ranges of a copy (None: every head of that cache), checked against each other:
-    the same count, and the heads in the same order in both caches (the same runs per slice and
-    bytes per head). A cache of one KV head has one order only and takes the other's runs."""
-    sp = src_cache.head_part(src_heads, "src_heads")
-    dp = dst_cache.head_part(dst_heads, "dst_heads")
+    """The head ranges of a copy (None: every head of that cache), checked against each other
+    (see pair_head_parts)."""
+    return pair_head_parts(src_cache.head_part(src_heads, "src_heads"), src_cache.num_kv_heads,
+                           dst_cache.head_part(dst_heads, "dst_heads"), dst_cache.num_kv_heads)
+
+
+def pair_head_parts(sp: HeadPart, src_num_heads: int, dp: HeadPart,
+                    dst_num_heads: int) -> Tuple[HeadPart, HeadPart]:
+    """Two head ranges that move into each other: the same count, and the heads in the same
+    order in both caches (the same runs per slice and bytes per head). A cache of one KV head
+    has one order only and takes the other's runs. ValueError naming src_heads / dst_heads or
+    the caches otherwise. Returns the parts to launch with (_Rows.of)."""
+    def given(p: HeadPart, total: int) -> str:
+        return "all" if (p.first, p.count) == (0, total) else f"({p.first}, {p.count})"
+
     if sp.count != dp.count:
-        raise ValueError(f"src_heads and dst_heads: {sp.count} heads ({src_heads or 'all'} of "
-                         f"{src_cache.num_kv_heads}) vs {dp.count} ({dst_heads or 'all'} of "
-                         f"{dst_cache.num_kv_heads}); a copy moves the same heads on both sides")
+        raise ValueError(f"src_heads and dst_heads: {sp.count} heads ({given(sp, src_num_heads)} of "
+                         f"{src_num_heads}) vs {dp.count} ({given(dp, dst_num_heads)} of "
+                         f"{dst_num_heads}); a copy moves the same heads on both sides")
 
     def rerow(p: HeadPart, num_rows: int) -> HeadPart:
         run = p.slice_nbytes // num_rows
         return dataclasses.replace(p, num_rows=num_rows, row_nbytes=run, row_stride=run, head_nbytes=run)
 
-    src_one, dst_one = src_cache.num_kv_heads == 1, dst_cache.num_kv_heads == 1
+    src_one, dst_one = src_num_heads == 1, dst_num_heads == 1
     if src_one and not dst_one:
         sp = rerow(sp, dp.num_rows)
     elif dst_one and not src_one:

@@ -91,9 +91,12 @@ def test_pull_rejects_geometry_mismatch(key, value):
     try:
         with pytest.raises(ValueError, match=f"peer: cache geometry differs.*{key}"):
             a.pull(b.descriptor(), [0], [0])
-        # A descriptor that lies about the geometry is refused by the source itself.
+        # A descriptor that lies about the geometry is refused by the source itself: at hello,
+        # or, for a head count alone (caches that pair for head ranges), at the whole-block pull.
         forged = dataclasses.replace(b.descriptor(), geometry=a.cache.geometry())
-        with pytest.raises(MigrationError, match="hello: cache geometry differs") as info:
+        refusal = ("gloo pull: whole blocks of 4 KV heads for a cache of 2; name a head range"
+                   if key == "num_kv_heads" else "hello: cache geometry differs")
+        with pytest.raises(MigrationError, match=refusal) as info:
             a.pull(forged, [0], [0], timeout=10)
         assert info.value.remote_type == "ValueError"
     finally:

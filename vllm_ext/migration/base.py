@@ -30,7 +30,9 @@ it gets a BackendContext (the cache, the endpoint id, the fault hooks of tests).
 
 Peer rules are class attributes: `same_host_only`, `other_process_only`,
 `uses_control_channel` (rayrpc talks through Ray), `supports_tls`, `can_grant` (whether the
-source can serve granted blocks only: ipc maps the whole cache, so it cannot).
+source can serve granted blocks only: ipc maps the whole cache, so it cannot),
+`moves_head_ranges` (Pair.pull takes `heads`: a KV head range of each block, for caches of
+other head counts, i.e. tensor parallelism of unequal sizes).
 """
 
 import abc
@@ -82,6 +84,8 @@ class PeerDescriptor:
     # before TCP.
     local: str = ""
     secret: str = dataclasses.field(default="", repr=False)
+    # Bytes from one KV head to the next in a slice (KVCache.head_stride; 0: no head ranges).
+    head_stride: int = 0
 
     def short(self) -> str:
         return f"{self.backend} endpoint {self.endpoint_id[:8]} at {self.host}:{self.port}"
@@ -184,6 +188,7 @@ class Session:
     def __init__(self, conn):
         self.conn = conn
         self.pair: Any = None
+        self.peer_geometry: Dict[str, Any] = {}  # the destination's cache, from its hello
 
 
 class Pair(abc.ABC):
@@ -191,7 +196,9 @@ class Pair(abc.ABC):
 
     @abc.abstractmethod
     def pull(self, src_ids: List[int], dst_ids: List[int], deadline: Deadline) -> PullStats:
-        """Moves blocks src_ids of the peer into dst_ids of the local cache (ids checked)."""
+        """Moves blocks src_ids of the peer into dst_ids of the local cache (ids checked).
+        A backend with `moves_head_ranges` also takes `heads=(src_part, dst_part)`, two
+        cache.HeadPart (checked and paired by ops.pair_head_parts): only those KV heads move."""
 
     def close(self) -> None:
         """Orderly end; bounded."""
@@ -211,6 +218,7 @@ class MigrationBackend(abc.ABC):
     uses_control_channel: ClassVar[bool] = True  # rayrpc talks through Ray
     supports_tls: ClassVar[bool] = True  # nccl: the library's pull server reads the raw socket
     can_grant: ClassVar[bool] = True  # ipc maps the whole cache: it cannot serve granted blocks only
+    moves_head_ranges: ClassVar[bool] = False  # Pair.pull takes heads= (a KV head range)
 
     def __init__(self, context: BackendContext, **options):
         self.context = context

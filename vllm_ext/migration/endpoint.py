@@ -27,7 +27,7 @@ from ..errors import ClosedError, Error, MigrationError
 from . import auth, protocol, registry
 from .base import BackendContext, Grants, Link, PeerDescriptor, PullStats, Session
 from .control import Connection, ControlServer, TlsOptions, open_connection
-from .protocol import ProtocolError, geometry_mismatch
+from .protocol import ProtocolError, geometry_mismatch, heads_differ_only
 from .timing import Deadline, check_timeout
 
 logger = logging.getLogger(__name__)
@@ -97,10 +97,12 @@ class _Destination:
                                  peer=peer.endpoint_id)
         return built
 
-    def pull(self, peer: PeerDescriptor, src_ids, dst_ids, deadline: Deadline) -> PullStats:
+    def pull(self, peer: PeerDescriptor, src_ids, dst_ids, deadline: Deadline, src_heads=None,
+             dst_heads=None) -> PullStats:
         link = self._links.get(getattr(peer, "endpoint_id", None))
         if link is None or link.peer is not peer:  # a descriptor object is checked once
             self._check_peer(peer)
+        heads = self._head_parts(peer, src_heads, dst_heads)
         src = block_id_list(src_ids, "src_block_ids", peer.num_blocks, unique=False)
         dst = block_id_list(dst_ids, "dst_block_ids", self._cache.num_blocks, unique=True)
         if len(src) != len(dst):
@@ -108,14 +110,16 @@ class _Destination:
         if not src:
             return PullStats(self._backend.name, 0, 0, 0.0, chunks=0)
         start = time.perf_counter()
+        extra = {} if heads is None else {"heads": heads}
 
         def pull(pair) -> PullStats:
             step = max(peer.num_blocks, 1)
             if len(src) <= step:
-                return pair.pull(src, dst, deadline)
+                return pair.pull(src, dst, deadline, **extra)
             # A source takes at most as many ids per request as it has blocks (its frame bound):
             # a longer pull (ids repeated) goes as several.
-            parts = [pair.pull(src[lo:lo + step], dst[lo:lo + step], deadline) for lo in range(0, len(src), step)]
+            parts = [pair.pull(src[lo:lo + step], dst[lo:lo + step], deadline, **extra)
+                     for lo in range(0, len(src), step)]
             return PullStats(self._backend.name, len(src), sum(p.nbytes for p in parts), 0.0,
                              chunks=sum(p.chunks for p in parts))
 
@@ -250,6 +254,30 @@ class _Destination:
                 finally:
                     link.lock.release()
 
+    def _head_parts(self, peer: PeerDescriptor, src_heads, dst_heads):
+        """None for a whole-block pull (the caches must have the same heads), else the checked
+        pair of head ranges (cache.HeadPart of the peer's cache and of this one)."""
+        from ..cache import head_part
+        from ..ops import pair_head_parts
+
+        mine, theirs = self._cache.geometry(), peer.geometry
+        if src_heads is None and dst_heads is None:
+            if mine.get("num_kv_heads") != theirs.get("num_kv_heads"):
+                raise ValueError(f"peer: cache geometry differs ({geometry_mismatch(mine, theirs)}); between "
+                                 "caches of other head counts pull a head range (src_heads=, dst_heads=)")
+            return None
+        if not self._backend.moves_head_ranges:
+            raise ValueError(f"src_heads and dst_heads: the {self._backend.name} backend moves whole blocks only "
+                             f"(got {src_heads!r}, {dst_heads!r})")
+        num_heads, slice_nbytes = theirs.get("num_kv_heads"), theirs.get("slice_nbytes")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (num_heads, slice_nbytes)):
+            raise ValueError(f"peer: its geometry names no head count ({theirs})")
+        stride = peer.head_stride if isinstance(peer.head_stride, int) and peer.head_stride > 0 else None
+        sp = head_part(src_heads, "src_heads", layout=peer.layout, num_kv_heads=num_heads,
+                       slice_nbytes=slice_nbytes, head_stride=stride, whose="the peer's")
+        dp = self._cache.head_part(dst_heads, "dst_heads")
+        return pair_head_parts(sp, num_heads, dp, self._cache.num_kv_heads)
+
     def _check_peer(self, peer) -> None:
         if not isinstance(peer, PeerDescriptor):
             raise TypeError(f"peer: expected PeerDescriptor (from descriptor()), got {type(peer).__name__}")
@@ -259,7 +287,7 @@ class _Destination:
         if peer.endpoint_id == self._endpoint_id:
             raise ValueError("peer: is this endpoint itself; copy within one cache with vllm_ext.ops.copy_blocks")
         diff = geometry_mismatch(self._cache.geometry(), peer.geometry)
-        if diff:
+        if diff and not (backend.moves_head_ranges and heads_differ_only(self._cache.geometry(), peer.geometry)):
             raise ValueError(f"peer: cache geometry differs ({diff})")
         if backend.same_host_only and peer.hostname != socket.gethostname():
             raise ValueError(f"peer: on host {peer.hostname!r}, this is {socket.gethostname()!r}; the "
@@ -362,7 +390,7 @@ class _Source:
                 request = protocol.parse_request(header)
                 after_pull = request.op.endswith(".pull")
                 if isinstance(request, protocol.Hello):
-                    self._hello(conn, request)
+                    self._hello(session, request)
                     greeted = True
                 elif isinstance(request, protocol.Ping):
                     conn.reply_ok()
@@ -383,14 +411,18 @@ class _Source:
                 except MigrationError:
                     return
 
-    def _hello(self, conn: Connection, hello: protocol.Hello) -> None:
+    def _hello(self, session: Session, hello: protocol.Hello) -> None:
         if hello.backend != self._backend.name:
             raise ValueError(f"hello: peer uses backend {hello.backend!r}, this endpoint uses "
                              f"{self._backend.name!r}")
-        diff = geometry_mismatch(self._cache.geometry(), hello.geometry)
-        if diff:
+        mine = self._cache.geometry()
+        diff = geometry_mismatch(mine, hello.geometry)
+        # Caches of other head counts pair for head-range pulls; the backend refuses their
+        # whole-block pulls (Session.peer_geometry).
+        if diff and not (self._backend.moves_head_ranges and heads_differ_only(mine, hello.geometry)):
             raise ValueError(f"hello: cache geometry differs ({diff})")
-        conn.reply_ok(protocol.HelloReply(self._cache.num_blocks))
+        session.peer_geometry = dict(hello.geometry)
+        session.conn.reply_ok(protocol.HelloReply(self._cache.num_blocks))
 
 
 class MigrationEndpoint:
@@ -461,7 +493,7 @@ class MigrationEndpoint:
             port=self._server.port, hostname=socket.gethostname(), pid=os.getpid(),
             geometry=cache.geometry(), num_blocks=cache.num_blocks, layout=cache.layout,
             device=str(cache.device), extra=self.backend.descriptor_extra(), local=self._server.local,
-            secret=self._advertised_secret)
+            secret=self._advertised_secret, head_stride=cache.head_stride or 0)
 
     def connect(self, peer: PeerDescriptor, timeout: float = 30.0) -> bool:
         """Builds what pulls from `peer` need, now, so that the first pull does not wait for
@@ -482,9 +514,17 @@ class MigrationEndpoint:
         self._check_open("connect")
         return self._destination.connect(peer, deadline)
 
-    def pull(self, peer: PeerDescriptor, src_block_ids, dst_block_ids, timeout: float = 10.0) -> PullStats:
+    def pull(self, peer: PeerDescriptor, src_block_ids, dst_block_ids, timeout: float = 10.0, *,
+             src_heads=None, dst_heads=None) -> PullStats:
         """Copies blocks `src_block_ids` of `peer`'s cache into blocks `dst_block_ids` of this
         endpoint's cache; returns when they are written (visible to every stream).
+
+        Head ranges (tensor parallelism of unequal sizes; backends with `moves_head_ranges`):
+        `src_heads` = (a, n) and `dst_heads` = (b, n) move only KV heads [a, a + n) of each
+        source block into heads [b, b + n) of the destination block (None: every head of that
+        side), as ops.copy_blocks does; the source sends those heads alone. The caches may then
+        differ in num_kv_heads (and only in that); a whole-block pull between them is refused.
+        PullStats.nbytes counts the bytes of the range.
 
         Raises ValueError/TypeError for bad arguments (nothing moved), ClosedError on a closed
         endpoint, MigrationError when the transfer fails, the peer refuses, dies, closes or
@@ -493,7 +533,7 @@ class MigrationEndpoint:
         check_timeout(timeout)
         deadline = Deadline(timeout)
         self._check_open("pull")
-        return self._destination.pull(peer, src_block_ids, dst_block_ids, deadline)
+        return self._destination.pull(peer, src_block_ids, dst_block_ids, deadline, src_heads, dst_heads)
 
     def disconnect(self, peer: PeerDescriptor, timeout: float = 30.0) -> bool:
         """Releases what this endpoint holds for pulls from `peer` (the control connection and

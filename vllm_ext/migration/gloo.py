@@ -114,29 +114,37 @@ class _Staging:
                                                                   thread_name_prefix="gloo-stripe")
             return self.pool.submit(fn, *args)
 
-    def send_stripes(self, slot: int, nblocks: int, tag: int, deadline: Deadline) -> list:
+    def send_stripes(self, slot: int, nblocks: int, tag: int, deadline: Deadline, row_nbytes: int) -> list:
         """Sends the stripes of a slot's first nblocks rows, each from its own thread: gloo
         writes a send inline when the receive is already posted, so sends posted from one
         thread would run one after the other. Returns futures."""
         def send(group, piece):
             group.send([piece], _DST_RANK, tag).wait(_seconds(deadline))
 
-        return [self._submit(send, g, piece) for g, piece in zip(self.groups, self.pieces(slot, nblocks))]
+        pieces = self.pieces(slot, nblocks, row_nbytes)
+        return [self._submit(send, g, piece) for g, piece in zip(self.groups, pieces)]
 
-    def recv_stripes(self, slot: int, nblocks: int, tag: int, deadline: Deadline) -> list:
+    def recv_stripes(self, slot: int, nblocks: int, tag: int, deadline: Deadline, row_nbytes: int) -> list:
         """Posts the receives of a slot's first nblocks rows; futures that complete with them.
         The waits run on helper threads: a gloo wait cut short by a timeout cancels its
         operation, so the caller polls the futures and watches the control connection."""
-        works = [g.recv([piece], _SRC_RANK, tag) for g, piece in zip(self.groups, self.pieces(slot, nblocks))]
+        pieces = self.pieces(slot, nblocks, row_nbytes)
+        works = [g.recv([piece], _SRC_RANK, tag) for g, piece in zip(self.groups, pieces)]
         return [self._submit(work.wait, _seconds(deadline)) for work in works]
 
     def chunks(self, n: int):
         """The pull's chunks; both sides derive them from n alone."""
         return chunk_ranges(n, self.chunk_blocks)
 
-    def pieces(self, slot: int, nblocks: int) -> List[torch.Tensor]:
-        """The stripe views of the first nblocks rows of a slot."""
-        flat = self.slots[slot][:nblocks].view(-1)
+    @staticmethod
+    def rows(slots: List[torch.Tensor], slot: int, nblocks: int, row_nbytes: int) -> torch.Tensor:
+        """The first nblocks rows of a slot, rows of row_nbytes (a block's, or a head range's:
+        cache.buffer_row_nbytes; never more than the slot's row) laid end to end."""
+        return slots[slot].view(-1)[:nblocks * row_nbytes].view(nblocks, row_nbytes)
+
+    def pieces(self, slot: int, nblocks: int, row_nbytes: int) -> List[torch.Tensor]:
+        """The stripe views of the first nblocks rows (of row_nbytes) of a slot."""
+        flat = self.rows(self.slots, slot, nblocks, row_nbytes).view(-1)
         n = flat.numel()
         step = -(-n // self.stripes)
         step = -(-step // _STRIPE_ALIGN) * _STRIPE_ALIGN
@@ -268,16 +276,19 @@ class _GlooPair(Pair):
         self.link = link
         self.staging = staging
 
-    def pull(self, src_ids, dst_ids, deadline: Deadline) -> PullStats:
+    def pull(self, src_ids, dst_ids, deadline: Deadline, heads=None) -> PullStats:
         from .. import ops
 
         pair, conn = self.staging, self.link.conn
         cache = self.backend.cache
         n = len(src_ids)
         chunks = pair.chunks(n)
+        src_part, part = heads or (None, None)  # a head range: rows of its heads alone
+        row = cache.block_nbytes if part is None else cache.num_layers * cache.num_components * part.slice_nbytes
         pair.busy = True  # until the last chunk is in: a failure parks the pair
         progress = _Progress(deadline)
-        self.link.request(protocol.GlooPull(n, deadline.remaining()), deadline, encode_ids(src_ids))
+        wanted = [] if src_part is None else [src_part.first, src_part.count]
+        self.link.request(protocol.GlooPull(n, deadline.remaining(), wanted), deadline, encode_ids(src_ids))
         cuda = pair.stream is not None
         if cuda:
             follow_current_stream(pair.stream, pair.entry, cache.device)
@@ -290,7 +301,7 @@ class _GlooPair(Pair):
             slot = c % 2
             if cuda:  # the slot's previous chunk must have left for the GPU (done at once if none)
                 wait_cuda_event(pair.staged[slot], deadline, "gloo copy to the GPU")
-            pending[c] = pair.recv_stripes(slot, hi - lo, c, progress.hard)  # _wait holds `deadline`
+            pending[c] = pair.recv_stripes(slot, hi - lo, c, progress.hard, row)  # _wait holds `deadline`
 
         post(0)
         if len(chunks) > 1:
@@ -302,22 +313,23 @@ class _GlooPair(Pair):
             _wait(pending.pop(c), deadline, f"gloo receive of chunk {c}", watch)
             progress.alive()
             slot = c % 2
-            rows = pair.slots[slot][:hi - lo]
+            rows = pair.rows(pair.slots, slot, hi - lo, row)
             if cuda:
                 with torch.cuda.stream(pair.stream):
-                    dev = pair.dev_slots[slot][:hi - lo]
+                    dev = pair.rows(pair.dev_slots, slot, hi - lo, row)
                     dev.copy_(rows, non_blocking=True)
                     pair.staged[slot].record(pair.stream)
-                    ops._scatter_prechecked(dev, cache, dst_dev[lo:hi], cache.device)
+                    ops._scatter_prechecked(dev, cache, dst_dev[lo:hi], cache.device, part=part)
             else:
-                ops.scatter_blocks(rows, cache, dst_ids[lo:hi])
+                ops.scatter_blocks(rows, cache, dst_ids[lo:hi],
+                                   heads=None if part is None else (part.first, part.count))
             if c + 2 < len(chunks):
                 post(c + 2)
         if cuda:
             pair.done.record(pair.stream)
             wait_cuda_event(pair.done, deadline, "gloo scatter")
         pair.busy = False
-        return PullStats(self.backend.name, n, n * cache.block_nbytes, 0.0, chunks=len(chunks))
+        return PullStats(self.backend.name, n, n * row, 0.0, chunks=len(chunks))
 
     def abort(self) -> None:
         self.backend.end(self.staging)
@@ -338,6 +350,7 @@ class _ServedPair:
 
 class GlooBackend(MigrationBackend):
     name = "gloo"
+    moves_head_ranges = True  # a pull may name a KV head range (gloo.pull's heads)
 
     def __init__(self, context, stripes: Optional[int] = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         super().__init__(context)
@@ -434,20 +447,34 @@ class GlooBackend(MigrationBackend):
             self.context.grants.check(src_ids)
         if session.pair is None:
             raise ValueError("gloo pull: no data path with this peer (connect first)")
+        part = self._served_heads(session, request)
         staging = session.pair.staging
         session.conn.reply_ok()
         staging.busy = True  # until every send completed: a failure parks the pair
         try:
-            self._send_blocks(staging, src_ids, deadline, session.conn)
+            self._send_blocks(staging, src_ids, deadline, session.conn, part)
         except BaseException:
             self.session_closed(session)
             raise
         staging.busy = False
 
-    def _send_blocks(self, pair: _Staging, src_ids: List[int], deadline: Deadline, conn) -> None:
+    def _served_heads(self, session, request: protocol.GlooPull):
+        """The head range a pull names (cache.HeadPart), None for whole blocks; ValueError (a
+        refusal) for a range outside this cache's heads, or whole blocks for a destination of
+        another head count (its rows would not be this cache's)."""
+        if request.heads:
+            return self.cache.head_part(tuple(request.heads), "gloo pull: heads")
+        theirs = session.peer_geometry.get("num_kv_heads", self.cache.num_kv_heads)
+        if theirs != self.cache.num_kv_heads:
+            raise ValueError(f"gloo pull: whole blocks of {self.cache.num_kv_heads} KV heads for a cache of "
+                             f"{theirs}; name a head range")
+        return None
+
+    def _send_blocks(self, pair: _Staging, src_ids: List[int], deadline: Deadline, conn, part=None) -> None:
         from .. import ops
 
         cache = self.cache
+        row = cache.block_nbytes if part is None else cache.num_layers * cache.num_components * part.slice_nbytes
         chunks = pair.chunks(len(src_ids))
         cuda = pair.stream is not None
         if cuda:  # read at once: a source offers blocks whose writes are complete
@@ -465,18 +492,19 @@ class GlooBackend(MigrationBackend):
             heartbeat.beat()
             if c >= 2:
                 _wait(in_flight.pop(c - 2), deadline, f"gloo send of chunk {c - 2}", watch)
-            rows = pair.slots[slot][:hi - lo]
+            rows = pair.rows(pair.slots, slot, hi - lo, row)
             if cuda:
                 with torch.cuda.stream(pair.stream):
-                    dev = pair.dev_slots[slot][:hi - lo]
-                    ops._gather_prechecked(cache, src_dev[lo:hi], dev, cache.device)
+                    dev = pair.rows(pair.dev_slots, slot, hi - lo, row)
+                    ops._gather_prechecked(cache, src_dev[lo:hi], dev, cache.device, part=part)
                     rows.copy_(dev, non_blocking=True)
                     pair.staged[slot].record(pair.stream)
                 wait_cuda_event(pair.staged[slot], deadline, "gloo copy to the host")
             else:
-                ops.gather_blocks(cache, src_ids[lo:hi], out=rows)
+                ops.gather_blocks(cache, src_ids[lo:hi], out=rows,
+                                  heads=None if part is None else (part.first, part.count))
             self.context.faults.pause(c)
-            in_flight[c] = pair.send_stripes(slot, hi - lo, c, deadline)
+            in_flight[c] = pair.send_stripes(slot, hi - lo, c, deadline, row)
         for c in sorted(in_flight):
             _wait(in_flight[c], deadline, f"gloo send of chunk {c}", watch)
 

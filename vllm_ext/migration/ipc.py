@@ -25,6 +25,7 @@ import torch
 from ..errors import Error, MigrationError
 from . import protocol
 from .base import IdStaging, MigrationBackend, Pair, PullStats, wait_cuda_event, watch_connection
+from .protocol import heads_differ_only
 from .timing import Deadline
 
 logger = logging.getLogger(__name__)
@@ -68,25 +69,32 @@ class _IpcPair(Pair):
                       min(view.alignment, cache.alignment))
         self._watch = watch_connection(link.conn, "ipc pull")
 
-    def pull(self, src_ids, dst_ids, deadline: Deadline) -> PullStats:
+    def pull(self, src_ids, dst_ids, deadline: Deadline, heads=None) -> PullStats:
+        """`heads`: (source part, destination part) of a head range (see Pair.pull)."""
         from .. import _lib, ops
 
         cache = self.backend.cache
         self._watch()  # an exited or closing source is reported, not read
         n = len(src_ids)
+        rows = None if heads is None else ops._Rows.of(cache, *heads)
         if n <= _lib.MAX_INLINE_IDS:  # the ids travel in the launch itself
             src_side, dst_side, alignment = self.sides
+            if heads is not None:  # the sides of this range (cheap: no upload)
+                src_side = ops._cache_side(self.view, None, cache.device, rows.src)
+                dst_side = ops._cache_side(cache, None, cache.device, rows.dst)
+                alignment = ops._pair_alignment(self.view, cache, heads)
             ids = array.array("q", src_ids)
             ids.extend(dst_ids)
             address = ids.buffer_info()[0]
             ops._copy_inline(src_side, dst_side, address, address + n * ids.itemsize, n, cache, alignment,
-                             cache.device)
+                             cache.device, rows=rows)
         else:
             src, dst = self.ids.upload(src_ids, dst_ids, deadline=deadline)
-            ops._copy_prechecked(self.view, src, cache, dst, cache.device)
+            ops._copy_prechecked(self.view, src, cache, dst, cache.device, parts=heads)
         self.done.record(torch.cuda.current_stream(cache.device))
         wait_cuda_event(self.done, deadline, "ipc copy")
-        return PullStats(self.backend.name, n, n * cache.block_nbytes, 0.0)
+        row = cache.block_nbytes if rows is None else cache.num_layers * cache.num_components * rows.slice_nbytes
+        return PullStats(self.backend.name, n, n * row, 0.0)
 
     def abort(self) -> None:
         if not self.done.query():
@@ -107,6 +115,7 @@ class IpcBackend(MigrationBackend):
     same_host_only = True
     other_process_only = True
     can_grant = False  # the destination maps the whole cache
+    moves_head_ranges = True  # the destination's copy reads the range it names
 
     def __init__(self, context):
         super().__init__(context)
@@ -145,8 +154,12 @@ class IpcBackend(MigrationBackend):
         except (Error, ValueError) as e:
             raise MigrationError(f"ipc connect: mapping the peer's cache failed: {e}") from e
         try:
-            if view.geometry() != cache.geometry():
+            mapped, mine = view.geometry(), cache.geometry()
+            if mapped != mine and not heads_differ_only(mapped, mine):
                 raise MigrationError("ipc connect: the mapped cache's geometry differs")
+            if (view.head_stride or 0) != link.peer.head_stride:  # head ranges are placed by the descriptor's
+                raise MigrationError(f"ipc connect: the mapped cache's head stride {view.head_stride} is not the "
+                                     f"{link.peer.head_stride} of the peer's descriptor")
             # The per-pull launches skip the checks of ops.copy_blocks: make them here, once.
             ops._placement(view.device, view.pinned, "the peer's cache", cache.device, cache.pinned, "cache")
             view.prepare(cache.device)

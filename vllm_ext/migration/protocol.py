@@ -31,7 +31,8 @@ from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Tuple
 # 6-13: no change to the endpoint's messages: the number then also versioned the lease channel's
 #    (vllm_ext/lease/messages.py has its own version and history since).
 # 14: a gloo source sends gloo.progress while it serves a pull (the destination's wait follows it).
-PROTOCOL = 14
+# 15: gloo.pull names a KV head range (`heads`); caches of other head counts pair for such pulls.
+PROTOCOL = 15
 
 FRAME = struct.Struct("!II")
 MAX_HEADER_BYTES = 64 << 10  # a header is a small JSON object; refused past this, unread
@@ -168,7 +169,14 @@ def _check_handle(value) -> None:
         raise ProtocolError("handle: expected an IPC handle object")
 
 
-FIELD_CHECKS.update(geometry=_check_geometry, uids=_check_uids, handle=_check_handle)
+def _check_heads(value) -> None:
+    """[] (whole blocks) or [first, count]: the source checks them against its own heads."""
+    if (not isinstance(value, list) or len(value) not in (0, 2)
+            or not all(type(v) is int and 0 <= v < 1 << 31 for v in value) or (value and value[1] < 1)):
+        raise ProtocolError(f"heads: expected [] or [first, count] (count >= 1), got {str(value)[:80]}")
+
+
+FIELD_CHECKS.update(geometry=_check_geometry, uids=_check_uids, handle=_check_handle, heads=_check_heads)
 
 
 def check_bool(name: str, value) -> None:
@@ -285,11 +293,13 @@ class GlooConnect(Message):
 
 @dataclasses.dataclass(frozen=True)
 class GlooPull(Message):
-    """n source ids follow in the payload."""
+    """n source ids follow in the payload; `heads` [first, count] sends only those KV heads of
+    each block (rows of the head range, ops.gather_blocks(heads=...)); [] whole blocks."""
 
     op: ClassVar[str] = "gloo.pull"
     n: int
     timeout: float
+    heads: List[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,6 +380,14 @@ def geometry_mismatch(mine: Dict[str, Any], theirs: Dict[str, Any], where: str =
     keys = sorted(set(mine) | set(theirs))
     return ", ".join(f"{k} {mine.get(k)!r} here vs {theirs.get(k)!r} {where}"
                      for k in keys if mine.get(k) != theirs.get(k))
+
+
+def heads_differ_only(mine: Dict[str, Any], theirs: Dict[str, Any]) -> bool:
+    """Two cache geometries that differ in their KV head count alone (and so in the slice's
+    bytes): caches of unequal tensor parallelism, which exchange head ranges."""
+    skip = ("num_kv_heads", "slice_nbytes")
+    return ("num_kv_heads" in mine and "num_kv_heads" in theirs
+            and {k: v for k, v in mine.items() if k not in skip} == {k: v for k, v in theirs.items() if k not in skip})
 
 
 # ---- authentication -------------------------------------------------------------------------

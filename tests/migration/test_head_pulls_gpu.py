@@ -1,0 +1,90 @@
+"""Head-range pulls of CUDA caches: gloo (staged through the GPU, both endpoints here) and ipc
+(the source in a spawned process, its cache mapped); every byte of the destination equals
+ops.copy_blocks between CPU copies of the same caches. Marked `gpu`."""
+
+import multiprocessing as mp
+import random
+
+import pytest
+import torch
+
+from tests.helpers.reference import assert_cache_bytes_equal, cache_bytes, random_head_cache
+from vllm_ext import KVCache, ops
+from vllm_ext.migration import MigrationEndpoint
+
+GEOMETRY = {"num_layers": 2, "num_blocks": 16, "block_size": 16, "head_size": 64}
+SPAWN = mp.get_context("spawn")
+
+
+def cuda_copy(cpu: KVCache, kind: str) -> KVCache:
+    if kind == "blocks_nhd":
+        layers = [t.transpose(1, 2).contiguous().cuda().transpose(1, 2) for t in cpu.layers]
+    else:
+        layers = [t.cuda() for t in cpu.layers]
+    return KVCache.from_layers(layers, layout=cpu.layout)
+
+
+IPC_GEOMETRY = dict(GEOMETRY, num_blocks=600)  # room for a pull of more ids than a launch carries (448)
+
+
+def _source(conn, kind, heads, seed):
+    """A source process: its cache (from the seed) served over ipc until told to stop."""
+    cpu = random_head_cache(dict(IPC_GEOMETRY, num_kv_heads=heads), torch.bfloat16, kind, seed=seed)
+    ep = MigrationEndpoint(cuda_copy(cpu, kind), backend="ipc")
+    conn.send(ep.descriptor())
+    conn.recv()
+    ep.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["flash", "blocks_nhd"])
+def test_ipc_pulls_heads_from_a_source_of_other_head_count(kind):
+    parent, child = SPAWN.Pipe()
+    proc = SPAWN.Process(target=_source, args=(child, kind, 8, 5))
+    proc.start()
+    try:
+        assert parent.poll(120), "the source process did not start"
+        desc = parent.recv()
+        src_cpu = random_head_cache(dict(IPC_GEOMETRY, num_kv_heads=8), torch.bfloat16, kind, seed=5)
+        dst_cpu = random_head_cache(dict(IPC_GEOMETRY, num_kv_heads=2), torch.bfloat16, kind, seed=6)
+        dst = cuda_copy(dst_cpu, kind)
+        ep = MigrationEndpoint(dst, backend="ipc")
+        try:
+            rng = random.Random(kind)
+            for n in (3, 500):  # inline ids, and ids through device memory (500 > 448)
+                src = [rng.randrange(600) for _ in range(n)]
+                dst_ids = rng.sample(range(600), n)
+                stats = ep.pull(desc, src, dst_ids, timeout=60, src_heads=(4, 2))
+                assert stats.nbytes == len(src) * dst.buffer_row_nbytes((0, 2))
+                ops.copy_blocks(src_cpu, src, dst_cpu, dst_ids, src_heads=(4, 2))
+                assert_cache_bytes_equal(dst, cache_bytes(dst_cpu))
+        finally:
+            ep.close()
+    finally:
+        parent.send("stop")
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+        assert proc.exitcode == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["flash", "blocks_hnd"])
+def test_gloo_pulls_heads_between_cuda_caches(kind):
+    """gloo stages a CUDA cache's head rows through device and host slots, both ways."""
+    src_cpu = random_head_cache(dict(GEOMETRY, num_kv_heads=2), torch.float16, kind, seed=7)
+    dst_cpu = random_head_cache(dict(GEOMETRY, num_kv_heads=4), torch.float16, kind, seed=8)
+    a = MigrationEndpoint(cuda_copy(src_cpu, kind), backend="gloo", stripes=2, chunk_bytes=64 << 10)
+    b = MigrationEndpoint(cuda_copy(dst_cpu, kind), backend="gloo", stripes=2, chunk_bytes=64 << 10)
+    try:
+        src, dst = [1, 1, 9, 15, 0, 4, 7], [2, 3, 4, 5, 6, 7, 8]
+        stats = b.pull(a.descriptor(), src, dst, timeout=60, dst_heads=(2, 2))
+        assert stats.chunks > 1
+        ops.copy_blocks(src_cpu, src, dst_cpu, dst, dst_heads=(2, 2))
+        assert_cache_bytes_equal(b.cache, cache_bytes(dst_cpu))
+        a.pull(b.descriptor(), [5, 2], [0, 1], timeout=60, src_heads=(1, 2))
+        ops.copy_blocks(dst_cpu, [5, 2], src_cpu, [0, 1], src_heads=(1, 2))
+        assert_cache_bytes_equal(a.cache, cache_bytes(src_cpu))
+    finally:
+        a.close()
+        b.close()
