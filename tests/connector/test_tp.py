@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
 
 from tests.connector.halves import (
     STATIC,
@@ -49,7 +49,7 @@ class Instance:
             if ranks is not None and rank not in ranks:
                 continue
             sending, recving, failed = worker.take_results(meta)
-            out = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+            out = dataclasses.replace(EMPTY_MODEL_RUNNER_OUTPUT)  # fields differ by release
             out.kv_connector_output = KVConnectorOutput(
                 finished_sending=sending or None, finished_recving=recving or None, failed_recving=failed,
                 kv_connector_worker_meta=worker.build_worker_meta())
