@@ -3,7 +3,8 @@ each with its own shard of the KV heads and its own gloo endpoint) and TP = 2 co
 steps' outputs aggregated by vLLM's own KVOutputAggregator as its executor does. Each consumer
 rank pulls its shard from the producer's rank of the same number; a lease is served once every
 rank serves it, taken once per rank and ended once every rank released it; a request whose pull
-fails on one rank fails as a whole; unequal TP sizes are refused, naming them."""
+fails on one rank fails as a whole. At unequal TP sizes (2 -> 1, 1 -> 2) a consumer rank gathers
+its heads from the producer ranks that hold them, each checked against that rank's digests."""
 
 import dataclasses
 import time
@@ -23,7 +24,6 @@ from tests.connector.halves import (
     make_worker,
     vllm_layers,
 )
-from vllm_ext.connector.receiver import TransferFailed
 from vllm_ext.lease.channel import ChannelError
 
 TP = 2
@@ -220,23 +220,82 @@ def test_a_pull_that_fails_on_one_rank_fails_the_request_on_all(prefill):
         d.shutdown()
 
 
-def test_unequal_tp_sizes_are_refused_naming_them(prefill):
+def all_heads(inst: Instance, blocks):
+    """Every layer's blocks `blocks` with the heads of all the instance's ranks, in order."""
+    return [torch.cat([w.cache.layers[layer][blocks] for w in inst.workers], dim=1)
+            for layer in range(len(inst.workers[0].cache.layers))]
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
+def test_unequal_tp_sizes_gather_or_slice_the_heads(p_tp, d_tp, monkeypatch):
+    """P at TP 2 -> D at TP 1 (D's rank gathers its heads from both P ranks) and P at TP 1 -> D
+    at TP 2 (each D rank takes its slice of P's heads), through staging caches smaller than the
+    pull (chunks): every head of every block lands where a single instance holds it."""
+    monkeypatch.setattr("vllm_ext.connector.receiver.STAGING_BLOCKS", 3)
+    p = instance(True, p_tp, seed=30)
+    d = instance(False, d_tp, seed=40, allowed=[p.sched])
+    try:
+        prompt = list(range(75))  # 5 blocks, the last partial
+        _, params = finish_prefill(p.sched, prompt)
+        p.step()
+        local = [20, 21, 22, 23, 24]
+        before = all_heads(d, [25])
+        admit(d, prompt, params, local=local)
+        out = d.until(lambda o: o.finished_recving)
+        assert out.finished_recving == {"d-0"} and not out.failed_recving
+        for got, want in zip(all_heads(d, local), all_heads(p, params["remote_block_ids"])):
+            assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(all_heads(d, [25]), before))  # nothing else written
+        assert p.until(lambda o: o.finished_sending).finished_sending == {"p-0"}
+        stats = [w.get_stats().data for w in d.workers]
+        assert [s["transfers"] for s in stats] == [1] * d_tp and all(s["failed"] == 0 for s in stats)
+    finally:
+        d.shutdown()
+        p.shutdown()
+
+
+def test_unequal_tp_checks_each_source_ranks_digests(prefill):
+    """P at TP 2 -> D at TP 1: a block of P's rank 1 changed after P digested it: D's pull from
+    that rank fails its check twice and the receive fails (recomputed), its lease released."""
     p = prefill
     d = decode_instance(p, tp=1)
-    client = lease_client(p.sched)
     try:
-        host, port = p.sched.lease_address
-        with pytest.raises(TransferFailed, match="tensor-parallel sizes, 2 and 1, are not supported"):
-            d.workers[0].receiver.connect_producer(host, port, None, time.monotonic() + 10)
-        _, params = finish_prefill(p.sched, list(range(40)))
+        prompt = list(range(50))
+        _, params = finish_prefill(p.sched, prompt)
         p.step()
-        with pytest.raises(ChannelError, match="rank 0 of 1; this instance runs 2 rank"):
-            client.acquire(params["remote_lease"], 5, 5, *expect(params), 0, 1)
+        for t in p.workers[1].cache.layers:
+            t[params["remote_block_ids"][1]].add_(1.0)
+        admit(d, prompt, params)
+        out = d.until(lambda o: o.finished_recving)
+        assert out.failed_recving == {"d-0"}
+        assert d.workers[0].get_stats().data["mismatches"] == 2
+        assert p.until(lambda o: o.finished_sending).finished_sending == {"p-0"}
+    finally:
+        d.shutdown()
+
+
+def test_heads_that_do_not_split_evenly_are_refused_naming_the_sizes():
+    from vllm_ext.lease.kv_params import shard_plan
+
+    assert shard_plan(6, 1, 2, 3) == [(1, 1, 0, 1), (2, 0, 1, 2)]  # D rank 1 of 2 from P ranks 1 and 2 of 3
+    assert shard_plan(4, 1, 2, 1) == [(0, 2, 0, 2)]
+    with pytest.raises(ValueError, match="2 KV heads do not split evenly over the producer's 4 tensor-parallel ranks"):
+        shard_plan(2, 0, 1, 4)
+    with pytest.raises(ValueError, match="3 KV heads do not split evenly over this instance's 2"):
+        shard_plan(3, 0, 2, 1)
+
+
+def test_describe_of_a_rank_the_producer_lacks_is_refused(prefill):
+    client = lease_client(prefill.sched)
+    try:
         with pytest.raises(ChannelError, match="rank: this instance runs 2 tensor-parallel rank"):
             client.describe(5, rank=2)
+        _, params = finish_prefill(prefill.sched, list(range(40)))
+        prefill.step()
+        with pytest.raises(ChannelError, match="rank: expected a tensor-parallel rank below ranks 2, got 2"):
+            client.acquire(params["remote_lease"], 5, 5, *expect(params), 2, 2)
     finally:
         client.close()
-        d.shutdown()
 
 
 def test_handshakes_of_every_rank_with_one_layout_are_required():

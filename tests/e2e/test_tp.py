@@ -1,10 +1,11 @@
-"""Tensor parallelism end to end on CPU: two vLLM instances at tensor_parallel_size 2 (A and B,
-kv_both, kv_load_failure_policy "recompute", each TP = 2 server computing on both cores of the
-host: VLLM_CPU_OMP_THREADS_BIND "0|1"), the P/D proxy (A prefills, B decodes) and the router
-(live migration between them), with the seeded random Llama of fleet.CPU (2 KV heads: one per
-rank). Every rank's worker moves its own shard; the outputs (token ids and text) equal a single
-instance's, each rank's transfers show in /metrics (tp_rank label), and no block stays leased
-on either instance at the end.
+"""Tensor parallelism end to end on CPU: vLLM instances A and B at tensor_parallel_size 2 (each
+TP = 2 server computes on both cores of the host: VLLM_CPU_OMP_THREADS_BIND "0|1") and C at
+TP = 1 (core 1), all kv_both with kv_load_failure_policy "recompute", P/D proxies (A -> B,
+A -> C, C -> A) and the router (live migration between them), with the seeded random Llama of
+fleet.CPU (2 KV heads: one per rank at TP 2). At equal sizes every rank moves its own shard; at
+unequal ones a rank gathers its heads from the ranks that hold them (2 -> 1) or takes its slice
+of them (1 -> 2). The outputs (token ids and text) equal a single instance's, each rank's
+transfers show in /metrics (tp_rank label), and no block stays leased anywhere at the end.
 
 Deadlines (generous on purpose, never assertions on speed): start-up 420 s per server, each
 request 120 s, KV usage back to zero within LEASE_S + 15 s of the last request.
@@ -42,23 +43,27 @@ def cluster(tmp_path_factory):
     work = tmp_path_factory.mktemp("tp")
     model = fleet.write_checkpoint(work / "model")
     fleet.write_word_tokenizer(model)
-    ports = {name: fleet.free_port() for name in "AB"}
+    ports = {name: fleet.free_port() for name in "ABC"}
     faults = fault_files(work)  # none is ever created: the instances run as plain connectors
     started = []
     try:
-        for name in "AB":
-            started.insert(0, start_instance(name, model, work, core="0|1", lease_ports=ports, faults=faults,
-                                             lease_s=LEASE_S, extra_args=("--tensor-parallel-size", str(TP))))
-        b, a = started
-        a.wait_healthy()
-        b.wait_healthy()
+        servers = {}
+        for name, core, tp in (("A", "0|1", TP), ("B", "0|1", TP), ("C", "1", 1)):
+            servers[name] = start_instance(name, model, work, core=core, lease_ports=ports, faults=faults,
+                                           lease_s=LEASE_S, extra_args=("--tensor-parallel-size", str(tp)))
+            started.insert(0, servers[name])
+        for server in servers.values():
+            server.wait_healthy()
         leases = {n: f"127.0.0.1:{p}" for n, p in ports.items()}
-        router = start_router(work, "router", [a.url, b.url], [leases["A"], leases["B"]])
+        router = start_router(work, "router", [servers[n].url for n in "ABC"], [leases[n] for n in "ABC"])
         started.insert(0, router)
-        proxy = fleet.start_proxy("proxy", [a.url], [b.url], work)
-        started.insert(0, proxy)
-        proxy.wait_healthy(timeout=60)
-        yield {"A": a, "B": b, "router": router, "proxy": proxy, "work": work, "leases": leases}
+        proxies = {}
+        for pair in ("AB", "AC", "CA"):
+            proxies[pair] = fleet.start_proxy(f"proxy-{pair}", [servers[pair[0]].url], [servers[pair[1]].url], work)
+            started.insert(0, proxies[pair])
+        for proxy in proxies.values():
+            proxy.wait_healthy(timeout=60)
+        yield {**servers, "router": router, "proxies": proxies, "work": work, "leases": leases}
     finally:
         fleet.stop_all(started)
 
@@ -89,7 +94,7 @@ def delta(after, before):
 def wait_idle(cluster):
     """Every instance's KV usage and P/D leases back to zero within the deadline."""
     deadline = time.monotonic() + IDLE_TIMEOUT_S
-    for name in "AB":
+    for name in "ABC":
         while True:
             m = fleet.metrics(cluster[name].url)
             usage, leased = m["vllm:kv_cache_usage_perc"], m.get("vllm:vllm_ext_leased_blocks", 0.0)
@@ -99,25 +104,30 @@ def wait_idle(cluster):
             time.sleep(0.2)
 
 
-def test_pd_between_tp2_instances_equals_a_single_instance(cluster):
-    """Prompts of 1 to 4 blocks through the proxy: each of B's two ranks pulls its shard of every
-    whole block before the last token from A's rank of the same number; the outputs equal A's own."""
-    rng = random.Random(35)
-    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (40, 70, 100, 129)]
-    before = rank_counters(cluster["B"].url)
+@pytest.mark.parametrize("pair", ["AB", "AC", "CA"], ids=["tp2-tp2", "tp2-tp1", "tp1-tp2"])
+def test_pd_across_tp_sizes_equals_a_single_instance(cluster, pair):
+    """Prompts of 1 to 4 blocks through the proxy from P to D: each of D's ranks loads its heads of
+    every whole block before the last token (from P's rank of its number, from both of P's ranks,
+    or its slice of P's one rank); the outputs equal P's own."""
+    prefill, decode = pair
+    rng = random.Random(35 + ord(decode))
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (40, 100, 129)]
+    before = rank_counters(cluster[decode].url)
     for prompt in prompts:
-        got = complete(cluster["proxy"].url, prompt)
-        want = complete(cluster["A"].url, prompt)
+        got = complete(cluster["proxies"][pair].url, prompt)
+        want = complete(cluster[prefill].url, prompt)
         assert got == want, f"prompt of {len(prompt)} tokens: P/D {got} != single instance {want}"
-    assert delta(rank_counters(cluster["B"].url), before) == {rank: (len(prompts), 0) for rank in range(TP)}
+    ranks = TP if decode in "AB" else 1
+    assert delta(rank_counters(cluster[decode].url), before) == {rank: (len(prompts), 0) for rank in range(ranks)}
     wait_idle(cluster)
 
 
-@pytest.mark.parametrize("source,destination", [("A", "B"), ("B", "A")])
-def test_live_migration_between_tp2_instances(cluster, source, destination):
-    """A request moved from one TP = 2 instance to the other mid-decode: the destination's ranks
-    each load their shard of the moved blocks, and the client's tokens and text equal a single
-    instance's."""
+@pytest.mark.parametrize("source,destination", [("A", "B"), ("A", "C"), ("C", "A")],
+                         ids=["tp2-tp2", "tp2-tp1", "tp1-tp2"])
+def test_live_migration_across_tp_sizes(cluster, source, destination):
+    """A request moved mid-decode between instances of equal or unequal TP sizes: each of the
+    destination's ranks loads its heads of the moved blocks, and the client's tokens and text
+    equal a single instance's (the source's)."""
     rng = random.Random(36 + len(source))
     prompt = [rng.randrange(3, 1000) for _ in range(70)]
     before = rank_counters(cluster[destination].url)
@@ -133,7 +143,7 @@ def test_live_migration_between_tp2_instances(cluster, source, destination):
         assert s.first.wait(fleet.REQUEST_TIMEOUT_S)
 
     try:
-        pin_to(cluster, cluster["router"], source, begin, [cluster[n].url for n in "AB"])
+        pin_to(cluster, cluster["router"], source, begin, [cluster[n].url for n in "ABC"])
     finally:
         undrained.set()
     (status, record), = finish([s], results)
@@ -142,5 +152,6 @@ def test_live_migration_between_tp2_instances(cluster, source, destination):
     want_ids, want_text = complete(pin, prompt, LIVE_MAX_TOKENS)
     assert s.ids == want_ids and s.text == want_text
     moved = delta(rank_counters(cluster[destination].url), before)
-    assert all(moved[rank][0] >= 1 and moved[rank][1] == 0 for rank in range(TP)), moved
+    ranks = TP if destination in "AB" else 1
+    assert sorted(moved) == list(range(ranks)) and all(t >= 1 and f == 0 for t, f in moved.values()), moved
     wait_idle(cluster)

@@ -11,9 +11,13 @@ was queued, and a producer that just failed a job is not dialled again for BACKO
 start-up it connects to its connect_to producers ahead of the first pull, retrying while they
 start (for CONNECT_AHEAD_S); those attempts hold no pull back.
 
-Under tensor parallelism each TP rank's worker has a Receiver: rank r describes, connects to and
-pulls from the producer's rank r (its shard of every block), and acquires and releases the lease
-as rank r of `ranks`; the producer ends the lease once every rank released it.
+Under tensor parallelism each TP rank's worker has a Receiver, which acquires and releases the
+lease as rank r of `ranks` (the producer ends it once every rank released it). At equal TP sizes
+rank r describes, connects to and pulls from the producer's rank r (its shard of every block).
+At unequal sizes (a ShardRoute) it pulls the whole blocks of each producer rank holding some of
+its heads into a staging cache of that rank's shard geometry (its own endpoint, serving nothing),
+checks them against that rank's digests, and copies its heads into its cache with
+ops.copy_blocks' head ranges; the heads must split evenly over both sides.
 """
 
 import concurrent.futures
@@ -21,14 +25,14 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
 from .. import KVCache, ops
 from ..lease import messages
 from ..lease.channel import ChannelError, ChannelRefused, LeaseClient
-from ..lease.kv_params import fingerprint_mismatch
+from ..lease.kv_params import fingerprint_mismatch, instance_fields, shard_plan
 from ..migration import MigrationEndpoint, MigrationError, PeerDescriptor
 from .metadata import RecvJob, ReleaseJob
 from .stats import VllmExtStats
@@ -50,6 +54,8 @@ SLOW_LOAD_S = 1.0
 # passed (servers of a deployment start together: a producer may take minutes to be ready).
 CONNECT_AHEAD_S = 900.0
 CONNECT_AHEAD_RETRY_S = (0.5, 5.0)  # the first wait between attempts, doubled up to the second
+# Blocks of a staging cache (unequal TP sizes): a pull moves this many at a time per source rank.
+STAGING_BLOCKS = 16
 
 
 class TransferFailed(RuntimeError):
@@ -85,6 +91,48 @@ def descriptor_from_fields(fields: Any) -> PeerDescriptor:
         raise TransferFailed(f"the producer's descriptor is malformed: {e}") from e
 
 
+@dataclasses.dataclass
+class ShardSource:
+    """A producer rank holding some of this rank's KV heads (unequal TP sizes): its endpoint, and
+    `count` heads from `src_first` of its shard, which go to `dst_first` of this rank's."""
+
+    rank: int
+    peer: PeerDescriptor
+    src_first: int
+    dst_first: int
+    count: int
+
+
+class Staging:
+    """STAGING_BLOCKS blocks shaped like a producer rank's shard (`heads` KV heads, the rest as
+    `like`, this rank's cache, in its physical order so that head ranges copy between them), and
+    an endpoint (from `make_endpoint`) that pulls whole blocks into them; one pull at a time."""
+
+    def __init__(self, like: KVCache, heads: int, make_endpoint: Callable[[KVCache], MigrationEndpoint]):
+        layers = []
+        for t in like.layers:  # vLLM's [num_blocks, H, block_size, C] views
+            order = sorted(range(4), key=lambda d: -t.stride(d))  # outermost first
+            shape = [STAGING_BLOCKS, heads, t.shape[2], t.shape[3]]
+            backing = torch.zeros([shape[d] for d in order], dtype=t.dtype, device=t.device)
+            layers.append(backing.permute([order.index(d) for d in range(4)]))
+        self.cache = KVCache.from_layers(layers, layout="blocks")
+        self.endpoint = make_endpoint(self.cache)
+        self.lock = threading.Lock()
+        self.connected: Set[str] = set()  # endpoint ids of the producer ranks connected
+
+    def close(self) -> None:
+        self.endpoint.close()
+
+
+@dataclasses.dataclass
+class ShardRoute:
+    """How this rank loads from a producer of another TP size: each source's whole blocks into
+    `staging`, then its heads into this rank's cache."""
+
+    sources: List[ShardSource]
+    staging: Staging
+
+
 class Receiver:
     """Args are values: the deployment secret, the producers it may dial ("host:port"), those
     it connects to at start-up, the pull's deadline, and whether pulls are checked against the
@@ -106,6 +154,8 @@ class Receiver:
         self.endpoint: Optional[MigrationEndpoint] = None
         self.stream = None
         self._fingerprint_fields: Dict[str, Any] = {}
+        self._make_endpoint: Optional[Callable[[KVCache], MigrationEndpoint]] = None
+        self._staging: Dict[int, Staging] = {}  # a producer rank's head count -> its staging cache
         self._pool = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="vllm-ext-pull")
         self._lock = threading.Lock()  # results, clients, peers and back-off: pull threads + the worker thread
         self._done: Set[str] = set()  # receives reported (failed ones too)
@@ -114,15 +164,20 @@ class Receiver:
         self._sync_failed_blocks: Set[int] = set()  # of failed sync loads: always reported as invalid
         self._stats = VllmExtStats()
         self._clients: Dict[Tuple[str, int, int], LeaseClient] = {}  # (host, port, thread id) -> its connection
-        # producer instance's endpoint id (its rank 0's, which requests name) -> its endpoint of this rank
-        self._peers: Dict[str, PeerDescriptor] = {}
+        # producer instance's endpoint id (its rank 0's, which requests name) -> its endpoint of this
+        # rank (equal TP sizes) or the route to its ranks that hold this rank's heads
+        self._peers: Dict[str, Union[PeerDescriptor, ShardRoute]] = {}
         self._endpoint_at: Dict[Tuple[str, int], str] = {}  # producer -> the instance endpoint id last connected there
         self._peer_locks: Dict[Tuple[str, int], threading.Lock] = {}
         self._backoff: Dict[Tuple[str, int], float] = {}  # producer -> monotonic time it may be dialled again
 
-    def start(self, cache: KVCache, endpoint: MigrationEndpoint, fingerprint_fields: Dict[str, Any], stream) -> None:
+    def start(self, cache: KVCache, endpoint: MigrationEndpoint, fingerprint_fields: Dict[str, Any], stream,
+              make_endpoint: Optional[Callable[[KVCache], MigrationEndpoint]] = None) -> None:
+        """`make_endpoint`: an endpoint over a staging cache, serving none of its blocks (None: a
+        producer of another TP size is refused)."""
         self.cache, self.endpoint, self.stream = cache, endpoint, stream
         self._fingerprint_fields = fingerprint_fields
+        self._make_endpoint = make_endpoint
         for address in self._connect_to:
             threading.Thread(target=self._connect_ahead, args=(address,), name="vllm-ext-connect-ahead",
                              daemon=True).start()
@@ -183,6 +238,9 @@ class Receiver:
             clients = list(self._clients.values())
         for client in clients:
             client.close()
+        for staging in self._staging.values():
+            staging.close()
+        self._staging = {}
         self.endpoint = None
 
     # ---- the pull threads ----------------------------------------------------------------
@@ -227,26 +285,17 @@ class Receiver:
                 raise TransferFailed(f"lease {job.lease[:8]}: kv_transfer_params.remote_block_ids differ from the "
                                      "lease's blocks")
             pulling = True
-            for attempt in (1, 2):  # a pull whose blocks differ from the producer's digests: once more
-                stats = self.pull(peer, expected, job.dst_block_ids, deadline)
-                if not (self.verify_kv and digests):
-                    break
-                if self._digests(job.dst_block_ids) == digests[span]:
-                    break
-                with self._lock:
-                    self._stats.record_mismatch()
-                logger.warning("request %s: the pulled blocks differ from the producer's digests (attempt %d of 2)",
-                               job.req_id, attempt)
-                if attempt == 2:
-                    raise TransferFailed(f"lease {job.lease[:8]}: the pulled blocks differ from the producer's digests "
-                                         "twice; not used")
+            if isinstance(peer, ShardRoute):
+                nbytes = self._pull_shards(peer, job, expected, digests, len(lease_blocks), span, deadline)
+            else:
+                nbytes = self._pull_checked(peer, job, expected, digests[span] if digests else [], deadline)
             marks.append(("pull", time.monotonic()))
             acquired = False
             if not self._release(client, job.lease):
                 raise TransferFailed(f"lease {job.lease[:8]}: the producer could not vouch for the blocks after the "
                                      "pull (its request was preempted meanwhile, or the release failed); not used")
             marks.append(("release", time.monotonic()))
-            self._finish(job, True, nbytes=stats.nbytes, seconds=marks[-1][1] - marks[1][1])
+            self._finish(job, True, nbytes=nbytes, seconds=marks[-1][1] - marks[1][1])
             _log_if_slow(job, marks)
         except BaseException as e:  # noqa: BLE001 - a receive must always be reported
             if pulling and self.stream is not None:
@@ -267,6 +316,21 @@ class Receiver:
             if client is not None and acquired:
                 self._release(client, job.lease)
 
+    def _pull_checked(self, peer: PeerDescriptor, job: RecvJob, src: List[int], want: List[int],
+                      deadline: float) -> int:
+        """The pull from the producer's rank of this rank's number, checked against its digests
+        `want` (a mismatch pulls once more). Returns the bytes pulled."""
+        for attempt in (1, 2):
+            stats = self.pull(peer, src, job.dst_block_ids, deadline)
+            if not (self.verify_kv and want) or self._digests(job.dst_block_ids) == want:
+                return stats.nbytes
+            with self._lock:
+                self._stats.record_mismatch()
+            logger.warning("request %s: the pulled blocks differ from the producer's digests (attempt %d of 2)",
+                           job.req_id, attempt)
+        raise TransferFailed(f"lease {job.lease[:8]}: the pulled blocks differ from the producer's digests twice; "
+                             "not used")
+
     def pull(self, peer: PeerDescriptor, src: List[int], dst: List[int], deadline: float):
         if self.stream is None:
             return self.endpoint.pull(peer, src, dst, timeout=_left(deadline))
@@ -275,11 +339,57 @@ class Receiver:
         self.stream.synchronize()
         return stats
 
-    def _digests(self, block_ids: List[int]) -> List[int]:
+    def _digests(self, block_ids: List[int], cache: Optional[KVCache] = None) -> List[int]:
+        cache = cache or self.cache
         if self.stream is None:
-            return ops.block_digests(self.cache, block_ids)
+            return ops.block_digests(cache, block_ids)
         with torch.cuda.stream(self.stream):  # beside the engine's stream, not on it
-            return ops.block_digests(self.cache, block_ids)
+            return ops.block_digests(cache, block_ids)
+
+    def _pull_shards(self, route: ShardRoute, job: RecvJob, src: List[int], digests: List[int], n: int,
+                     span: slice, deadline: float) -> int:
+        """A pull from a producer of another TP size: per chunk of STAGING_BLOCKS blocks and per
+        source rank, its whole blocks into the staging cache (checked against that rank's digests,
+        the k-th `n` of `digests`; a mismatch pulls once more), then its heads into this rank's
+        blocks. Returns the bytes pulled."""
+        staging, nbytes = route.staging, 0
+        with staging.lock:  # under the pull's deadline: the other pull thread waits at most that long
+            for start in range(0, len(src), STAGING_BLOCKS):
+                chunk, dst = src[start:start + STAGING_BLOCKS], job.dst_block_ids[start:start + STAGING_BLOCKS]
+                rows = list(range(len(chunk)))
+                for k, source in enumerate(route.sources):
+                    want = digests[k * n:(k + 1) * n][span][start:start + len(chunk)] if digests else []
+                    for attempt in (1, 2):
+                        stats = self._staged_pull(staging, source.peer, chunk, rows, deadline)
+                        if not (self.verify_kv and want) or self._digests(rows, staging.cache) == want:
+                            break
+                        with self._lock:
+                            self._stats.record_mismatch()
+                        logger.warning("request %s: the blocks pulled from producer rank %d differ from its digests "
+                                       "(attempt %d of 2)", job.req_id, source.rank, attempt)
+                        if attempt == 2:
+                            raise TransferFailed(f"lease {job.lease[:8]}: the blocks pulled from producer rank "
+                                                 f"{source.rank} differ from its digests twice; not used")
+                    nbytes += stats.nbytes
+                    self._copy_heads(staging.cache, rows, dst, source)
+        return nbytes
+
+    def _staged_pull(self, staging: Staging, peer: PeerDescriptor, src: List[int], rows: List[int], deadline: float):
+        if self.stream is None:
+            return staging.endpoint.pull(peer, src, rows, timeout=_left(deadline))
+        with torch.cuda.stream(self.stream):
+            stats = staging.endpoint.pull(peer, src, rows, timeout=_left(deadline))
+        self.stream.synchronize()
+        return stats
+
+    def _copy_heads(self, staged: KVCache, rows: List[int], dst: List[int], source: ShardSource) -> None:
+        heads = dict(src_heads=(source.src_first, source.count), dst_heads=(source.dst_first, source.count))
+        if self.stream is None:
+            ops.copy_blocks(staged, rows, self.cache, dst, **heads)
+            return
+        with torch.cuda.stream(self.stream):
+            ops.copy_blocks(staged, rows, self.cache, dst, **heads)
+        self.stream.synchronize()
 
     def _finish(self, job: RecvJob, ok: bool, why: str = "", nbytes: int = 0, seconds: float = 0.0) -> None:
         with self._lock:
@@ -346,51 +456,105 @@ class Receiver:
             return client
 
     def connect_producer(self, host: str, port: int, endpoint_id: Optional[str], deadline: float,
-                         back_off: bool = True) -> PeerDescriptor:
-        """The producer's descriptor, checked against this cache and connected when first
-        seen (the handshake: a layout mismatch is refused here, naming the fields). No
-        `endpoint_id`: whichever endpoint is connected there already (a pull may have connected
-        it before the start-up dial got through). A failure to reach it puts it in back-off
-        unless `back_off` is false."""
+                         back_off: bool = True) -> Union[PeerDescriptor, ShardRoute]:
+        """The producer, checked against this cache and connected when first seen (the
+        handshake: a layout mismatch is refused here, naming the fields): the descriptor of its
+        rank of this rank's number at equal TP sizes, else the route to its ranks that hold this
+        rank's heads. No `endpoint_id`: whichever instance is connected there already (a pull may
+        have connected it before the start-up dial got through). A failure to reach it puts it in
+        back-off unless `back_off` is false."""
         client = self._client(host, port)
         with self._peer_locks[(host, port)]:
             known = endpoint_id or self._endpoint_at.get((host, port))
             peer = self._peers.get(known) if known else None
             if peer is not None:
                 return peer
-            try:
-                reply = client.describe(_left(deadline, CHANNEL_TIMEOUT_S), rank=self.rank)
-            except ChannelError:
-                if back_off:
-                    self._back_off(host, port)
-                raise
-            diff = fingerprint_mismatch(self._fingerprint_fields, reply.fingerprint_fields)
+
+            def describe(rank: int):
+                try:
+                    return client.describe(_left(deadline, CHANNEL_TIMEOUT_S), rank=rank)
+                except ChannelError:
+                    if back_off:
+                        self._back_off(host, port)
+                    raise
+
+            reply = describe(0)
+            mine, theirs = self._fingerprint_fields, reply.fingerprint_fields
+            diff = fingerprint_mismatch(instance_fields(mine), instance_fields(theirs))
             if diff:
-                theirs = reply.fingerprint_fields.get("tp_size", 1)
-                if theirs != self._fingerprint_fields.get("tp_size", 1):
-                    diff += (f" (P and D at different tensor-parallel sizes, {theirs} and "
-                             f"{self._fingerprint_fields.get('tp_size', 1)}, are not supported yet)")
                 raise TransferFailed(f"producer {host}:{port} has an incompatible KV cache: {diff}")
-            peer = descriptor_from_fields(reply.descriptor)
-            instance = reply.endpoint_id or peer.endpoint_id
+            instance = reply.endpoint_id or descriptor_from_fields(reply.descriptor).endpoint_id
             if endpoint_id and instance != endpoint_id:
                 raise TransferFailed(f"producer {host}:{port} serves endpoint {instance[:8]}, the request "
                                      f"names {endpoint_id[:8]} (the prefill instance restarted?)")
+            producer_ranks = theirs.get("tp_size", 1)
+            if not isinstance(producer_ranks, int) or isinstance(producer_ranks, bool) or producer_ranks < 1:
+                raise TransferFailed(f"producer {host}:{port}: tp_size {producer_ranks!r} is not a TP size")
             started = time.perf_counter()
             try:
-                self.endpoint.connect(peer, timeout=_left(deadline))
+                if producer_ranks == self.ranks:
+                    peer = self._connect_rank(describe, reply, deadline, host, port)
+                else:
+                    peer = self._connect_shards(describe, reply, producer_ranks, deadline, host, port)
             except MigrationError:
                 if back_off:
                     self._back_off(host, port)
                 raise
             logger.info("vllm-ext connector: connected to producer %s:%d (%s) in %.1f ms", host, port,
-                        peer.short(), 1e3 * (time.perf_counter() - started))
+                        peer.short() if isinstance(peer, PeerDescriptor) else
+                        f"TP {producer_ranks} -> {self.ranks}: rank {self.rank} gathers heads from ranks "
+                        f"{[s.rank for s in peer.sources]}", 1e3 * (time.perf_counter() - started))
             with self._lock:
                 if len(self._peers) >= MAX_PRODUCERS:  # endpoints of restarted producers
                     self._peers.pop(next(iter(self._peers)))
                 self._peers[instance] = peer
                 self._endpoint_at[(host, port)] = instance
             return peer
+
+    def _connect_rank(self, describe, reply, deadline: float, host: str, port: int) -> PeerDescriptor:
+        """Equal TP sizes: the producer's rank of this rank's number, its shard laid out as ours."""
+        if self.rank:
+            reply = describe(self.rank)
+        diff = fingerprint_mismatch(self._fingerprint_fields, reply.fingerprint_fields)
+        if diff:
+            raise TransferFailed(f"producer {host}:{port} has an incompatible KV cache: {diff}")
+        peer = descriptor_from_fields(reply.descriptor)
+        self.endpoint.connect(peer, timeout=_left(deadline))
+        return peer
+
+    def _connect_shards(self, describe, reply, producer_ranks: int, deadline: float, host: str,
+                        port: int) -> ShardRoute:
+        """Unequal TP sizes: the producer ranks holding this rank's heads, connected to the
+        staging cache of their shard geometry."""
+        heads = self._fingerprint_fields.get("num_kv_heads")
+        try:
+            if not isinstance(heads, int) or heads < 1:
+                raise ValueError(f"num_kv_heads {heads!r}: unknown here")
+            plan = shard_plan(heads, self.rank, self.ranks, producer_ranks)
+        except ValueError as e:
+            raise TransferFailed(f"producer {host}:{port} (TP {producer_ranks}, here {self.ranks}): {e}") from e
+        if self._make_endpoint is None:
+            raise TransferFailed(f"producer {host}:{port}: TP {producer_ranks}, here {self.ranks}: this receiver "
+                                 "loads only from producers of its own TP size")
+        theirs = heads // producer_ranks
+        staging = self._staging.get(theirs)
+        if staging is None:
+            staging = self._staging[theirs] = Staging(self.cache, theirs, self._make_endpoint)
+        sources = []
+        for rank, src_first, dst_first, count in plan:
+            described = reply if rank == 0 else describe(rank)
+            shape = described.fingerprint_fields.get("layer_shape")
+            diff = fingerprint_mismatch(instance_fields(self._fingerprint_fields),
+                                        instance_fields(described.fingerprint_fields))
+            if diff or not isinstance(shape, list) or shape[:1] != [theirs]:
+                raise TransferFailed(f"producer {host}:{port} rank {rank} has an incompatible KV cache: "
+                                     f"{diff or f'layer_shape {shape!r}, expected {theirs} heads'}")
+            peer = descriptor_from_fields(described.descriptor)
+            if peer.endpoint_id not in staging.connected:
+                staging.endpoint.connect(peer, timeout=_left(deadline))
+                staging.connected.add(peer.endpoint_id)
+            sources.append(ShardSource(rank, peer, src_first, dst_first, count))
+        return ShardRoute(sources, staging)
 
     def _connect_ahead(self, address: str) -> None:
         """Its own thread: connects to a connect_to producer before a pull needs it, trying again

@@ -12,7 +12,8 @@ deadline). ipc maps the whole cache: its authenticated peers are trusted with al
 
 Under tensor parallelism there is one WorkerHalf per TP rank, each with its own shard of the
 cache (its KV heads) and its own endpoint; every rank gets the same metadata each step. A
-consumer's rank r pulls from the producer's rank r (equal TP sizes), and vLLM counts a receive
+consumer's rank r pulls from the producer's rank r at equal TP sizes, and gathers its heads
+from the producer ranks that hold them at unequal ones (receiver.py); vLLM counts a receive
 done once every rank reported it, failed if any rank failed it.
 
 Who calls what (vLLM, on the worker's thread): register_kv_caches once; per step
@@ -26,7 +27,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 
 from .. import KVCache, ops
-from ..lease.kv_params import PROTOCOL, layout_fingerprint
+from ..lease.kv_params import PROTOCOL, instance_fingerprint
 from ..migration import MigrationEndpoint, PeerDescriptor
 from .metadata import VllmExtHandshake, VllmExtMetadata, VllmExtWorkerMetadata
 from .receiver import Receiver, descriptor_from_fields  # noqa: F401 - the latter is part of this module's API
@@ -125,7 +126,7 @@ class WorkerHalf:
             "physical_order": physical_order(first), "num_layers": len(names), "layer_names": names,
             "device_type": first.device.type, "tp_size": self.tp_size,
         }
-        self.fingerprint = layout_fingerprint(self.fingerprint_fields)
+        self.fingerprint = instance_fingerprint(self.fingerprint_fields)
         self._grants = self.is_producer and backend in GRANTED_BACKENDS
         self.endpoint = make_endpoint(self.cache, backend, self._endpoint_host, self._endpoint_options, self._secret,
                                       serve="granted" if self._grants else "all")
@@ -133,7 +134,10 @@ class WorkerHalf:
         logger.info("vllm-ext connector: %r serving %d layers [%s] over %s, fingerprint %s (TP rank %d of %d)",
                     self.cache, len(names), self.fingerprint_fields["physical_order"], backend, self.fingerprint,
                     self.tp_rank, self.tp_size)
-        self.receiver.start(self.cache, self.endpoint, self.fingerprint_fields, stream)
+        serve = "granted" if backend in GRANTED_BACKENDS else "all"  # a staging cache serves nothing it can refuse
+        self.receiver.start(self.cache, self.endpoint, self.fingerprint_fields, stream,
+                            make_endpoint=lambda cache: make_endpoint(cache, backend, self._endpoint_host,
+                                                                      self._endpoint_options, self._secret, serve))
 
     def handshake(self) -> VllmExtHandshake:
         assert self.endpoint is not None

@@ -26,6 +26,7 @@ from .messages import LEASE_PROTOCOL, LEASE_REQUESTS, LEASE_SERVER_ID
 logger = logging.getLogger(__name__)
 
 MAX_LEASE_BLOCKS = 1 << 20  # block ids in one acquire reply (8 bytes each)
+MAX_SOURCE_RANKS = 64  # producer ranks one consumer rank's acquire reply carries digests of
 IDLE_TIMEOUT_S = 600.0  # a lease connection silent this long is closed
 
 
@@ -153,14 +154,15 @@ class LeaseClient:
 
     def acquire(self, lease: str, hold_s: float, timeout: float, num_tokens: int,
                 prompt_hash: str, rank: int = 0, ranks: int = 1) -> Tuple[List[int], int, str, List[int]]:
-        """(block ids, num_tokens, prompt_hash, digests: [] or one per block) of a live lease,
-        now taken by this pull of the KV of `num_tokens` tokens hashing to `prompt_hash` (the
-        producer refuses a lease on other tokens), by the consumer's TP rank `rank` of `ranks`
-        (the digests are that rank's shard's)."""
+        """(block ids, num_tokens, prompt_hash, digests: [] or one per block and producer rank)
+        of a live lease, now taken by this pull of the KV of `num_tokens` tokens hashing to
+        `prompt_hash` (the producer refuses a lease on other tokens), by the consumer's TP rank
+        `rank` of `ranks` (the digests are those of the producer ranks holding its heads,
+        kv_params.source_ranks, one rank's after the other)."""
         reply, payload = self._request(messages.LeaseAcquire(lease, float(hold_s), num_tokens, prompt_hash, rank,
                                                              ranks), timeout, messages.LeaseAcquireReply)
         try:
-            if reply.n_digests not in (0, reply.n):
+            if reply.n_digests % max(reply.n, 1) or reply.n_digests > reply.n * MAX_SOURCE_RANKS:
                 raise ProtocolError(f"n_digests: {reply.n_digests} for {reply.n} blocks")
             ids = protocol.decode_ids(payload, reply.n + reply.n_digests, "block_ids")
         except ProtocolError as e:

@@ -36,7 +36,7 @@ import hashlib
 import json
 import re
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..migration.protocol import geometry_mismatch
 
@@ -226,3 +226,51 @@ def layout_fingerprint(fields: Dict[str, Any]) -> str:
 def fingerprint_mismatch(mine: Dict[str, Any], theirs: Dict[str, Any]) -> Optional[str]:
     """None when equal, else which fields differ, with both values."""
     return geometry_mismatch(mine, theirs, "at the producer")
+
+
+# What a TP rank's fingerprint fields say of its own shard alone (the instance's fingerprint leaves
+# them out, so that instances of different TP sizes over one model agree on it).
+SHARD_FIELDS = ("tp_size", "layer_shape")
+
+
+def instance_fields(fields: Dict[str, Any]) -> Dict[str, Any]:
+    """A rank's fingerprint fields without what only its shard says: no TP size, and its layer
+    shape less the heads (`head_shape`); the model's KV head count is a field of its own
+    (`num_kv_heads`)."""
+    common = {k: v for k, v in fields.items() if k not in SHARD_FIELDS}
+    shape = fields.get("layer_shape")
+    common["head_shape"] = list(shape)[1:] if isinstance(shape, list) else shape
+    return common
+
+
+def instance_fingerprint(fields: Dict[str, Any]) -> str:
+    """The fingerprint kv_transfer_params carry (instance_fields'): instances of different TP
+    sizes over one model and layout agree on it."""
+    return layout_fingerprint(instance_fields(fields))
+
+
+def source_ranks(rank: int, ranks: int, producer_ranks: int) -> range:
+    """The producer's TP ranks (of `producer_ranks`) that hold KV heads of consumer rank `rank`
+    of `ranks`, the heads split evenly over the ranks on both sides: one rank of the same number
+    at equal sizes; several when the producer has more ranks; one holding more heads when fewer."""
+    if not 0 <= rank < ranks or producer_ranks < 1:
+        raise ValueError(f"rank {rank} of {ranks}, producer ranks {producer_ranks}: out of range")
+    return range(rank * producer_ranks // ranks, -(-(rank + 1) * producer_ranks // ranks))
+
+
+def shard_plan(num_kv_heads: int, rank: int, ranks: int, producer_ranks: int) -> List[Tuple[int, int, int, int]]:
+    """How consumer rank `rank` of `ranks` gathers its KV heads from a producer of
+    `producer_ranks` ranks: (producer rank, first head in that rank's shard, first head in this
+    rank's shard, head count) per producer rank of source_ranks(). ValueError when the model's
+    `num_kv_heads` do not split evenly over either side (vLLM then replicates heads across ranks)."""
+    for name, n in (("this instance", ranks), ("the producer", producer_ranks)):
+        if num_kv_heads % n:
+            raise ValueError(f"{num_kv_heads} KV heads do not split evenly over {name}'s {n} tensor-parallel ranks "
+                             "(vLLM replicates them): P and D at different TP sizes need an even split on both")
+    mine, theirs = num_kv_heads // ranks, num_kv_heads // producer_ranks
+    lo, hi = rank * mine, (rank + 1) * mine
+    plan = []
+    for q in source_ranks(rank, ranks, producer_ranks):
+        a, b = max(lo, q * theirs), min(hi, (q + 1) * theirs)
+        plan.append((q, a - q * theirs, a - lo, b - a))
+    return plan

@@ -49,8 +49,9 @@ from ..migration.protocol import (
 # 15: tensor parallelism: lease.describe names the producer's TP rank whose endpoint it wants
 #     (its reply gives that rank's descriptor and the instance's `endpoint_id`, rank 0's);
 #     lease.acquire and lease.release name the consumer's rank and its TP size (`rank`,
-#     `ranks`): a lease is taken once per rank, its reply carries that rank's digests, and it
-#     ends once every rank released it (a release with `ranks` 1, a router's, ends it at once).
+#     `ranks`): a lease is taken once per rank, its reply carries the digests of the producer
+#     ranks holding that rank's heads (any TP sizes), and it ends once every rank released it
+#     (a release with `ranks` 1, a router's, ends it at once).
 LEASE_PROTOCOL = 15
 
 # The server id a lease server authenticates as (it serves no endpoint of its own).
@@ -168,9 +169,9 @@ class LeaseAcquire(LeaseMessage):
 
 @dataclasses.dataclass(frozen=True)
 class LeaseAcquireReply(LeaseMessage):
-    """The lease's n block ids follow in the payload (encode_ids), then n_digests (0 or n)
-    digests of those blocks as the producer's worker of the acquire's rank saw them when it
-    served them."""
+    """The lease's n block ids follow in the payload (encode_ids), then n_digests (0, or n per
+    producer rank holding heads of the acquire's rank: kv_params.source_ranks) digests of those
+    blocks as each such rank's worker saw them when it served them."""
 
     op: ClassVar[str] = "lease.acquire.reply"
     n: int

@@ -21,6 +21,7 @@ set_handshake (once at start-up), and the lease channel's threads call _serve (i
 answered in lease_requests.py).
 """
 
+import json
 import logging
 import threading
 import time
@@ -112,10 +113,10 @@ class SchedulerHalf(LeaseRequests):
         ranks = sorted(metadata)
         if ranks != list(range(len(ranks))) or not ranks:
             raise ValueError(f"VllmExtConnector: expected the handshakes of TP ranks 0 to n-1, got ranks {ranks}")
-        fingerprints = {rank: h.fingerprint for rank, h in metadata.items()}
-        if len(set(fingerprints.values())) != 1:
-            raise ValueError(f"VllmExtConnector: the TP ranks' KV cache shards differ (fingerprints {fingerprints}): "
-                             "a model whose KV heads do not split evenly over the ranks is not supported")
+        shards = {rank: json.dumps(h.fingerprint_fields, sort_keys=True) for rank, h in metadata.items()}
+        if len(set(shards.values())) != 1:
+            raise ValueError(f"VllmExtConnector: the TP ranks' KV cache shards differ ({shards}): a model whose KV "
+                             "heads do not split evenly over the ranks is not supported")
         self._handshakes = dict(metadata)
         self._handshake = metadata[0]
         with self._lock:

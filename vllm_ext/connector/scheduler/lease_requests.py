@@ -10,7 +10,7 @@ works on the half's state under the half's lock (`_lock`, `_granted`, `_leases`,
 import time
 
 from ...lease import messages
-from ...lease.kv_params import prompt_hash
+from ...lease.kv_params import prompt_hash, source_ranks
 from ...migration import protocol
 from ..metadata import VllmExtHandshake
 from .leases import Lease
@@ -83,15 +83,13 @@ class LeaseRequests:
 
     def _serve_acquire(self, lease_id: str, hold_s: float, num_tokens: int, hash_: str, rank: int = 0,
                        ranks: int = 1):
-        """For the consumer's TP rank `rank` of `ranks`: each rank pulls its shard from this
-        instance's rank of the same number (equal TP sizes only)."""
+        """For the consumer's TP rank `rank` of `ranks`: the reply carries the digests of each of
+        this instance's ranks that hold heads of that rank (kv_params.source_ranks), in order."""
         with self._lock:
             self._reap_expired()
             lease = self._live_lease(lease_id)
-            if ranks != self._leases.ranks or rank >= ranks:
-                raise ValueError(f"lease {lease_id[:8]}: asked for tensor-parallel rank {rank} of {ranks}; this "
-                                 f"instance runs {self._leases.ranks} rank(s) (P and D at different TP sizes are "
-                                 "not supported)")
+            if rank >= ranks:
+                raise ValueError(f"rank: expected a tensor-parallel rank below ranks {ranks}, got {rank}")
             if hold_s > MAX_HOLD_S:
                 raise ValueError(f"hold_s: expected at most {MAX_HOLD_S:g} seconds, got {hold_s!r}")
             if not holds_tokens(lease, num_tokens, hash_):  # the lease stays its own consumer's
@@ -109,7 +107,10 @@ class LeaseRequests:
                 lease.taken_ranks.discard(rank)
                 raise ValueError(f"lease {lease_id[:8]}: its blocks are not served yet ({why})")
             self._leases.take(lease, hold_s)
-            digests = lease.digests.get(rank, []) if len(lease.digests) == ranks else []
+            digests = []
+            if len(lease.digests) == self._leases.ranks:  # every rank's, or none
+                for q in source_ranks(rank, ranks, self._leases.ranks):
+                    digests += lease.digests[q]
             return (messages.LeaseAcquireReply(len(lease.block_ids), lease.num_tokens, lease.prompt_hash,
                                                len(digests)),
                     protocol.encode_ids(lease.block_ids + digests))
