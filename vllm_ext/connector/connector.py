@@ -109,7 +109,7 @@ class VllmExtConnector(KVConnectorBase_V1):
         check_vllm_version()
         super().__init__(vllm_config, role, kv_cache_config)
         config = vllm_config.kv_transfer_config
-        # every key checked here, in both roles (the worker's is built before the model loads)
+        # every key checked here, in both roles (vLLM builds the worker's before its compile warm-up)
         settings = ConnectorSettings.parse(config.kv_connector_extra_config,
                                            device_type=vllm_config.device_config.device_type)
         tp_rank, tp_size = _tensor_parallel(vllm_config.parallel_config, role)
