@@ -520,8 +520,8 @@ int vllm_ext_copy_blocks_cuda_inline(const vllm_ext_side* src, const vllm_ext_si
 
 int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging* lanes, int32_t num_lanes,
                              const int64_t* ids, const int64_t* bounds, int32_t first_chunk, int32_t num_chunks,
-                             int32_t num_layers, int32_t num_components, int64_t slice_nbytes, int32_t alignment,
-                             int32_t device, void* after_stream, void* after_event, void* done) {
+                             int32_t num_layers, int32_t num_components, int64_t slice_nbytes, int64_t num_rows,
+                             int32_t alignment, int32_t device, void* after_stream, void* after_event, void* done) {
   if (cache == nullptr || lanes == nullptr || bounds == nullptr)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "null argument to vllm_ext_staged_transfer");
   if (cache->block_ids != nullptr)
@@ -551,11 +551,12 @@ int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging*
   }
   const int64_t rows_total = bounds[num_chunks] - bounds[0];
   if (rows_total > 0 && ids == nullptr) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "ids is NULL");
-  int status = check_alignment(alignment, slice_nbytes);
+  int status = check_alignment(alignment, slice_nbytes, num_rows);
+  if (status == VLLM_EXT_OK) status = check_part_alignment(*cache, "cache", alignment);
   for (int32_t i = 0; i < num_lanes && status == VLLM_EXT_OK; ++i) {
     for (int slot = 0; slot < 2 && status == VLLM_EXT_OK; ++slot) {
-      vllm_ext_side probe = {nullptr, lanes[i].slots[slot], 0, 0, 0, slot_blocks, nullptr};
-      status = vllm_ext::check_copy_args(cache, &probe, 0, num_layers, num_components, slice_nbytes, 1);
+      vllm_ext_side probe = {nullptr, lanes[i].slots[slot], 0, 0, 0, slot_blocks, nullptr, 0, 0};
+      status = vllm_ext::check_copy_args(cache, &probe, 0, num_layers, num_components, slice_nbytes, num_rows);
     }
   }
   if (status != VLLM_EXT_OK) return status;
@@ -585,7 +586,7 @@ int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging*
     g.lane_chunk = k / num_lanes;
     g.slot = static_cast<int>(g.lane_chunk % 2);
     g.rows = {nullptr, g.lane->slots[g.slot], num_components * slice_nbytes, row_nbytes, slice_nbytes,
-              bounds[c + 1] - bounds[c], nullptr};
+              bounds[c + 1] - bounds[c], nullptr, 0, 0};
     return g;
   };
   auto transfer = [&](int32_t c, const Stage& g) -> int {
@@ -604,7 +605,7 @@ int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging*
     auto copy = stream_of(g.lane->copy_stream);
     VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(copy, event_of(g.lane->moved[g.slot]), 0));
     const int rc = launch_inline(g.rows, *cache, nullptr, ids + bounds[c], g.rows.num_blocks, num_layers,
-                                 num_components, slice_nbytes, 1, alignment, device, copy, g.lane->max_ctas);
+                                 num_components, slice_nbytes, num_rows, alignment, device, copy, g.lane->max_ctas);
     if (rc != VLLM_EXT_OK) return rc;
     VLLM_EXT_CUDA_TRY(cudaEventRecord(event_of(g.lane->copied[g.slot]), copy));
     return VLLM_EXT_OK;
@@ -615,7 +616,7 @@ int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging*
     if (send) {
       if (g.lane_chunk >= 2) VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(copy, event_of(g.lane->moved[g.slot]), 0));
       status = launch_inline(*cache, g.rows, ids + bounds[c], nullptr, g.rows.num_blocks, num_layers, num_components,
-                             slice_nbytes, 1, alignment, device, copy, g.lane->max_ctas);
+                             slice_nbytes, num_rows, alignment, device, copy, g.lane->max_ctas);
       if (status != VLLM_EXT_OK) return status;
       VLLM_EXT_CUDA_TRY(cudaEventRecord(event_of(g.lane->copied[g.slot]), copy));
       VLLM_EXT_CUDA_TRY(cudaStreamWaitEvent(comm, event_of(g.lane->copied[g.slot]), 0));

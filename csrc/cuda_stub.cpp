@@ -16,11 +16,13 @@ int vllm_ext_copy_blocks_cuda_inline(const vllm_ext_side*, const vllm_ext_side*,
   return no_cuda();
 }
 int vllm_ext_staged_transfer(const vllm_ext_side*, const vllm_ext_staging*, int32_t, const int64_t*, const int64_t*,
-                             int32_t, int32_t, int32_t, int32_t, int64_t, int32_t, int32_t, void*, void*, void*) {
+                             int32_t, int32_t, int32_t, int32_t, int64_t, int64_t, int32_t, int32_t, void*, void*,
+                             void*) {
   return no_cuda();
 }
 int vllm_ext_pull_server_start(int32_t, const vllm_ext_side*, const vllm_ext_staging*, int32_t, int32_t, int32_t,
-                               int64_t, int32_t, int32_t, void*, const int32_t*, vllm_ext_pull_server**) {
+                               int64_t, int32_t, int32_t, void*, const int32_t*, const vllm_ext_pull_heads*,
+                               vllm_ext_pull_server**) {
   return no_cuda();
 }
 int vllm_ext_pull_server_test_stall(vllm_ext_pull_server*, const int64_t*) { return no_cuda(); }

@@ -28,6 +28,8 @@ struct RequestHeader {
   uint32_t magic;
   uint32_t count;
   double timeout_s;
+  int32_t first_head;
+  int32_t num_heads;  // 0: whole blocks
 };
 struct ReplyHeader {
   uint32_t magic;
@@ -35,7 +37,14 @@ struct ReplyHeader {
   uint32_t message_len;
   uint32_t reserved;
 };
-static_assert(sizeof(RequestHeader) == 16 && sizeof(ReplyHeader) == 16, "wire headers are 16 bytes");
+static_assert(sizeof(RequestHeader) == 24 && sizeof(ReplyHeader) == 16, "wire headers: 24 and 16 bytes");
+
+// Largest power of two (at most 16) dividing `value` (0: 16), as the ops' _pow2_alignment.
+int32_t pow2_alignment(int64_t value) {
+  int32_t a = 16;
+  while (a > 1 && value % a != 0) a /= 2;
+  return a;
+}
 
 constexpr double kSpinS = 2e-3;          // after a pull: poll without sleeping this long
 constexpr int kIdlePollMs = 100;         // between requests: wake up this often to see `stop`
@@ -88,6 +97,8 @@ struct vllm_ext_pull_server {
   int fd = -1;
   vllm_ext_side cache{};
   const volatile int32_t* grants = nullptr;  // [host] per-block grant counts, or NULL: every block
+  bool serves_heads = false;                  // head ranges (`heads` given)
+  vllm_ext_pull_heads heads{};
   std::vector<vllm_ext_staging> lanes;
   int32_t num_layers = 0, num_components = 0, alignment = 1, device = 0;
   int64_t slice_nbytes = 0;
@@ -171,6 +182,39 @@ struct vllm_ext_pull_server {
     // The deadline counts from the request's arrival, as the destination's counts from its send.
     const auto deadline =
         Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(head.timeout_s));
+    // What moves of each slice: the whole slice, or a head range's rows (vllm_ext_side).
+    vllm_ext_side side = cache;
+    int64_t part_nbytes = slice_nbytes, num_rows = 1;
+    int32_t part_alignment = alignment;
+    if (head.num_heads == 0) {
+      if (serves_heads && !heads.whole_blocks) {
+        reply(VLLM_EXT_PULL_REFUSED, "whole blocks of " + std::to_string(heads.num_kv_heads) +
+                                         " KV heads for a destination of another head count; name a head range");
+        return true;
+      }
+    } else {
+      const int64_t first = head.first_head, count = head.num_heads;
+      if (!serves_heads) {
+        reply(VLLM_EXT_PULL_REFUSED, "heads: this source serves whole blocks only");
+        return true;
+      }
+      if (first < 0 || count < 1 || first + count > heads.num_kv_heads) {
+        reply(VLLM_EXT_PULL_REFUSED, "heads: heads [" + std::to_string(first) + ", " + std::to_string(first + count) +
+                                         ") are outside the source's " + std::to_string(heads.num_kv_heads) +
+                                         " KV heads");
+        return true;
+      }
+      const int64_t run = heads.num_kv_heads * heads.head_stride;  // checked at start: divides a slice
+      const int64_t runs = slice_nbytes / run;
+      part_nbytes = runs * count * heads.head_stride;
+      side.slice_offset = first * heads.head_stride;
+      if (count < heads.num_kv_heads && runs > 1) {
+        num_rows = runs;
+        side.row_stride = run;
+      }
+      part_alignment = std::min({alignment, pow2_alignment(side.slice_offset), pow2_alignment(part_nbytes / num_rows),
+                                 pow2_alignment(side.row_stride)});
+    }
     for (int64_t id : ids) {
       if (id < 0 || id >= cache.num_blocks) {
         reply(VLLM_EXT_PULL_REFUSED, "src_block_ids: id " + std::to_string(id) + " out of range for a cache of " +
@@ -210,14 +254,15 @@ struct vllm_ext_pull_server {
       // reported below
     } else if (stall_chunk >= 0 && stall_chunk < chunks) {  // tests: a source that pauses before a chunk
       const int32_t first = static_cast<int32_t>(stall_chunk);
-      if (first > 0) status = enqueue(ids, bounds.data(), 0, first, nullptr);
+      if (first > 0) status = enqueue(side, part_nbytes, num_rows, part_alignment, ids, bounds.data(), 0, first, nullptr);
       if (status == VLLM_EXT_OK) {
         pause(static_cast<double>(test_stall[1]) * 1e-6, deadline);
         if (interrupted(deadline, head.timeout_s)) return false;  // the rest is not enqueued
-        status = enqueue(ids, bounds.data() + first, first, chunks - first, done);
+        status = enqueue(side, part_nbytes, num_rows, part_alignment, ids, bounds.data() + first, first, chunks - first,
+                         done);
       }
-    } else {
-      status = enqueue(ids, bounds.data(), 0, chunks, done);  // records `done` after the last send
+    } else {  // records `done` after the last send
+      status = enqueue(side, part_nbytes, num_rows, part_alignment, ids, bounds.data(), 0, chunks, done);
     }
     if (status != VLLM_EXT_OK) {
       const std::string what = std::string("nccl send: ") + vllm_ext_last_error();
@@ -228,10 +273,11 @@ struct vllm_ext_pull_server {
     return wait_done(deadline, head.timeout_s);
   }
 
-  int enqueue(const std::vector<int64_t>& ids, const int64_t* bounds, int32_t first, int32_t count, cudaEvent_t last) {
-    return vllm_ext_staged_transfer(&cache, lanes.data(), static_cast<int32_t>(lanes.size()), ids.data(), bounds, first,
-                                    count, num_layers, num_components, slice_nbytes, alignment, device, nullptr,
-                                    nullptr, last);
+  int enqueue(const vllm_ext_side& side, int64_t part_nbytes, int64_t num_rows, int32_t part_alignment,
+              const std::vector<int64_t>& ids, const int64_t* bounds, int32_t first, int32_t count, cudaEvent_t last) {
+    return vllm_ext_staged_transfer(&side, lanes.data(), static_cast<int32_t>(lanes.size()), ids.data(), bounds, first,
+                                    count, num_layers, num_components, part_nbytes, num_rows, part_alignment, device,
+                                    nullptr, nullptr, last);
   }
 
   // Waits for the pull's last send against its deadline, watching the connection.
@@ -286,10 +332,15 @@ extern "C" {
 int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cache, const vllm_ext_staging* lanes,
                                int32_t num_lanes, int32_t num_layers, int32_t num_components, int64_t slice_nbytes,
                                int32_t alignment, int32_t device, void* done_event, const int32_t* grants,
-                               vllm_ext_pull_server** server) {
+                               const vllm_ext_pull_heads* heads, vllm_ext_pull_server** server) {
   if (server == nullptr || cache == nullptr || lanes == nullptr || done_event == nullptr || fd < 0)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "null argument or negative fd to vllm_ext_pull_server_start");
   *server = nullptr;
+  if (heads != nullptr && (heads->num_kv_heads < 1 || heads->head_stride < 1 ||
+                           slice_nbytes % (heads->num_kv_heads * heads->head_stride) != 0))
+    return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "pull server: " + std::to_string(heads->num_kv_heads) + " heads of " +
+                                                   std::to_string(heads->head_stride) +
+                                                   " bytes do not tile a slice of " + std::to_string(slice_nbytes));
   if (num_lanes < 1 || num_lanes > VLLM_EXT_MAX_LANES)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "pull server: " + std::to_string(num_lanes) + " lanes (1 to " +
                                                    std::to_string(VLLM_EXT_MAX_LANES) + ")");
@@ -308,6 +359,8 @@ int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cache, const vll
   s->device = device;
   s->done = static_cast<cudaEvent_t>(done_event);
   s->grants = grants;
+  s->serves_heads = heads != nullptr;
+  if (heads != nullptr) s->heads = *heads;
   try {
     s->thread = std::thread([s] { s->run(); });
   } catch (const std::exception& e) {

@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define VLLM_EXT_ABI_VERSION 9
+#define VLLM_EXT_ABI_VERSION 10
 
 /* The library is built with hidden visibility; only these functions are exported. */
 #if defined(__GNUC__)
@@ -144,14 +144,16 @@ typedef struct {              /* one lane */
   int32_t datatype;           /* passed to transfer: a 1-byte type (ncclUint8); count = bytes */
 } vllm_ext_staging;
 
-/* `cache` describes the paged cache (its block_ids must be NULL); ids and bounds are [host];
+/* `cache` describes the paged cache (its block_ids must be NULL; its slice_offset and
+ * row_stride with num_rows select a head range, see vllm_ext_side); ids and bounds are [host];
  * rows of a slot are num_layers * num_components * slice_nbytes bytes (the buffer wire
- * format); alignment divides the cache's and the slots' addresses and strides. */
+ * format); alignment divides the cache's and the slots' addresses, strides and offsets. */
 VLLM_EXT_API int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging* lanes,
                              int32_t num_lanes, const int64_t* ids, const int64_t* bounds,
                              int32_t first_chunk, int32_t num_chunks, int32_t num_layers,
-                             int32_t num_components, int64_t slice_nbytes, int32_t alignment,
-                             int32_t device, void* after_stream, void* after_event, void* done);
+                             int32_t num_components, int64_t slice_nbytes, int64_t num_rows,
+                             int32_t alignment, int32_t device, void* after_stream, void* after_event,
+                             void* done);
 
 /* The chunks of a staged pull of n blocks, which both sides derive from n alone: they grow
  * 1, 2, 4, ... blocks up to slot_blocks, so the first transfer starts after one block's copy
@@ -165,8 +167,10 @@ VLLM_EXT_API int64_t vllm_ext_ramp_bounds(int64_t n, int64_t slot_blocks, int64_
  * pull needs no Python (a source process whose Python is busy would otherwise delay every
  * request by GIL hand-overs). The thread owns `fd`, a connected stream socket, and answers
  * binary requests on it until the peer closes it or vllm_ext_pull_server_stop:
- *   request: uint32 magic VLLM_EXT_PULL_REQUEST_MAGIC, uint32 count, float64 timeout_s, then
- *            count int64 block ids of `cache` (little endian)
+ *   request: uint32 magic VLLM_EXT_PULL_REQUEST_MAGIC, uint32 count, float64 timeout_s,
+ *            int32 first_head, int32 num_heads, then count int64 block ids of `cache` (little
+ *            endian); num_heads 0: whole blocks, else only KV heads [first_head, first_head +
+ *            num_heads) of each block, rows of that head range (see vllm_ext_pull_heads)
  *   reply:   uint32 magic VLLM_EXT_PULL_REPLY_MAGIC, uint32 kind (vllm_ext_pull_reply),
  *            uint32 message_len, uint32 0, then message_len bytes of UTF-8
  * A request with an id outside the cache, a bad timeout, more than VLLM_EXT_PULL_MAX_CHUNKS
@@ -180,10 +184,13 @@ VLLM_EXT_API int64_t vllm_ext_ramp_bounds(int64_t n, int64_t slot_blocks, int64_
  * `grants` ([host], may be NULL: every block is served) holds one int32 per block of `cache`,
  * read at every request: a request naming a block whose count is not positive is REFUSED (the
  * source serves only blocks it granted, e.g. those of live leases).
+ * `heads` ([host], copied; may be NULL: whole blocks only) says where the cache's KV heads lie,
+ * for requests of a head range: one outside [0, num_kv_heads) is REFUSED, and so is a
+ * whole-block request when whole_blocks is 0 (a destination of another head count).
  * `cache` and the lanes are copied; done_event, `grants` and the streams, events, slots and
  * communicators that the lanes name must stay valid until destroy.
  */
-#define VLLM_EXT_PULL_REQUEST_MAGIC 0x31505856u /* "VXP1" */
+#define VLLM_EXT_PULL_REQUEST_MAGIC 0x32505856u /* "VXP2": with a head range */
 #define VLLM_EXT_PULL_REPLY_MAGIC 0x31525856u   /* "VXR1" */
 #define VLLM_EXT_PULL_MAX_IDS (1u << 24)
 #define VLLM_EXT_PULL_MAX_CHUNKS 256 /* per request: bounds the launches queued at once */
@@ -197,10 +204,16 @@ typedef enum {
   VLLM_EXT_PULL_SERVER_DEADLINE = 3,    /* a pull was not complete at its deadline */
 } vllm_ext_pull_server_end;
 typedef struct vllm_ext_pull_server vllm_ext_pull_server;
+typedef struct {
+  int32_t num_kv_heads; /* of the cache */
+  int32_t whole_blocks; /* 1: whole-block requests are served (the destination has the same heads) */
+  int64_t head_stride;  /* bytes from one head to the next in a slice; the heads lie in
+                           slice_nbytes / (num_kv_heads * head_stride) runs per slice */
+} vllm_ext_pull_heads;
 VLLM_EXT_API int vllm_ext_pull_server_start(int32_t fd, const vllm_ext_side* cache, const vllm_ext_staging* lanes,
                                int32_t num_lanes, int32_t num_layers, int32_t num_components, int64_t slice_nbytes,
                                int32_t alignment, int32_t device, void* done_event, const int32_t* grants,
-                               vllm_ext_pull_server** server);
+                               const vllm_ext_pull_heads* heads, vllm_ext_pull_server** server);
 /* Tests only, never called in production: `stall` ([host], NULL to end it) holds {chunk,
  * microseconds}, read at every later request; the thread pauses that long (bounded by the
  * deadline, ended by a stop or the peer leaving) before enqueueing that chunk. It must stay

@@ -15,7 +15,7 @@ _DIR = Path(__file__).resolve().parent
 # VLLM_EXT_LIBRARY loads another build of the library (tests use it for arch checks).
 LIBRARY_PATH = Path(os.environ.get("VLLM_EXT_LIBRARY") or _DIR / "libvllm_ext.so")
 BUILD_INFO_PATH = _DIR / "_build_info.json"
-ABI_VERSION = 9
+ABI_VERSION = 10
 IPC_HANDLE_BYTES = 64
 
 # vllm_ext_status
@@ -65,6 +65,16 @@ class Staging(ctypes.Structure):
     ]
 
 
+class PullHeads(ctypes.Structure):
+    """vllm_ext_pull_heads: where a pull server's cache keeps its KV heads (head-range requests)."""
+
+    _fields_ = [
+        ("num_kv_heads", ctypes.c_int32),
+        ("whole_blocks", ctypes.c_int32),
+        ("head_stride", ctypes.c_int64),
+    ]
+
+
 # The pull server's limits per request (its wire format is migration/protocol.py's) and ends.
 PULL_MAX_CHUNKS = 256
 PULL_MAX_REQUEST_IDS = PULL_MAX_CHUNKS * MAX_INLINE_IDS
@@ -89,17 +99,18 @@ _FUNCTIONS = {
                                                 _i32, _i32, _ptr, _i32]),
     # int vllm_ext_staged_transfer(const side* cache, const staging* lanes, int32 num_lanes,
     #     const int64* ids, const int64* bounds, int32 first_chunk, int32 num_chunks,
-    #     int32 num_layers, int32 num_components, int64 slice_nbytes, int32 alignment,
-    #     int32 device, void* after_stream, void* after_event, void* done)
+    #     int32 num_layers, int32 num_components, int64 slice_nbytes, int64 num_rows,
+    #     int32 alignment, int32 device, void* after_stream, void* after_event, void* done)
     "vllm_ext_staged_transfer": (_i32, [_side_p, _staging_p, _i32, _ptr, _ptr, _i32, _i32, _i32, _i32, _i64,
-                                        _i32, _i32, _ptr, _ptr, _ptr]),
+                                        _i64, _i32, _i32, _ptr, _ptr, _ptr]),
     # int64 vllm_ext_ramp_bounds(int64 n, int64 slot_blocks, int64* bounds, int64 capacity)
     "vllm_ext_ramp_bounds": (_i64, [_i64, _i64, _ptr, _i64]),
     # int vllm_ext_pull_server_start(int32 fd, const side* cache, const staging* lanes,
     #     int32 num_lanes, int32 num_layers, int32 num_components, int64 slice_nbytes,
-    #     int32 alignment, int32 device, void* done_event, const int32* grants, pull_server** server)
+    #     int32 alignment, int32 device, void* done_event, const int32* grants,
+    #     const pull_heads* heads, pull_server** server)
     "vllm_ext_pull_server_start": (_i32, [_i32, _side_p, _staging_p, _i32, _i32, _i32, _i64, _i32, _i32, _ptr,
-                                          _ptr, ctypes.POINTER(_ptr)]),
+                                          _ptr, ctypes.POINTER(PullHeads), ctypes.POINTER(_ptr)]),
     # int vllm_ext_pull_server_test_stall(pull_server* server, const int64* stall)  (tests only)
     "vllm_ext_pull_server_test_stall": (_i32, [_ptr, _ptr]),
     # int vllm_ext_pull_server_stop(pull_server* server)
@@ -309,12 +320,13 @@ def copy_blocks_cuda_inline(src, dst, src_ids, dst_ids, num_ids, num_layers, num
 
 
 def staged_transfer(cache, lanes, ids, bounds, first_chunk, num_chunks, num_layers, num_components,
-                    slice_nbytes, alignment, device, after_stream=None, after_event=None, done=None):
+                    slice_nbytes, alignment, device, after_stream=None, after_event=None, done=None, num_rows=1):
     """lanes: a ctypes array of Staging; ids / bounds: addresses of [host] int64 arrays; the
-    streams and events are raw CUDA handles (see vllm_ext_staged_transfer)."""
+    streams and events are raw CUDA handles (see vllm_ext_staged_transfer). num_rows > 1: the
+    cache side's head range moves in that many rows per slice."""
     check(lib().vllm_ext_staged_transfer(ctypes.byref(cache), lanes, len(lanes), ids, bounds, first_chunk,
-                                         num_chunks, num_layers, num_components, slice_nbytes, alignment, device,
-                                         after_stream, after_event, done),
+                                         num_chunks, num_layers, num_components, slice_nbytes, num_rows, alignment,
+                                         device, after_stream, after_event, done),
           "vllm_ext_staged_transfer")
 
 
@@ -335,16 +347,18 @@ class PullServer:
     the server ends, then destroy(); stop() may come from any thread before destroy()."""
 
     def __init__(self, fd, cache, lanes, num_layers, num_components, slice_nbytes, alignment, device,
-                 done_event, grants=None):
+                 done_event, grants=None, heads=None):
         """fd: a socket descriptor the server takes over (closed by destroy, or here on
         failure); cache (Side), lanes (a ctypes array of Staging) and grants (c_int32 * num_blocks,
-        or None: every block) are kept alive."""
+        or None: every block) are kept alive; heads (PullHeads, copied; None: whole blocks only)
+        lets requests name a head range."""
         handle = ctypes.c_void_p()
         self._keep = [cache, lanes, grants]
         self._lock = threading.Lock()
         status = lib().vllm_ext_pull_server_start(fd, ctypes.byref(cache), lanes, len(lanes), num_layers,
                                                   num_components, slice_nbytes, alignment, device, done_event,
                                                   None if grants is None else ctypes.addressof(grants),
+                                                  None if heads is None else ctypes.byref(heads),
                                                   ctypes.byref(handle))
         if status != OK:
             os.close(fd)

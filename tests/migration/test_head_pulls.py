@@ -142,12 +142,12 @@ def test_mla_and_whole_block_backends_refuse_head_ranges(closing):
 
 
 def test_backends_that_move_whole_blocks_refuse_a_range(closing, monkeypatch):
-    """nccl and rayrpc move whole blocks only: a range is refused by name, before contact (and
-    their caches of other head counts do not pair at all)."""
+    """A backend that moves whole blocks only (rayrpc) refuses a range by name, before contact
+    (and its caches of other head counts do not pair at all)."""
     from vllm_ext.migration import get_backend_class
 
-    assert get_backend_class("gloo").moves_head_ranges and get_backend_class("ipc").moves_head_ranges
-    assert not get_backend_class("nccl").moves_head_ranges
+    assert all(get_backend_class(name).moves_head_ranges for name in ("gloo", "ipc", "nccl"))
+    assert not get_backend_class("rayrpc").moves_head_ranges
     a = endpoint(random_head_cache(dict(GEOMETRY, num_kv_heads=2), torch.float16, "flash", seed=60))
     b = endpoint(random_head_cache(dict(GEOMETRY, num_kv_heads=2), torch.float16, "flash", seed=61))
     c = endpoint(random_head_cache(dict(GEOMETRY, num_kv_heads=4), torch.float16, "flash", seed=62))

@@ -1,6 +1,7 @@
-"""Head-range pulls of CUDA caches: gloo (staged through the GPU, both endpoints here) and ipc
-(the source in a spawned process, its cache mapped); every byte of the destination equals
-ops.copy_blocks between CPU copies of the same caches. Marked `gpu`."""
+"""Head-range pulls of CUDA caches: gloo (staged through the GPU, both endpoints here), ipc (the
+source in a spawned process, its cache mapped) and nccl (the source in a spawned process on a
+second GPU, its library pull server gathering the range); every byte of the destination equals
+ops.copy_blocks between CPU copies of the same caches. Marked `gpu`, nccl `multi_gpu`."""
 
 import multiprocessing as mp
 import random
@@ -16,31 +17,37 @@ GEOMETRY = {"num_layers": 2, "num_blocks": 16, "block_size": 16, "head_size": 64
 SPAWN = mp.get_context("spawn")
 
 
-def cuda_copy(cpu: KVCache, kind: str) -> KVCache:
+def cuda_copy(cpu: KVCache, kind: str, device="cuda:0") -> KVCache:
     if kind == "blocks_nhd":
-        layers = [t.transpose(1, 2).contiguous().cuda().transpose(1, 2) for t in cpu.layers]
+        layers = [t.transpose(1, 2).contiguous().to(device).transpose(1, 2) for t in cpu.layers]
     else:
-        layers = [t.cuda() for t in cpu.layers]
+        layers = [t.to(device) for t in cpu.layers]
     return KVCache.from_layers(layers, layout=cpu.layout)
 
 
 IPC_GEOMETRY = dict(GEOMETRY, num_blocks=600)  # room for a pull of more ids than a launch carries (448)
 
 
-def _source(conn, kind, heads, seed):
-    """A source process: its cache (from the seed) served over ipc until told to stop."""
+def _source(conn, kind, heads, seed, backend, device, options):
+    """A source process: its cache (from the seed) served until told to stop."""
+    torch.cuda.set_device(device)
     cpu = random_head_cache(dict(IPC_GEOMETRY, num_kv_heads=heads), torch.bfloat16, kind, seed=seed)
-    ep = MigrationEndpoint(cuda_copy(cpu, kind), backend="ipc")
+    ep = MigrationEndpoint(cuda_copy(cpu, kind, device), backend=backend, **options)
     conn.send(ep.descriptor())
     conn.recv()
     ep.close()
 
 
-@pytest.mark.gpu
+# (backend, the source's GPU, options): NCCL refuses two ranks on one GPU.
+REMOTE = [pytest.param("ipc", "cuda:0", {}, marks=pytest.mark.gpu, id="ipc"),
+          pytest.param("nccl", "cuda:1", {"chunk_bytes": 256 << 10}, marks=pytest.mark.multi_gpu, id="nccl")]
+
+
+@pytest.mark.parametrize("backend,source_device,options", REMOTE)
 @pytest.mark.parametrize("kind", ["flash", "blocks_nhd"])
-def test_ipc_pulls_heads_from_a_source_of_other_head_count(kind):
+def test_pulls_heads_from_a_source_of_other_head_count(kind, backend, source_device, options):
     parent, child = SPAWN.Pipe()
-    proc = SPAWN.Process(target=_source, args=(child, kind, 8, 5))
+    proc = SPAWN.Process(target=_source, args=(child, kind, 8, 5, backend, source_device, options))
     proc.start()
     try:
         assert parent.poll(120), "the source process did not start"
@@ -48,7 +55,7 @@ def test_ipc_pulls_heads_from_a_source_of_other_head_count(kind):
         src_cpu = random_head_cache(dict(IPC_GEOMETRY, num_kv_heads=8), torch.bfloat16, kind, seed=5)
         dst_cpu = random_head_cache(dict(IPC_GEOMETRY, num_kv_heads=2), torch.bfloat16, kind, seed=6)
         dst = cuda_copy(dst_cpu, kind)
-        ep = MigrationEndpoint(dst, backend="ipc")
+        ep = MigrationEndpoint(dst, backend=backend, **options)
         try:
             rng = random.Random(kind)
             for n in (3, 500):  # inline ids, and ids through device memory (500 > 448)

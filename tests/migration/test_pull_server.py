@@ -37,13 +37,13 @@ def lanes(count=2, **changes):
     return (_lib.Staging * count)(*[_lib.Staging(**dict(fields, **(changes if i else {}))) for i in range(count)])
 
 
-def _serve(given_lanes, grants=None):
+def _serve(given_lanes, grants=None, heads=None):
     """(the destination's socket, the PullServer, its stall array) over a socket pair."""
     if not _lib.built_with_cuda():
         pytest.skip("the pull server is part of a CUDA build of the library")
     ours, theirs = socket.socketpair()
     stall = (ctypes.c_int64 * 2)(-1, 0)
-    srv = _lib.PullServer(theirs.detach(), _side(), given_lanes, 1, 1, 64, 16, 0, 0x4000, grants)
+    srv = _lib.PullServer(theirs.detach(), _side(), given_lanes, 1, 1, 64, 16, 0, 0x4000, grants, heads)
     srv.test_stall(stall)
     ours.settimeout(10)
     return ours, srv, stall
@@ -63,8 +63,8 @@ def server():
     _end(ours, srv)
 
 
-def request(sock, ids, timeout=5.0, magic=protocol.PULL_REQUEST_MAGIC):
-    sock.sendall(REQUEST.pack(magic, len(ids), timeout) + struct.pack(f"<{len(ids)}q", *ids))
+def request(sock, ids, timeout=5.0, magic=protocol.PULL_REQUEST_MAGIC, heads=(0, 0)):
+    sock.sendall(REQUEST.pack(magic, len(ids), timeout, *heads) + struct.pack(f"<{len(ids)}q", *ids))
 
 
 def reply(sock):
@@ -139,7 +139,7 @@ def test_a_malformed_request_ends_the_server(server):
 
 def test_too_many_ids_is_malformed(server):
     sock, srv, _ = server
-    sock.sendall(REQUEST.pack(protocol.PULL_REQUEST_MAGIC, protocol.PULL_MAX_IDS + 1, 5.0))
+    sock.sendall(REQUEST.pack(protocol.PULL_REQUEST_MAGIC, protocol.PULL_MAX_IDS + 1, 5.0, 0, 0))
     assert reply(sock)[0] == protocol.PULL_FAILED
     assert ended(srv)[0] == _lib.SERVER_FAILED
 
@@ -155,7 +155,7 @@ def test_stop_ends_an_idle_server_and_the_peer_sees_it(server):
 
 def test_a_frame_cut_short_ends_the_server(server):
     sock, srv, _ = server
-    sock.sendall(REQUEST.pack(protocol.PULL_REQUEST_MAGIC, 3, 5.0) + struct.pack("<q", 1))
+    sock.sendall(REQUEST.pack(protocol.PULL_REQUEST_MAGIC, 3, 5.0, 0, 0) + struct.pack("<q", 1))
     sock.shutdown(socket.SHUT_WR)
     reason, why = ended(srv)
     assert reason == _lib.SERVER_PEER_CLOSED and "inside a request" in why
@@ -291,8 +291,59 @@ def test_a_failed_connect_reaches_the_destination_in_the_binary_format():
 
 def test_the_test_stall_setter_is_separate_from_start():
     """The fault hook of tests has its own entry point: vllm_ext_pull_server_start takes none."""
-    assert len(_lib._FUNCTIONS["vllm_ext_pull_server_start"][1]) == 12
+    assert len(_lib._FUNCTIONS["vllm_ext_pull_server_start"][1]) == 13  # 13: the head range (heads)
     path = Path(__file__).resolve().parents[2] / "csrc" / "vllm_ext.h"
     if path.exists():
         start = path.read_text().split("vllm_ext_pull_server_start(")[1].split(";")[0]
         assert "stall" not in start
+
+
+# ---- head ranges (tensor parallelism of unequal sizes) --------------------------------------------
+# The placeholder cache's slices are 64 bytes: 4 KV heads of 16 bytes, in one run.
+def _heads(whole_blocks=0, num_kv_heads=4, head_stride=16):
+    return _lib.PullHeads(num_kv_heads=num_kv_heads, whole_blocks=whole_blocks, head_stride=head_stride)
+
+
+def test_a_server_refuses_head_ranges_outside_its_heads_and_whole_blocks_for_other_head_counts():
+    ours, srv, _ = _serve(lanes(), heads=_heads(whole_blocks=0))
+    try:
+        for heads, why in [((3, 2), "heads: heads [3, 5) are outside the source's 4 KV heads"),
+                           ((-1, 2), "heads: heads [-1, 1) are outside the source's 4 KV heads"),
+                           ((0, -3), "heads: heads [0, -3) are outside the source's 4 KV heads"),
+                           ((0, 0), "whole blocks of 4 KV heads for a destination of another head count; "
+                                    "name a head range")]:
+            request(ours, [1, 2], heads=heads)
+            kind, message = reply(ours)
+            assert (kind, message) == (protocol.PULL_REFUSED, why)
+        assert srv.wait(0.05) is None  # refusals move nothing and keep the pair
+    finally:
+        _end(ours, srv)
+
+
+def test_a_server_without_heads_serves_whole_blocks_only(server):
+    sock, srv, _ = server
+    request(sock, [1], heads=(0, 2))
+    assert reply(sock) == (protocol.PULL_REFUSED, "heads: this source serves whole blocks only")
+    assert srv.wait(0.05) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a valid request would reach the GPU")
+def test_a_valid_head_range_request_without_a_gpu_fails_cleanly():
+    ours, srv, _ = _serve(lanes(), heads=_heads(whole_blocks=1))
+    try:
+        request(ours, [1, 2, 3], heads=(1, 2))
+        kind, message = reply(ours)
+        assert kind == protocol.PULL_FAILED and "cudaSetDevice" in message
+    finally:
+        _end(ours, srv)
+
+
+def test_start_refuses_heads_that_do_not_tile_a_slice():
+    if not _lib.built_with_cuda():
+        pytest.skip("the pull server is part of a CUDA build of the library")
+    for heads in (_heads(num_kv_heads=3), _heads(head_stride=0), _heads(num_kv_heads=0)):
+        ours, theirs = socket.socketpair()
+        fd = theirs.detach()
+        with pytest.raises(_lib.VllmExtError, match="do not tile a slice of 64"):
+            _lib.PullServer(fd, _side(), lanes(), 1, 1, 64, 16, 0, 0x4000, None, heads)
+        ours.close()

@@ -519,7 +519,8 @@ class MigrationEndpoint:
         """Copies blocks `src_block_ids` of `peer`'s cache into blocks `dst_block_ids` of this
         endpoint's cache; returns when they are written (visible to every stream).
 
-        Head ranges (tensor parallelism of unequal sizes; backends with `moves_head_ranges`):
+        Head ranges (tensor parallelism of unequal sizes; backends with `moves_head_ranges`:
+        gloo, ipc, nccl):
         `src_heads` = (a, n) and `dst_heads` = (b, n) move only KV heads [a, a + n) of each
         source block into heads [b, b + n) of the destination block (None: every head of that
         side), as ops.copy_blocks does; the source sends those heads alone. The caches may then

@@ -149,25 +149,35 @@ class _Lanes:
         self._server_lock = threading.Lock()
         self.retired = False  # no server may start any more
 
-    def enqueue(self, ids: List[int]) -> int:
+    def enqueue(self, ids: List[int], part=None) -> int:
         """Destination side: enqueues the whole pull of blocks `ids` over the lanes, after the
         work queued on the caller's current stream, with `done` recorded at its end. Returns
-        the number of chunks (vllm_ext_ramp_bounds: the source derives the same from n)."""
+        the number of chunks (vllm_ext_ramp_bounds: the source derives the same from n).
+        `part`: the head range (cache.HeadPart) the blocks receive; None: whole blocks."""
+        from .. import ops
+
         bounds = _lib.ramp_bounds(len(ids), self.chunk_blocks)
         values = array.array("q", ids)
         cache = self.cache
-        _lib.staged_transfer(self.side, self.lanes, values.buffer_info()[0], bounds.buffer_info()[0], 0,
-                             len(bounds) - 1, cache.num_layers, cache.num_components, cache.slice_nbytes,
-                             self.alignment, self.device.index,
+        side, alignment, rows = self.side, self.alignment, ops._Rows(cache.slice_nbytes)
+        if part is not None:
+            rows = ops._Rows.of(cache, None, part)
+            side = ops._cache_side(cache, None, cache.device, rows.dst)
+            alignment = min(ops._part_alignment(self.alignment, part),
+                            min(ops._buffer_alignment(s, cache, rows.slice_nbytes) for s in self.slots))
+        _lib.staged_transfer(side, self.lanes, values.buffer_info()[0], bounds.buffer_info()[0], 0,
+                             len(bounds) - 1, cache.num_layers, cache.num_components, rows.slice_nbytes,
+                             alignment, self.device.index,
                              after_stream=self._current_stream(self.device.index),
-                             after_event=self.entry.cuda_event, done=self.done.cuda_event)
+                             after_event=self.entry.cuda_event, done=self.done.cuda_event, num_rows=rows.num_rows)
         return len(bounds) - 1
 
-    def serve(self, conn, stall, grants) -> None:
+    def serve(self, conn, stall, grants, heads=None) -> None:
         """Source side: hands the connection's further requests (binary pulls) to a library
         thread, and returns when that thread has ended and is destroyed. `stall`: the fault
         hook of tests (Faults.native_stall), or None; `grants`: the Grants the server checks
-        every request against, or None (every block)."""
+        every request against, or None (every block); `heads`: _lib.PullHeads for head-range
+        requests, or None (whole blocks only)."""
         cache = self.cache
         with self._server_lock:
             if self.retired:  # retired (the endpoint closing) before its server started
@@ -177,7 +187,7 @@ class _Lanes:
             self.server = _lib.PullServer(os.dup(conn.sock.fileno()), self.side, self.lanes,
                                           cache.num_layers, cache.num_components, cache.slice_nbytes,
                                           self.alignment, self.device.index, self.done.cuda_event,
-                                          None if grants is None else grants.counts)
+                                          None if grants is None else grants.counts, heads)
             if stall is not None:
                 self.server.test_stall(stall)
         try:
@@ -327,9 +337,14 @@ class _NcclPair(Pair):
         self.conn = link.conn
         self.lanes = lanes
 
-    def pull(self, src_ids, dst_ids, deadline: Deadline) -> PullStats:
+    def pull(self, src_ids, dst_ids, deadline: Deadline, heads=None) -> PullStats:
+        """`heads`: (source part, destination part) of a head range (see Pair.pull)."""
         lanes = self.lanes
         n = len(src_ids)
+        src_part, part = heads or (None, None)
+        wanted = None if src_part is None else (src_part.first, src_part.count)
+        cache = self.backend.cache
+        row = cache.block_nbytes if part is None else cache.num_layers * cache.num_components * part.slice_nbytes
         chunks = 0
         for lo, hi in request_segments(n, lanes.chunk_blocks):  # one request unless very long
             remaining = deadline.remaining()
@@ -338,11 +353,11 @@ class _NcclPair(Pair):
                 raise MigrationError(f"nccl pull: the deadline of {deadline.timeout:g} s passed {when}")
             # The request goes first (to the source's pull server): the source gathers while
             # this side queues its receives.
-            self.conn.send_bytes(protocol.pull_request(src_ids[lo:hi], remaining), deadline)
-            chunks += lanes.enqueue(dst_ids[lo:hi])
+            self.conn.send_bytes(protocol.pull_request(src_ids[lo:hi], remaining, wanted), deadline)
+            chunks += lanes.enqueue(dst_ids[lo:hi], part)
             _wait_for_pull(self.conn, lanes.done.query, deadline)
             # The caller's streams see the blocks: the pull returns after `done` completed.
-        return PullStats(self.backend.name, n, n * self.backend.cache.block_nbytes, 0.0, chunks=chunks)
+        return PullStats(self.backend.name, n, n * row, 0.0, chunks=chunks)
 
     def abort(self) -> None:
         self.lanes.abort()
@@ -364,6 +379,7 @@ class _ServedPair:
 class NcclBackend(MigrationBackend):
     name = "nccl"
     supports_tls = False  # the pull server reads binary requests on the raw socket
+    moves_head_ranges = True  # a pull request names a KV head range (the pull server checks it)
 
     def __init__(self, context, chunk_bytes: int = DEFAULT_CHUNK_BYTES, copy_ctas: Optional[int] = None,
                  lanes: int = DEFAULT_LANES):
@@ -441,8 +457,14 @@ class NcclBackend(MigrationBackend):
         session.pair = served = _ServedPair(lanes)
         with self._lock:
             self._served.append(served)
+        cache = self.cache
+        heads = None
+        if cache.head_stride:  # head-range requests; whole blocks only for a peer of the same heads
+            peer_heads = session.peer_geometry.get("num_kv_heads", cache.num_kv_heads)
+            heads = _lib.PullHeads(num_kv_heads=cache.num_kv_heads, whole_blocks=int(peer_heads == cache.num_kv_heads),
+                                   head_stride=cache.head_stride)
         try:
-            lanes.serve(conn, self.context.faults.native_stall, self.context.grants)
+            lanes.serve(conn, self.context.faults.native_stall, self.context.grants, heads)
         except Exception:  # noqa: BLE001 - the peer no longer reads JSON here: logged only
             logger.exception("nccl: serving %s failed", conn.peer)
         finally:

@@ -31,7 +31,8 @@ from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Tuple
 # 6-13: no change to the endpoint's messages: the number then also versioned the lease channel's
 #    (vllm_ext/lease/messages.py has its own version and history since).
 # 14: a gloo source sends gloo.progress while it serves a pull (the destination's wait follows it).
-# 15: gloo.pull names a KV head range (`heads`); caches of other head counts pair for such pulls.
+# 15: gloo.pull and the nccl pull request ("VXP2": first_head, num_heads) name a KV head range;
+#     caches of other head counts pair for such pulls.
 PROTOCOL = 15
 
 FRAME = struct.Struct("!II")
@@ -406,18 +407,20 @@ def proofs_match(expected: bytes, got: bytes) -> bool:
 
 
 # ---- binary pull frames (the library's pull server, csrc/pull_server.cpp) --------------------
-# Request: magic, count, timeout_s, then count int64 ids. Reply: magic, kind, message length, 0,
-# then the message.
-PULL_REQUEST = struct.Struct("<IId")
+# Request: magic, count, timeout_s, first_head, num_heads (0: whole blocks), then count int64
+# ids. Reply: magic, kind, message length, 0, then the message.
+PULL_REQUEST = struct.Struct("<IIdii")
 PULL_REPLY = struct.Struct("<IIII")
-PULL_REQUEST_MAGIC, PULL_REPLY_MAGIC = 0x31505856, 0x31525856
+PULL_REQUEST_MAGIC, PULL_REPLY_MAGIC = 0x32505856, 0x31525856
 PULL_MAX_IDS = MAX_IDS_PER_PULL
 PULL_MAX_CHUNKS = 256  # per request
 PULL_ACCEPTED, PULL_REFUSED, PULL_FAILED = 0, 1, 2
 
 
-def pull_request(ids: List[int], timeout: float) -> bytes:
-    return PULL_REQUEST.pack(PULL_REQUEST_MAGIC, len(ids), timeout) + encode_ids(ids)
+def pull_request(ids: List[int], timeout: float, heads: Optional[Tuple[int, int]] = None) -> bytes:
+    """`heads`: (first, count) of the source's KV heads to send; None: whole blocks."""
+    first, count = heads or (0, 0)
+    return PULL_REQUEST.pack(PULL_REQUEST_MAGIC, len(ids), timeout, first, count) + encode_ids(ids)
 
 
 def pull_reply(kind: int, message: str = "") -> bytes:
