@@ -9,7 +9,8 @@ from . import live
 from .placement import POLICIES, check_policy
 
 MAX_STAGES_LIMIT = 16  # pre-copy stages of one migration (the setting and /migrate's "stages")
-MAX_BODY_BYTES = 4 << 20  # a client's request body (a prompt of ~500k token ids)
+MAX_BODY_BYTES = 1 << 20  # a client's request body (a prompt of ~150k token ids or ~250k words): its parse and
+# its legs' serialization hold the event loop in proportion to its size (docs/security.md)
 MAX_EVENT_BYTES = 8 << 20  # one event, or one whole answer, of a backend (its prompt_token_ids included)
 
 
