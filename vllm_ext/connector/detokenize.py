@@ -81,7 +81,8 @@ def slow_state(tokenizer, prompt_ids: List[int], skip_special_tokens: bool,
     (the prompt ends on a whole character). Replayed from WINDOW tokens before the held-back run:
     the read offset stays where that run began, so the step that completes its character
     returns exactly the text the source held back."""
-    from vllm.tokenizers.detokenizer_utils import convert_prompt_ids_to_tokens, detokenize_incrementally
+    # the names vLLM's detokenizer module uses (their own module moved between releases)
+    from vllm.v1.engine.detokenizer import convert_prompt_ids_to_tokens, detokenize_incrementally
 
     held = held_back(tokenizer, prompt_ids, skip_special_tokens)
     if not held:
