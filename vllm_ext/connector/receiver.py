@@ -156,6 +156,7 @@ class Receiver:
         self._fingerprint_fields: Dict[str, Any] = {}
         self._make_endpoint: Optional[Callable[[KVCache], MigrationEndpoint]] = None
         self._staging: Dict[int, Staging] = {}  # a producer rank's head count -> its staging cache
+        self._staging_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="vllm-ext-pull")
         self._lock = threading.Lock()  # results, clients, peers and back-off: pull threads + the worker thread
         self._done: Set[str] = set()  # receives reported (failed ones too)
@@ -353,7 +354,9 @@ class Receiver:
         the k-th `n` of `digests`; a mismatch pulls once more), then its heads into this rank's
         blocks. Returns the bytes pulled."""
         staging, nbytes = route.staging, 0
-        with staging.lock:  # under the pull's deadline: the other pull thread waits at most that long
+        if not staging.lock.acquire(timeout=_left(deadline)):  # the other pull thread's, up to its deadline
+            raise TransferFailed("the pull's deadline passed while another pull used the staging cache")
+        try:
             for start in range(0, len(src), STAGING_BLOCKS):
                 chunk, dst = src[start:start + STAGING_BLOCKS], job.dst_block_ids[start:start + STAGING_BLOCKS]
                 rows = list(range(len(chunk)))
@@ -372,6 +375,8 @@ class Receiver:
                                                  f"{source.rank} differ from its digests twice; not used")
                     nbytes += stats.nbytes
                     self._copy_heads(staging.cache, rows, dst, source)
+        finally:
+            staging.lock.release()
         return nbytes
 
     def _staged_pull(self, staging: Staging, peer: PeerDescriptor, src: List[int], rows: List[int], deadline: float):
@@ -537,9 +542,10 @@ class Receiver:
             raise TransferFailed(f"producer {host}:{port}: TP {producer_ranks}, here {self.ranks}: this receiver "
                                  "loads only from producers of its own TP size")
         theirs = heads // producer_ranks
-        staging = self._staging.get(theirs)
-        if staging is None:
-            staging = self._staging[theirs] = Staging(self.cache, theirs, self._make_endpoint)
+        with self._staging_lock:  # producers of one shard geometry share a staging cache
+            staging = self._staging.get(theirs)
+            if staging is None:
+                staging = self._staging[theirs] = Staging(self.cache, theirs, self._make_endpoint)
         sources = []
         for rank, src_first, dst_first, count in plan:
             described = reply if rank == 0 else describe(rank)
