@@ -76,6 +76,14 @@ class _IpcPair(Pair):
         cache = self.backend.cache
         self._watch()  # an exited or closing source is reported, not read
         n = len(src_ids)
+        view = self.view
+        if heads is None and view.num_kv_heads != cache.num_kv_heads:  # a descriptor that lied about its heads
+            raise ValueError(f"ipc pull: whole blocks of the mapped cache's {view.num_kv_heads} KV heads into "
+                             f"{cache.num_kv_heads}; name a head range")
+        if heads is not None:  # placed by the mapped cache itself, not by what its descriptor says
+            src_part, dst_part = heads
+            heads = ops.pair_head_parts(view.head_part((src_part.first, src_part.count), "src_heads"),
+                                        view.num_kv_heads, dst_part, cache.num_kv_heads)
         rows = None if heads is None else ops._Rows.of(cache, *heads)
         if n <= _lib.MAX_INLINE_IDS:  # the ids travel in the launch itself
             src_side, dst_side, alignment = self.sides
