@@ -95,3 +95,83 @@ def test_gloo_pulls_heads_between_cuda_caches(kind):
     finally:
         a.close()
         b.close()
+
+
+class _Conn:
+    """What _Lanes.serve takes of a control connection: its socket and a name."""
+
+    def __init__(self, sock):
+        self.sock, self.peer = sock, "test"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["flash", "blocks_nhd", "blocks_hnd"])
+def test_the_nccl_path_moves_a_head_range_on_one_gpu(kind):
+    """The nccl backend's two halves on one GPU, NCCL replaced by a recorded copy (NCCL refuses
+    two ranks on one GPU): the source's library pull server gathers heads [1, 3) of 4 into its
+    slots on a head-range request (and refuses whole blocks for a destination of 2 heads); the
+    destination's staged receive scatters them into heads [0, 2) of its cache. Two chunks of at
+    most two blocks: no slot is reused, so each recorded send stays readable."""
+    import ctypes
+    import socket
+    import threading
+
+    cupy = pytest.importorskip("cupy")
+    from vllm_ext import _lib
+    from vllm_ext.migration import nccl, protocol
+
+    src_cpu = random_head_cache(dict(GEOMETRY, num_kv_heads=4), torch.float16, kind, seed=70)
+    dst_cpu = random_head_cache(dict(GEOMETRY, num_kv_heads=2), torch.float16, kind, seed=71)
+    src, dst = cuda_copy(src_cpu, kind), cuda_copy(dst_cpu, kind)
+    send = nccl._Lanes([0], src, 2, 0, _lib.STAGE_SEND)
+    recv = nccl._Lanes([0], dst, 2, 0, _lib.STAGE_RECV)
+    sent, received = [], []
+    transfer = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int32, ctypes.c_int32,
+                                ctypes.c_void_p, ctypes.c_void_p)
+
+    def on_send(buf, count, datatype, peer, comm, stream):
+        sent.append((buf, count))
+        return 0
+
+    def on_recv(buf, count, datatype, peer, comm, stream):
+        from_buf, n = sent[len(received)]
+        received.append(count)
+        if n != count:
+            return 1
+        cupy.cuda.runtime.memcpyAsync(buf, from_buf, count, cupy.cuda.runtime.memcpyDeviceToDevice, stream or 0)
+        return 0
+
+    callbacks = (transfer(on_send), transfer(on_recv))
+    send.lanes[0].transfer = ctypes.cast(callbacks[0], ctypes.c_void_p).value
+    recv.lanes[0].transfer = ctypes.cast(callbacks[1], ctypes.c_void_p).value
+    ours, theirs = socket.socketpair()
+    heads = _lib.PullHeads(num_kv_heads=4, whole_blocks=0, head_stride=src.head_stride)
+    server = threading.Thread(target=send.serve, args=(_Conn(theirs), None, None, heads))
+    server.start()
+    try:
+        ours.settimeout(30)
+
+        def answer():
+            kind_, length = protocol.parse_pull_reply(ours.recv(protocol.PULL_REPLY.size, socket.MSG_WAITALL))
+            return kind_, ours.recv(length, socket.MSG_WAITALL).decode() if length else ""
+
+        ours.sendall(protocol.pull_request([0, 1], 30.0))
+        assert answer() == (protocol.PULL_REFUSED, "whole blocks of 4 KV heads for a destination of another "
+                                                   "head count; name a head range")
+        src_ids, dst_ids = [7, 3, 7], [0, 5, 2]
+        ours.sendall(protocol.pull_request(src_ids, 30.0, (1, 2)))
+        assert answer() == (protocol.PULL_ACCEPTED, "")
+        torch.cuda.synchronize()
+        sp, dp = ops._pair_parts(src, (1, 2), dst, (0, 2))
+        row = dst.buffer_row_nbytes((0, 2))
+        assert [count for _, count in sent] == [row, 2 * row]
+        assert recv.enqueue(dst_ids, dp) == 2
+        torch.cuda.synchronize()
+        assert received == [row, 2 * row]
+        ops.copy_blocks(src_cpu, src_ids, dst_cpu, dst_ids, src_heads=(1, 2), dst_heads=(0, 2))
+        assert_cache_bytes_equal(dst, cache_bytes(dst_cpu))
+        assert_cache_bytes_equal(src, cache_bytes(src_cpu))
+    finally:
+        ours.close()
+        server.join(30)
+        assert not server.is_alive()
