@@ -623,6 +623,7 @@ def test_a_failed_load_is_recomputed_once_through_the_proxy(bounded):
         prompt = [rng.randrange(3, 1000) for _ in range(n)]
         cases.append((streamed, prompt, complete(p, prompt)[0]))
     before = fleet.metrics(d).get("vllm:vllm_ext_failed_transfers_total", 0)
+    leased = fleet.metrics(p).get("vllm:vllm_ext_leased_blocks", 0)  # the pinning test's, until they expire
     bounded["short"].touch()
     try:
         _, leg = complete(p, cases[0][1], 1, kv_transfer_params={"do_remote_decode": True})
@@ -637,7 +638,8 @@ def test_a_failed_load_is_recomputed_once_through_the_proxy(bounded):
     assert fleet.metrics(d)["vllm:vllm_ext_failed_transfers_total"] == before + 3
     assert bounded["proxy"].log_tail(400).count("failed the request's KV load") == 2, bounded["proxy"].log_tail()
     deadline = time.monotonic() + KV_DRAIN_TIMEOUT_S
-    while fleet.metrics(p).get("vllm:vllm_ext_leased_blocks", 0) != 0:
-        assert time.monotonic() < deadline, f"seed {seed}: P still leases {fleet.metrics(p)}"
+    while fleet.metrics(p).get("vllm:vllm_ext_leased_blocks", 0) > leased:  # the refused leases are freed
+        assert time.monotonic() < deadline, f"seed {seed}: P leases {fleet.metrics(p)['vllm:vllm_ext_leased_blocks']}" \
+                                            f" blocks, {leased:g} before"
         time.sleep(0.2)
 
