@@ -365,6 +365,7 @@ class TestByteLevel:
             points = held_points(tokenizer, free["token_ids"], n - 50, n - 25) or [n - 35]
             k = rng.choice(points)
             how = MOVES[i % 2]
+            stops_before = {url: stops_ended(url) for url in (tiny["A"].url, tiny["B"].url)}
             if streamed:
                 s, status, record = move_streamed(tiny, "/v1/completions", body, k, **how)
                 got = {"text": s.text, "token_ids": s.ids, "finish_reason": s.finish,
@@ -376,6 +377,8 @@ class TestByteLevel:
             assert got["text"] == want["text"], context
             assert (got["finish_reason"], got["stop_reason"]) == ("stop", stop), context
             moved.append(moved_or_ended(status, record, len(got["token_ids"]), len(got["token_ids"])))
+            if moved[-1]:  # the destination's engine ended the leg on the stop string (the leg carries it)
+                assert stops_ended(record["destination"]) > stops_before[record["destination"]], context
             assert_stop_tokens(got["token_ids"], want["token_ids"], context)
             assert counts(usage) == want_usage, context
             assert_same_logprobs(got["logprobs"], want["logprobs"], context)
