@@ -66,7 +66,7 @@ def uses_v2_model_runner(vllm_config) -> bool:
     """Whether the engine runs model runner V2 (0.34+: the only one; before, the config says)."""
     flag = getattr(vllm_config, "use_v2_model_runner", None)
     if flag is None:
-        return release() >= (0, 34)
+        return (release() or (0, 0)) >= (0, 34)  # an unparsable version is refused before this
     return bool(flag)
 
 
