@@ -217,9 +217,17 @@ class ReleasingProducer:
         from vllm_ext.lease.channel import LeaseServer
 
         self.released, self.asked = [], 0
+        self.unanswered = 0  # releases to leave unanswered first (a stopped server), each for stall_s
+        self.stall_s = 0.0
 
         def handler(request):
+            import time
+
             assert isinstance(request, messages.LeaseRelease)
+            if self.unanswered:
+                self.unanswered -= 1
+                time.sleep(self.stall_s)  # past the proxy's deadline: it has given this one up
+                return messages.LeaseReleaseReply(True), b""
             self.released.append(request.lease)
             return messages.LeaseReleaseReply(True), b""
         self.server = LeaseServer(SECRET.encode(), handler)
@@ -586,3 +594,32 @@ def test_a_failed_load_is_asked_again_once_without_the_remote_kv(producer, strea
     assert status == 200 and b"computed" in raw and b"error" not in raw, raw
     assert [("kv_transfer_params" in b) for b in bodies] == [True, False]
     assert released == [LEASE]
+
+
+def test_a_release_the_prefill_server_does_not_answer_is_asked_again(producer, monkeypatch):
+    """The prefill server answers no release at first (SIGSTOPped in the soak: the lease then held
+    its blocks until it expired): the proxy asks again, and the lease is released."""
+    import asyncio
+    import time
+
+    from aiohttp import web
+
+    from vllm_ext.router import pd
+    from vllm_ext.router.settings import ProxySettings
+
+    monkeypatch.setattr(pd, "RELEASE_BACKOFF_S", 0.05, raising=False)
+    producer.unanswered, producer.stall_s = 2, 1.0
+
+    async def refuses(request):
+        return web.json_response({"error": {"message": "no", "type": "BadRequestError", "code": 400}}, status=400)
+
+    async def calls(session, url):
+        async with session.post(url + "/v1/completions", json={"model": "m", "prompt": "hi"}) as r:
+            status = r.status
+        deadline = time.monotonic() + 15
+        while not producer.released and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return status
+
+    status = run_with_backends(producer.answer, refuses, calls, settings=ProxySettings(release_timeout_s=0.3))
+    assert status == 400 and producer.released == [LEASE] and producer.unanswered == 0

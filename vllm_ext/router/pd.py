@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import aiohttp
 from aiohttp import web
 
-from ..lease.channel import ChannelError, LeaseClient
+from ..lease.channel import ChannelError, ChannelRefused, LeaseClient
 from ..lease.kv_params import lease_ref
 from ..migration import auth
 from . import settings as settings_
@@ -60,6 +60,8 @@ from .settings import ProxySettings
 logger = logging.getLogger("vllm_ext.proxy")
 
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
+RELEASE_TRIES = 5  # a release of a prefill lease, asked again while its server does not answer ...
+RELEASE_BACKOFF_S = 1.0  # ... this long after the first, then twice as long each time (40 s in all at most)
 BACKEND_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError, ConnectionError)
 
 
@@ -334,7 +336,9 @@ class Proxy:
 
     async def stop(self, app) -> None:
         if self._releasing:
-            await asyncio.wait(self._releasing, timeout=self.settings.release_timeout_s)
+            _, pending = await asyncio.wait(self._releasing, timeout=self.settings.release_timeout_s)
+            for task in pending:  # still asking a server that does not answer: its lease expires by itself
+                task.cancel()
         if self.session is not None:
             await self.session.close()
         for client in self._lease_clients.values():
@@ -422,17 +426,30 @@ class Proxy:
         task.add_done_callback(self._releasing.discard)
 
     async def _release_now(self, lease: str, host: str, port: int) -> None:
+        """Releases a lease; a prefill server that does not answer (stopped, busy) is asked again,
+        RELEASE_TRIES times in all, BACKOFF_S apart and doubling: otherwise the lease would hold
+        its blocks until it expires."""
         client = self._lease_clients.get((host, port))
         if client is None:
             client = self._lease_clients[(host, port)] = LeaseClient(self.secret, host, port,
                                                                      self.settings.release_timeout_s)
-        try:
-            await asyncio.get_running_loop().run_in_executor(None, client.release, lease,
-                                                             self.settings.release_timeout_s)
-            self.released += 1
-            logger.info("lease %s... of %s:%d released: its decode leg failed", lease[:8], host, port)
-        except ChannelError as e:  # taken and ended by the decode server already, or expired
-            logger.info("lease %s... of %s:%d not released: %s", lease[:8], host, port, e)
+        for attempt in range(1, RELEASE_TRIES + 1):
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, client.release, lease,
+                                                                 self.settings.release_timeout_s)
+                self.released += 1
+                logger.info("lease %s... of %s:%d released: its decode leg failed", lease[:8], host, port)
+                return
+            except ChannelRefused as e:  # taken and ended by the decode server already, or expired
+                logger.info("lease %s... of %s:%d not released: %s", lease[:8], host, port, e)
+                return
+            except ChannelError as e:  # no answer: asked again
+                if attempt == RELEASE_TRIES:
+                    logger.warning("lease %s... of %s:%d not released after %d tries (%s): it holds its blocks "
+                                   "until it expires", lease[:8], host, port, attempt, e)
+                    return
+                logger.info("lease %s... of %s:%d not released yet (%s): asking again", lease[:8], host, port, e)
+                await asyncio.sleep(RELEASE_BACKOFF_S * 2 ** (attempt - 1))
 
     # ---- legs ----------------------------------------------------------------------------
     async def _alive(self, backend: Backend) -> bool:
