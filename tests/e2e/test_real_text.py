@@ -186,7 +186,10 @@ def merged_logprobs(choices):
 def assert_same_logprobs(got, want, context):
     """Tokens and text offsets exactly; log probabilities to float32 rounding (a moved request's
     last tokens are computed by a prefill on the destination, the unmoved one's by decode
-    steps)."""
+    steps). `want` is an unmoved answer, not streamed: its offsets go on by each token's string,
+    and the router's do in a stream too, across legs (vLLM 0.32's streams write them so; vLLM
+    0.26's start each chunk at the length of the text sent so far, so an unmoved 0.26 stream's
+    depend on how its tokens were grouped into chunks, which a GPU makes several a chunk)."""
     assert got["tokens"] == want["tokens"] and got["text_offset"] == want["text_offset"], context
     assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-3), context
     assert [sorted(t) for t in got["top_logprobs"]] == [sorted(t) for t in want["top_logprobs"]], context

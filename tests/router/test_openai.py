@@ -101,6 +101,30 @@ def test_logprobs_offsets_go_on_across_legs_streamed_and_in_the_answer():
     assert c.text == "ab cdef"
 
 
+def test_logprobs_offsets_follow_the_tokens_strings_however_a_backend_chunked_them():
+    # a byte-level model: a character's bytes are tokens whose strings are "" (vLLM's), the
+    # character comes with the last one. vLLM 0.26 starts each stream chunk's offsets at the
+    # length of the text it sent so far, so they depend on how tokens were grouped in chunks;
+    # the client's go on by each token's string (as vLLM 0.32's stream and every non-streamed
+    # answer): the same for every grouping, and across a hand-off
+    tokens, texts = ["a", "", "", "b", "", "c"], ["a", "", "é", "b", "", "çc"]
+    want = [0, 1, 1, 1, 2, 2]
+    for groups in ([[0], [1], [2], [3], [4], [5]], [[0, 1], [2, 3, 4], [5]], [[0], [1, 2, 3, 4, 5]]):
+        for hand_off in range(len(groups)):
+            c = ClientStream("cmpl-x", False, "m", want_ids=True, want_usage=False)
+            streamed, leg_text = [], 0
+            for g, group in enumerate(groups):
+                if g in (0, hand_off):
+                    c.begin_leg()
+                    leg_text = 0
+                p = piece("".join(texts[i] for i in group), group)
+                p.logprobs = logprobs([tokens[i] for i in group], leg_text)  # vLLM 0.26's rule
+                leg_text += len(p.text)
+                streamed += [o for e in events(c.add(p)) for o in e["choices"][0]["logprobs"]["text_offset"]]
+            assert streamed == want, (groups, hand_off)
+            assert c.answer()["choices"][0]["logprobs"]["text_offset"] == want
+
+
 def test_a_stop_string_counts_only_past_min_tokens():
     c = ClientStream("cmpl-5", False, "m", want_ids=True, want_usage=False, stops=["ab"], min_tokens=2)
     for text, ids in (("ab", [1]), ("c", [2]), ("ab", [3]), ("z", [4])):

@@ -141,11 +141,27 @@ class ClientStream:
 
     def begin_leg(self) -> None:
         """A new leg starts: its text_offset (from 0, as each vLLM stream's) go on from the
-        previous legs'. vLLM advances them by each token's string, not by the text: the base is
-        where the last token's string ends (len(self.text) unless a token's string is not its
-        text: a special token skipped, a character in several tokens)."""
+        previous legs' (_offsets). They advance by each token's string, not by the text: the
+        base is where the last token's string ends (len(self.text) unless a token's string is
+        not its text: a special token skipped, a character in several tokens)."""
         self._leg_offset = self._next_offset
         self._leg_text = len(self.text)
+
+    def _offsets(self, logprobs: Dict[str, Any]) -> List[int]:
+        """The client's text_offset for a piece's tokens: from where the last token's string
+        ended, on by each token's string. vLLM 0.32 writes them so in every chunk of a stream
+        (its non-streamed answer's are the same); vLLM 0.26 starts each chunk at the length of
+        the text it sent so far instead, so its offsets depend on how tokens were grouped into
+        chunks (and on a leg's own text, not the client's). Without the tokens' strings, the
+        leg's offsets shifted by where its first token began."""
+        offsets, tokens = logprobs.get("text_offset") or [], logprobs.get("tokens")
+        if not isinstance(tokens, list) or len(tokens) != len(offsets) or not all(isinstance(t, str) for t in tokens):
+            return [o + self._leg_offset for o in offsets]
+        out, at = [], self._next_offset
+        for token in tokens:
+            out.append(at)
+            at += len(token)
+        return out
 
     @property
     def finished(self) -> bool:
@@ -219,7 +235,7 @@ class ClientStream:
             self.reasoning_key = piece.reasoning_key
         token_ids, logprobs = piece.token_ids, piece.logprobs
         if not self.chat and isinstance(logprobs, dict):
-            logprobs = dict(logprobs, text_offset=[o + self._leg_offset for o in logprobs.get("text_offset") or []])
+            logprobs = dict(logprobs, text_offset=self._offsets(logprobs))
         kept = self._find_stop(piece, before, count) if self.stops and piece.text else None
         if kept is not None:
             token_ids = token_ids[:kept]
