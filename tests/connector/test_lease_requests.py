@@ -135,3 +135,15 @@ def test_acquire_waits_for_the_worker_to_serve_the_lease(producer):
         assert client.acquire(params["remote_lease"], 5, 10, *expect(params))[0] == params["remote_block_ids"]
     finally:
         client.close()
+
+
+def test_a_release_of_a_rank_past_ranks_is_refused_as_an_acquire_is(producer):
+    sched, worker = producer
+    _, params = finish_prefill(sched, list(range(40)))
+    step(sched, worker)
+    client = lease_client(sched)
+    with pytest.raises(ChannelError, match="rank: expected a tensor-parallel rank below ranks 2, got 2"):
+        client.release(params["remote_lease"], 5, rank=2, ranks=2)
+    with pytest.raises(ChannelError, match="rank: expected a tensor-parallel rank below ranks 2, got 2"):
+        client.acquire(params["remote_lease"], 5, 5, *expect(params), rank=2, ranks=2)
+    client.close()

@@ -140,6 +140,8 @@ class LeaseRequests:
         with self._lock:
             self._reap_expired()
             lease = self._live_lease(lease_id)
+            if rank >= ranks:
+                raise ValueError(f"rank: expected a tensor-parallel rank below ranks {ranks}, got {rank}")
             intact = lease.preemptions is None or self._source.preemptions(lease.migration_id) == lease.preemptions
             lease.released_ranks.add(rank if ranks > 1 else 0)
             if len(lease.released_ranks) >= ranks:
