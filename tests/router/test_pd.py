@@ -596,6 +596,43 @@ def test_a_failed_load_is_asked_again_once_without_the_remote_kv(producer, strea
     assert released == [LEASE]
 
 
+NOT_A_FAILED_LOAD = [  # vLLM's other 5xx answers: an overload, an internal error of its own
+    (503, {"message": "Request failed; please retry", "type": "ServiceUnavailableError", "code": 503}),
+    (503, {"message": "Internal server error", "type": "InternalServerError", "code": 503}),
+    (500, {"message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+           "type": "InternalServerError", "code": 500}),
+    (500, {"message": "Internal server error", "type": "NotImplementedError", "code": 500}),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("code,error", NOT_A_FAILED_LOAD)
+def test_an_overload_or_another_internal_error_is_relayed_not_recomputed(producer, stream, code, error):
+    """Only vLLM's error of a failed KV load (its GenerationError: 500, "Internal server error")
+    is asked again without the remote KV: a 503 (overload) or another 5xx is relayed to the
+    client as it is and the decode server is asked once (a refusal also releases the prefill lease)."""
+    import json
+
+    from aiohttp import web
+
+    bodies = []
+    error = dict(error, param=None)
+
+    async def decode(request):
+        bodies.append(await request.json())
+        if not bodies[-1].get("stream"):
+            return web.json_response({"error": error}, status=code)
+        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(b"data: " + json.dumps({"error": error}).encode() + b"\n\ndata: [DONE]\n\n")
+        return out
+
+    (status, raw), released = _decode_fails(producer, decode, body={"stream": stream}, release_s=0 if stream else 10)
+    assert status == (200 if stream else code) and error["message"].encode() in raw, (status, raw)
+    assert [("kv_transfer_params" in b) for b in bodies] == [True], bodies
+    assert stream or released == [LEASE]  # a relayed stream is the decode server's (its lease too)
+
+
 def test_a_release_the_prefill_server_does_not_answer_is_asked_again(producer, monkeypatch):
     """The prefill server answers no release at first (SIGSTOPped in the soak: the lease then held
     its blocks until it expired): the proxy asks again, and the lease is released."""

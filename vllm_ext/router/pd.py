@@ -308,13 +308,20 @@ def limit_answer(raw: bytes, limit: Optional[int]) -> Optional[bytes]:
     return json.dumps(body).encode()
 
 
+# vLLM's answer to a request that finished with FinishReason.ERROR (a KV load failed under
+# kv_load_failure_policy "fail"): its GenerationError, a 500 (a whole answer) or the same error as
+# the first event of a stream. An overload (503, RetryableRequestError) or another internal error
+# (its own message) is not a failed load: it is relayed, never recomputed.
+FAILED_LOAD_ERROR = {"message": "Internal server error", "type": "InternalServerError", "code": 500}
+
+
 def _failed_load(status: int, body: Any) -> bool:
     """Whether the decode server's answer (its status, its JSON error) is vLLM's to a request whose
-    KV load failed under kv_load_failure_policy "fail": an internal error before any token."""
+    KV load failed under kv_load_failure_policy "fail": its GenerationError before any token."""
     error_ = body.get("error") if isinstance(body, dict) else None
-    if not isinstance(error_, dict):
+    if status != 500 or not isinstance(error_, dict):
         return False
-    return status >= 500 or error_.get("code") in (500, "500") or error_.get("type") == "InternalServerError"
+    return all(error_.get(key) == value for key, value in FAILED_LOAD_ERROR.items())
 
 
 class Proxy:
