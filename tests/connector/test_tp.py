@@ -332,3 +332,37 @@ def test_pipeline_and_context_parallelism_are_refused_by_name(field):
     with pytest.raises(ValueError, match=rf"VllmExtConnector: {field} 2: only 1 is supported"):
         _tensor_parallel(ParallelConfig(**sizes), KVConnectorRole.SCHEDULER)
     assert _tensor_parallel(ParallelConfig(tensor_parallel_size=2), KVConnectorRole.SCHEDULER) == (0, 2)
+
+
+def test_a_producer_restarted_between_two_ranks_describes_fails_the_transfer_naming_both(prefill, monkeypatch,
+                                                                                      caplog):
+    """D's rank 1 describes P's rank 0, then P restarts (other workers, other endpoint ids, the
+    same lease channel) before it describes P's rank 1: that rank's reply is another instance's,
+    so the transfer fails naming both ids rather than storing the new rank under the old id."""
+    p = prefill
+    d = decode_instance(p)
+    restarted = instance(True, TP, seed=50)
+    receiver = d.workers[1].receiver
+    connect_rank = receiver._connect_rank
+
+    def restart_then_connect(describe, reply, *args):
+        p.sched.set_handshake({rank: w.handshake() for rank, w in enumerate(restarted.workers)})
+        return connect_rank(describe, reply, *args)
+
+    monkeypatch.setattr(receiver, "_connect_rank", restart_then_connect)
+    try:
+        prompt = list(range(50))
+        _, params = finish_prefill(p.sched, prompt)
+        p.step()
+        old_id = params["remote_endpoint"]["endpoint_id"]
+        new_id = restarted.workers[0].handshake().descriptor["endpoint_id"]
+        assert old_id != new_id
+        admit(d, prompt, params)
+        out = d.until(lambda o: o.finished_recving)
+        assert out.failed_recving == {"d-0"}
+        assert any(f"rank 1 belongs to instance {new_id[:8]}, rank 0 to {old_id[:8]}" in r.getMessage()
+                   for r in caplog.records)
+        assert old_id not in receiver.connected_endpoints
+    finally:
+        d.shutdown()
+        restarted.shutdown()

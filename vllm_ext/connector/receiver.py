@@ -492,15 +492,23 @@ class Receiver:
             if endpoint_id and instance != endpoint_id:
                 raise TransferFailed(f"producer {host}:{port} serves endpoint {instance[:8]}, the request "
                                      f"names {endpoint_id[:8]} (the prefill instance restarted?)")
+            def describe_rank(rank: int):  # every rank's reply must come from rank 0's instance
+                described = describe(rank)
+                if described.endpoint_id != instance:
+                    raise TransferFailed(f"producer {host}:{port} rank {rank} belongs to instance "
+                                         f"{described.endpoint_id[:8] or '(none)'}, rank 0 to {instance[:8]} (the "
+                                         "prefill instance restarted between the two?)")
+                return described
+
             producer_ranks = theirs.get("tp_size", 1)
             if not isinstance(producer_ranks, int) or isinstance(producer_ranks, bool) or producer_ranks < 1:
                 raise TransferFailed(f"producer {host}:{port}: tp_size {producer_ranks!r} is not a TP size")
             started = time.perf_counter()
             try:
                 if producer_ranks == self.ranks:
-                    peer = self._connect_rank(describe, reply, deadline, host, port)
+                    peer = self._connect_rank(describe_rank, reply, deadline, host, port)
                 else:
-                    peer = self._connect_shards(describe, reply, producer_ranks, deadline, host, port)
+                    peer = self._connect_shards(describe_rank, reply, producer_ranks, deadline, host, port)
             except MigrationError:
                 if back_off:
                     self._back_off(host, port)
