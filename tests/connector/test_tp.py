@@ -366,3 +366,46 @@ def test_a_producer_restarted_between_two_ranks_describes_fails_the_transfer_nam
     finally:
         d.shutdown()
         restarted.shutdown()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_fixed_endpoint_port_is_refused_under_tp_and_staging_endpoints_take_a_free_one():
+    """backend_options.port at TP 2 would bind every rank's endpoint to it: refused at start,
+    naming the key and the TP size. At TP 1 it is this rank's endpoint's; the staging endpoint
+    of a pull from a TP 2 producer takes a free port, so the pull works."""
+    from tests.connector.halves import SECRET
+    from vllm_ext.connector.worker import WorkerHalf
+
+    port = free_port()
+    common = dict(backend="gloo", endpoint_host="127.0.0.1", endpoint_options={"port": port}, secret=SECRET,
+                  pull_timeout_s=10.0, static_fields=dict(STATIC), connect_to=[])
+    with pytest.raises(ValueError, match=rf"backend_options.port: a fixed port \({port}\) with "
+                                         "tensor_parallel_size 2"):
+        WorkerHalf(is_producer=True, is_consumer=False, tp_rank=1, tp_size=2, **common)
+    p = instance(True, 2, seed=60)
+    worker = WorkerHalf(is_producer=False, is_consumer=True, allowed_producers=["{}:{}".format(*p.sched.lease_address)],
+                        **common)
+    worker.register_kv_caches(vllm_layers(heads=HEADS, seed=70))
+    sched = make_scheduler(False, policy="recompute")
+    sched.set_handshake({0: worker.handshake()})
+    d = Instance(sched, [worker], KVOutputAggregator(1))
+    try:
+        assert worker.endpoint.descriptor().port == port
+        prompt = list(range(50))
+        _, params = finish_prefill(p.sched, prompt)
+        p.step()
+        admit(d, prompt, params)
+        out = d.until(lambda o: o.finished_recving)
+        assert out.finished_recving == {"d-0"} and not out.failed_recving
+        for got, want in zip(all_heads(d, [20, 21, 22, 23]), all_heads(p, params["remote_block_ids"])):
+            assert torch.equal(got, want)
+    finally:
+        d.shutdown()
+        p.shutdown()

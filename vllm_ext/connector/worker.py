@@ -84,6 +84,11 @@ class WorkerHalf:
                  tp_rank: int = 0, tp_size: int = 1):
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank: expected 0 to {tp_size - 1} (tp_size {tp_size}), got {tp_rank}")
+        port = endpoint_options.get("port") or 0
+        if tp_size > 1 and port:  # every rank's endpoint (and staging endpoint) would bind it
+            raise ValueError(f"kv_connector_extra_config.backend_options.port: a fixed port ({port}) with "
+                             f"tensor_parallel_size {tp_size}: each TP rank's endpoint needs a port of its own; "
+                             "leave it out (0: any free port)")
         self.is_producer = is_producer
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.is_consumer = is_consumer
@@ -137,7 +142,8 @@ class WorkerHalf:
         serve = "granted" if backend in GRANTED_BACKENDS else "all"  # a staging cache serves nothing it can refuse
         self.receiver.start(self.cache, self.endpoint, self.fingerprint_fields, stream,
                             make_endpoint=lambda cache: make_endpoint(cache, backend, self._endpoint_host,
-                                                                      self._endpoint_options, self._secret, serve))
+                                                                      {**self._endpoint_options, "port": 0},
+                                                                      self._secret, serve))
 
     def handshake(self) -> VllmExtHandshake:
         assert self.endpoint is not None
