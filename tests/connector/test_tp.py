@@ -409,3 +409,34 @@ def test_a_fixed_endpoint_port_is_refused_under_tp_and_staging_endpoints_take_a_
     finally:
         d.shutdown()
         p.shutdown()
+
+
+def test_a_rank_that_fails_before_its_acquire_still_releases_its_part_of_the_lease():
+    """D's rank 1 has P in back-off (a pull of it failed just before): its receive fails at once,
+    before any acquire. It still releases the lease for its rank (releases are not held back by
+    back-off), so P's lease ends once rank 0 released too: P's lease clock stands still, so
+    without that release it would never end (taken holds expire only on that clock)."""
+    from tests.connector.halves import Clock
+
+    clock = Clock()
+    workers = [make_worker(vllm_layers(heads=HEADS // TP, seed=80 + rank), True, tp_rank=rank, tp_size=TP)
+               for rank in range(TP)]
+    sched = make_scheduler(True, policy="recompute", clock=clock)
+    sched.set_handshake({rank: w.handshake() for rank, w in enumerate(workers)})
+    p = Instance(sched, workers, KVOutputAggregator(TP))
+    d = decode_instance(p)
+    try:
+        receiver = d.workers[1].receiver
+        receiver._backoff[p.sched.lease_address] = time.monotonic() + 3600.0
+        prompt = list(range(50))
+        _, params = finish_prefill(p.sched, prompt)
+        p.step()
+        admit(d, prompt, params)
+        out = d.until(lambda o: o.finished_recving)
+        assert out.failed_recving == {"d-0"}
+        stats = [w.get_stats().data for w in d.workers]
+        assert [s["transfers"] for s in stats] == [1, 0] and [s["failed"] for s in stats] == [0, 1]
+        assert p.until(lambda o: o.finished_sending).finished_sending == {"p-0"}  # both ranks released
+    finally:
+        d.shutdown()
+        p.shutdown()

@@ -54,6 +54,9 @@ SLOW_LOAD_S = 1.0
 # passed (servers of a deployment start together: a producer may take minutes to be ready).
 CONNECT_AHEAD_S = 900.0
 CONNECT_AHEAD_RETRY_S = (0.5, 5.0)  # the first wait between attempts, doubled up to the second
+# A receive that failed before it released its lease releases it (for its rank) on a thread of
+# its own, given up this long after the failure: the lease ends only once every rank released it.
+RELEASE_WITHIN_S = 30.0
 # Blocks of a staging cache (unequal TP sizes): a pull moves this many at a time per source rank.
 STAGING_BLOCKS = 16
 
@@ -158,6 +161,8 @@ class Receiver:
         self._staging: Dict[int, Staging] = {}  # a producer rank's head count -> its staging cache
         self._staging_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_PULLS, thread_name_prefix="vllm-ext-pull")
+        # releases of failed receives: a producer slow to answer holds no pull back
+        self._release_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-ext-release")
         self._lock = threading.Lock()  # results, clients, peers and back-off: pull threads + the worker thread
         self._done: Set[str] = set()  # receives reported (failed ones too)
         self._failed: Set[str] = set()
@@ -196,7 +201,7 @@ class Receiver:
             else:
                 self._pool.submit(self.receive, job, deadline)
         for release in releases:
-            self._pool.submit(self._release_only, release)
+            self._release_pool.submit(self._release_only, release)
 
     def take_finished(self) -> Tuple[Set[str], Set[str]]:
         """(finished_recving, failed_recving) since the last call; failed receives are in
@@ -235,6 +240,7 @@ class Receiver:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._release_pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             clients = list(self._clients.values())
         for client in clients:
@@ -248,7 +254,7 @@ class Receiver:
     def receive(self, job: RecvJob, deadline: float) -> None:
         """`deadline`: monotonic time by which the job is done, counted from when it was queued."""
         marks = [("", deadline - self.pull_timeout_s), ("queued", time.monotonic())]  # (step ended, when)
-        client, acquired, pulling = None, False, False
+        client, acquired, pulling, released = None, False, False, False
         try:
             if time.monotonic() >= deadline:
                 raise TransferFailed(f"the pull's deadline ({self.pull_timeout_s:g} s) passed while it was queued")
@@ -266,9 +272,7 @@ class Receiver:
                     with self._lock:
                         self._stats.record_refusal()
                     self._release(client, job.lease)
-                raise
-            except ChannelError:  # no answer by the deadline: free the lease the producer may hold for it
-                self._pool.submit(self._release, client, job.lease)
+                    released = True
                 raise
             marks.append(("lease", time.monotonic()))
             acquired = True
@@ -291,7 +295,7 @@ class Receiver:
             else:
                 nbytes = self._pull_checked(peer, job, expected, digests[span] if digests else [], deadline)
             marks.append(("pull", time.monotonic()))
-            acquired = False
+            acquired, released = False, True
             if not self._release(client, job.lease):
                 raise TransferFailed(f"lease {job.lease[:8]}: the producer could not vouch for the blocks after the "
                                      "pull (its request was preempted meanwhile, or the release failed); not used")
@@ -313,6 +317,10 @@ class Receiver:
             if not isinstance(e, (ChannelError, MigrationError, TransferFailed, ValueError, TypeError, OSError)):
                 logger.exception("request %s: unexpected failure while receiving", job.req_id)
             self._finish(job, False, f"{type(e).__name__}: {e}")
+            if not (acquired or released):  # failed before its acquire (or with no answer to it): this
+                # rank's release, without which the producer holds the lease until its hold ends
+                self._release_pool.submit(self._release_only, ReleaseJob(job.req_id, job.lease, job.lease_host,
+                                                                         job.lease_port), time.monotonic())
         finally:
             if client is not None and acquired:
                 self._release(client, job.lease)
@@ -412,31 +420,39 @@ class Receiver:
         if not ok:
             logger.warning("request %s: receiving its KV failed: %s", job.req_id, why)
 
-    def _release(self, client: LeaseClient, lease: str) -> bool:
+    def _release(self, client: LeaseClient, lease: str, timeout: float = CHANNEL_TIMEOUT_S) -> bool:
         """Ends the lease; False when the producer says its blocks changed owner meanwhile (a
         running request's pre-copy, preempted), or when the release fails (the lease then
         expires by itself, and what was pulled cannot be vouched for)."""
         try:
-            return client.release(lease, CHANNEL_TIMEOUT_S, self.rank, self.ranks)
+            return client.release(lease, timeout, self.rank, self.ranks)
         except ChannelError as e:
             logger.warning("lease %s: release failed (it expires by itself): %s", lease[:8], e)
             return False
 
-    def _release_only(self, job: ReleaseJob) -> None:
-        """A lease this instance will not pull: freed now rather than at its expiry."""
+    def _release_only(self, job: ReleaseJob, since: Optional[float] = None) -> None:
+        """A lease this instance will not pull (or whose receive failed at `since`): freed now
+        rather than at its expiry, by an allowed producer even in back-off; given up
+        RELEASE_WITHIN_S after `since`."""
+        left = RELEASE_WITHIN_S if since is None else since + RELEASE_WITHIN_S - time.monotonic()
         try:
-            client = self._client(job.lease_host, job.lease_port)
+            if left <= 0:
+                raise TransferFailed(f"not sent within {RELEASE_WITHIN_S:g} s")
+            client = self._client(job.lease_host, job.lease_port, back_off=False)
         except TransferFailed as e:
             logger.warning("request %s: not releasing lease %s: %s", job.req_id, job.lease[:8], e)
             return
-        self._release(client, job.lease)
+        self._release(client, job.lease, min(left, CHANNEL_TIMEOUT_S))
 
     # ---- producers: allow-list, back-off, lease clients, connected peers ----------------
-    def _check_allowed(self, host: str, port: int) -> None:
-        """TransferFailed unless host:port is an allowed producer not in back-off."""
+    def _check_allowed(self, host: str, port: int, back_off: bool = True) -> None:
+        """TransferFailed unless host:port is an allowed producer not in back-off (`back_off`
+        false: in back-off or not, for a release)."""
         if f"{host}:{port}" not in self._allowed:
             raise TransferFailed(f"producer {host}:{port} is not in kv_connector_extra_config.allowed_producers "
                                  f"(default: connect_to); not dialled")
+        if not back_off:
+            return
         with self._lock:
             until = self._backoff.get((host, port), 0.0)
         if time.monotonic() < until:
@@ -446,9 +462,10 @@ class Receiver:
         with self._lock:
             self._backoff[(host, port)] = time.monotonic() + BACKOFF_S
 
-    def _client(self, host: str, port: int) -> LeaseClient:
-        """This thread's lease connection to the producer (an acquire may wait on it)."""
-        self._check_allowed(host, port)
+    def _client(self, host: str, port: int, back_off: bool = True) -> LeaseClient:
+        """This thread's lease connection to the producer (an acquire may wait on it); `back_off`
+        false: one for a release, also while the producer is in back-off."""
+        self._check_allowed(host, port, back_off)
         key = (host, port, threading.get_ident())
         with self._lock:
             client = self._clients.get(key)
