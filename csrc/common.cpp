@@ -15,7 +15,8 @@ int fail(int status, const std::string& message) {
 }
 
 int check_copy_args(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
-                    int32_t num_layers, int32_t num_components, int64_t slice_nbytes, int64_t num_rows) {
+                    int32_t num_layers, int32_t num_components, int64_t slice_nbytes, int64_t num_rows,
+                    const char* src_name, const char* dst_name) {
   if (src == nullptr || dst == nullptr) return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "src/dst is NULL");
   if (num_ids < 0 || num_layers < 0 || num_components < 1 || num_components > 2 || slice_nbytes < 0)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT,
@@ -35,7 +36,7 @@ int check_copy_args(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t 
                                                    std::to_string(slice_nbytes));
   const int64_t row_nbytes = slice_nbytes / num_rows;
   for (const vllm_ext_side* side : {src, dst}) {
-    const char* name = side == src ? "src" : "dst";
+    const char* name = side == src ? src_name : dst_name;
     if (side->slice_offset < 0)
       return fail(VLLM_EXT_ERR_INVALID_ARGUMENT,
                   std::string(name) + " slice_offset " + std::to_string(side->slice_offset) + " is negative");
@@ -45,13 +46,28 @@ int check_copy_args(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t 
                                                      std::to_string(side->row_stride) + " is below a row's " +
                                                      std::to_string(row_nbytes) + " bytes (num_rows " +
                                                      std::to_string(num_rows) + ")");
+    // The bytes that move of a slice stay inside the side's block (vllm_ext.h: nothing outside the
+    // described blocks is read or written): slice_offset + (num_rows - 1) * row_stride + a row's
+    // bytes <= block_stride, computed without overflow. Checked whenever bytes can move.
+    if (num_layers == 0 || slice_nbytes == 0) continue;
+    const int64_t stride = row_stride(*side, row_nbytes);
+    bool inside = side->slice_offset <= side->block_stride && row_nbytes <= side->block_stride - side->slice_offset;
+    if (inside && num_rows > 1)
+      inside = stride <= (side->block_stride - side->slice_offset - row_nbytes) / (num_rows - 1);
+    if (!inside)
+      return fail(VLLM_EXT_ERR_INVALID_ARGUMENT,
+                  std::string(name) + " slice_offset " + std::to_string(side->slice_offset) + " + (num_rows " +
+                      std::to_string(num_rows) + " - 1) * row_stride " + std::to_string(stride) + " + row " +
+                      std::to_string(row_nbytes) + " bytes passes the block's " +
+                      std::to_string(side->block_stride) + " bytes (block_stride)");
   }
   return VLLM_EXT_OK;
 }
 
 int check_digest_args(const vllm_ext_side* cache, const int64_t* ids, int64_t num_ids, int32_t num_layers,
                       int32_t num_components, int64_t slice_nbytes, int64_t num_rows) {
-  int status = check_copy_args(cache, cache, num_ids, num_layers, num_components, slice_nbytes, num_rows);
+  int status = check_copy_args(cache, cache, num_ids, num_layers, num_components, slice_nbytes, num_rows, "cache",
+                               "cache");
   if (status != VLLM_EXT_OK) return status;
   if (cache->block_ids != nullptr)
     return fail(VLLM_EXT_ERR_INVALID_ARGUMENT, "block digests: cache->block_ids must be NULL (ids go in `ids`)");

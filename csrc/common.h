@@ -19,9 +19,10 @@ namespace vllm_ext {
 int fail(int status, const std::string& message);
 
 // Checks the arguments both implementations share (num_rows: see vllm_ext_side); returns
-// VLLM_EXT_OK or a failure.
+// VLLM_EXT_OK or a failure. Errors name the sides src_name and dst_name.
 int check_copy_args(const vllm_ext_side* src, const vllm_ext_side* dst, int64_t num_ids,
-                    int32_t num_layers, int32_t num_components, int64_t slice_nbytes, int64_t num_rows);
+                    int32_t num_layers, int32_t num_components, int64_t slice_nbytes, int64_t num_rows,
+                    const char* src_name = "src", const char* dst_name = "dst");
 
 // Checks the arguments both digest implementations share (ids [host], every one in range).
 int check_digest_args(const vllm_ext_side* cache, const int64_t* ids, int64_t num_ids, int32_t num_layers,

@@ -555,7 +555,10 @@ int vllm_ext_staged_transfer(const vllm_ext_side* cache, const vllm_ext_staging*
   if (status == VLLM_EXT_OK) status = check_part_alignment(*cache, "cache", alignment);
   for (int32_t i = 0; i < num_lanes && status == VLLM_EXT_OK; ++i) {
     for (int slot = 0; slot < 2 && status == VLLM_EXT_OK; ++slot) {
-      vllm_ext_side probe = {nullptr, lanes[i].slots[slot], 0, 0, 0, slot_blocks, nullptr, 0, 0};
+      // the slot as the buffer side of its rows (Stage::rows below), its block one row
+      vllm_ext_side probe = {nullptr, lanes[i].slots[slot], num_components * slice_nbytes,
+                             int64_t{num_layers} * num_components * slice_nbytes, slice_nbytes, slot_blocks,
+                             nullptr, 0, 0};
       status = vllm_ext::check_copy_args(cache, &probe, 0, num_layers, num_components, slice_nbytes, num_rows);
     }
   }

@@ -1,7 +1,10 @@
 """Every invalid input is refused before any work, with an error naming the argument, and
 leaves every tensor as it was."""
 
+import array
+import ctypes
 import random
+import re
 
 import pytest
 import torch
@@ -325,3 +328,68 @@ def test_the_c_digests_refuse_what_python_refuses():
                                 None)
     assert info.value.status == (_lib.ERR_INVALID_ARGUMENT if _lib.built_with_cuda() else _lib.ERR_NO_CUDA)
     assert list(out) == [7, 7]
+
+
+# ---- the ABI's own bound on a slice's extent --------------------------------------------------
+BLOCK = 64  # block_stride of both sides below: one layer, one component, 2 blocks each
+
+
+def _guarded_sides(src_part=(0, 0), dst_part=(0, 0)):
+    """Two sides of 2 blocks of BLOCK bytes in one host buffer of fresh random bytes, each with
+    room around it (a copy past a block lands there, inside the buffer); part: (slice_offset,
+    row_stride)."""
+    mem = torch.randint(0, 256, (1024,), dtype=torch.uint8, generator=torch.Generator().manual_seed(
+        random.randrange(1 << 30)))
+    base = mem.data_ptr()
+
+    def side(at, part):
+        return _lib.Side(layer_ptrs=None, base=base + at, layer_stride=2 * BLOCK, block_stride=BLOCK,
+                         component_stride=0, num_blocks=2, block_ids=None, slice_offset=part[0], row_stride=part[1])
+    return mem, side(256, src_part), side(640, dst_part)
+
+
+@pytest.mark.parametrize("which,part,slice_nbytes,num_rows,match", [
+    ("dst", (48, 0), 32, 1, r"dst slice_offset 48 \+ \(num_rows 1 - 1\) \* row_stride 32 \+ row 32 bytes passes "
+                            r"the block's 64 bytes"),
+    ("src", (40, 0), 32, 1, r"src slice_offset 40 .* row 32 bytes passes the block's 64 bytes"),
+    ("dst", (0, 24), 32, 4, r"dst slice_offset 0 \+ \(num_rows 4 - 1\) \* row_stride 24 \+ row 8 bytes passes"),
+    ("src", (8, 20), 32, 4, r"src slice_offset 8 \+ \(num_rows 4 - 1\) \* row_stride 20 \+ row 8 bytes passes"),
+    ("dst", (65, 0), 8, 1, r"dst slice_offset 65 .* passes the block's 64 bytes"),
+    ("src", (0, 1 << 62), 32, 4, r"row_stride 4611686018427387904 \+ row 8 bytes passes"),  # would overflow
+    ("dst", ((1 << 63) - 1, 0), 32, 1, r"dst slice_offset 9223372036854775807 .* passes"),
+])
+def test_the_c_copy_refuses_a_slice_that_passes_its_block(which, part, slice_nbytes, num_rows, match):
+    """The finding: the ABI checked slice_offset >= 0 and that rows do not overlap, but not that
+    slice_offset + (num_rows - 1) * row_stride + a row's bytes stays inside the block
+    (block_stride), so a direct caller read or wrote outside the cache, against vllm_ext.h. Now
+    such a call is refused with the values named, and no byte is written anywhere."""
+    mem, src, dst = _guarded_sides(**{f"{which}_part": part})
+    before = mem.clone()
+    n = 2 if max(part) < 2 * BLOCK else 0  # an overflowing part is asked with no ids (it would crash)
+    with pytest.raises(_lib.VllmExtError) as info:
+        _lib.copy_blocks_cpu(src, dst, n, 1, 1, slice_nbytes, 1, num_rows)
+    assert info.value.status == _lib.ERR_INVALID_ARGUMENT
+    assert re.search(match, str(info.value)), str(info.value)
+    assert torch.equal(mem, before)
+    out = (ctypes.c_uint64 * 2)(7, 7)  # the digests share the check
+    ids = array.array("q", [0, 1])
+    with pytest.raises(_lib.VllmExtError, match=match.replace(which, "cache", 1)):
+        _lib.block_digests_cpu(src if which == "src" else dst, ids.buffer_info()[0], n, 1, 1, slice_nbytes,
+                               ctypes.addressof(out), 1, num_rows)
+    assert list(out) == [7, 7]
+
+
+@pytest.mark.parametrize("part,slice_nbytes,num_rows", [((32, 0), 32, 1), ((8, 16), 32, 4), ((0, 0), 64, 1)])
+def test_a_slice_that_ends_at_its_block_end_is_copied(part, slice_nbytes, num_rows):
+    """The bound is inclusive: a part whose last row ends at block_stride moves, row by row, and
+    nothing around it changes."""
+    mem, src, dst = _guarded_sides(part, part)
+    before = mem.clone()
+    _lib.copy_blocks_cpu(src, dst, 2, 1, 1, slice_nbytes, 1, num_rows)
+    want = before.clone()
+    row, stride = slice_nbytes // num_rows, part[1] or slice_nbytes // num_rows
+    for b in range(2):
+        for r in range(num_rows):
+            at = b * BLOCK + part[0] + r * stride
+            want[640 + at:640 + at + row] = before[256 + at:256 + at + row]
+    assert torch.equal(mem, want)
