@@ -285,3 +285,39 @@ def test_a_failed_pull_synchronises_its_stream_before_it_is_reported(producer, m
         assert failed == {"d-0"} and events == ["pull", "synchronize"]
     finally:
         d_worker.shutdown()
+
+
+def test_the_acquire_holds_the_lease_as_long_as_a_gloo_pull_may_follow_its_source(producer):
+    """A gloo pull follows a source that makes progress up to PATIENCE times its timeout; the
+    acquire holds the lease that long. Here P's lease clock moves on 5 timeouts during the pull
+    (a pull slowed down by a busy host, as the clock tells it): the lease is still held at the
+    release, which vouches for the blocks, and the receive succeeds."""
+    from vllm_ext.migration.gloo import PATIENCE
+
+    sched, p_worker = producer
+    timeout_s = 10.0
+    d_sched = make_scheduler(False)
+    d_worker = make_worker(vllm_layers(seed=3), producer=False, allowed=[sched], pull_timeout_s=timeout_s)
+    receiver = d_worker.receiver
+    pull = receiver.pull
+
+    def slow_pull(*args):
+        stats = pull(*args)
+        sched.clock.now += (PATIENCE - 1.0) * timeout_s
+        return stats
+
+    receiver.pull = slow_pull
+    try:
+        d_sched.set_handshake({0: d_worker.handshake()})
+        prompt = list(range(50))
+        _, params = finish_prefill(sched, prompt)
+        step(sched, p_worker)
+        req = make_request(prompt, params, req_id="d-0")
+        assert d_sched.get_num_new_matched_tokens(req, 0) == (50, True)
+        d_sched.update_state_after_alloc(req, [20, 21, 22, 23], 50)
+        done, failed = receive(d_worker, d_sched.build_connector_meta().recvs)
+        assert done == {"d-0"} and failed == set()
+        assert d_worker.get_stats().data["transfers"] == 1
+    finally:
+        d_sched.shutdown()
+        d_worker.shutdown()

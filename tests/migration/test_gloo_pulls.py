@@ -94,6 +94,23 @@ def test_gloo_repeated_pulls_reuse_the_pair(workers):
         b.call("close", "rep")
 
 
+def test_a_pull_with_the_longest_timeout_is_accepted(workers):
+    """A timeout of MAX_TIMEOUT_S: the destination's progress-following wait is clamped to it
+    (as the source's), not refused as past it."""
+    from vllm_ext.migration.timing import MAX_TIMEOUT_S
+
+    a, b = workers
+    spec = _flash_spec(91)
+    desc_a = _gloo_endpoints(a, b, "longest", spec, 92)
+    try:
+        src, dst = [3, 1, 4], [20, 21, 22]
+        b.call("pull", "longest", desc_a, src, dst, MAX_TIMEOUT_S)
+        assert torch.equal(b.call("blocks", "longest", dst), expected_blocks(spec, src))
+    finally:
+        a.call("close", "longest")
+        b.call("close", "longest")
+
+
 def _served_pairs(worker, name, want, seconds=10.0):
     """The source's count of pairs it serves, once it equals `want` (it learns of a closed
     connection on its own thread) or after `seconds`."""

@@ -33,7 +33,9 @@ from .. import KVCache, ops
 from ..lease import messages
 from ..lease.channel import ChannelError, ChannelRefused, LeaseClient
 from ..lease.kv_params import fingerprint_mismatch, instance_fields, shard_plan
+from ..lease.messages import MAX_HOLD_S
 from ..migration import MigrationEndpoint, MigrationError, PeerDescriptor
+from ..migration.gloo import PATIENCE as GLOO_PATIENCE
 from .metadata import RecvJob, ReleaseJob
 from .stats import VllmExtStats
 
@@ -57,6 +59,9 @@ CONNECT_AHEAD_RETRY_S = (0.5, 5.0)  # the first wait between attempts, doubled u
 # A receive that failed before it released its lease releases it (for its rank) on a thread of
 # its own, given up this long after the failure: the lease ends only once every rank released it.
 RELEASE_WITHIN_S = 30.0
+# How many times its timeout a backend's pull may run while its source makes progress (gloo
+# follows it); the acquire holds the lease that long, so that it never ends under a pull.
+PULL_PATIENCE = {"gloo": GLOO_PATIENCE}
 # Blocks of a staging cache (unequal TP sizes): a pull moves this many at a time per source rank.
 STAGING_BLOCKS = 16
 
@@ -263,7 +268,7 @@ class Receiver:
             marks.append(("connect", time.monotonic()))
             try:  # the producer answers once its worker serves the blocks: a busy one takes a while
                 lease_blocks, lease_tokens, lease_hash, digests = client.acquire(
-                    job.lease, _left(deadline) + 5.0, _left(deadline), job.num_tokens, job.prompt_hash,
+                    job.lease, self._hold_s(peer, deadline), _left(deadline), job.num_tokens, job.prompt_hash,
                     self.rank, self.ranks)
             except ChannelRefused as refused:
                 if refused.kind == messages.NotThisPrompt.__name__:  # the params (the client's) named a
@@ -324,6 +329,14 @@ class Receiver:
         finally:
             if client is not None and acquired:
                 self._release(client, job.lease)
+
+    @staticmethod
+    def _hold_s(peer: Union[PeerDescriptor, ShardRoute], deadline: float) -> float:
+        """How long the acquire holds the lease: every pull starts before `deadline` and runs at
+        most its backend's patience times what was left of it then, so all end within that
+        patience times what is left now; then the release's CHANNEL_TIMEOUT_S."""
+        backend = (peer.sources[0].peer if isinstance(peer, ShardRoute) else peer).backend
+        return min(_left(deadline) * PULL_PATIENCE.get(backend, 1.0) + CHANNEL_TIMEOUT_S, MAX_HOLD_S)
 
     def _pull_checked(self, peer: PeerDescriptor, job: RecvJob, src: List[int], want: List[int],
                       deadline: float) -> int:

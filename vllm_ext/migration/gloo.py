@@ -67,7 +67,8 @@ _DRAIN_S = 1.0
 _MAX_PARKED = 16  # failed pairs kept; the oldest is let go beyond this (its operations have timed out)
 _WATCH_S = 0.05  # the longest wait between two looks at the peer's control connection
 _PROGRESS_S = 1.0  # a serving source's longest silence (gloo.progress) while it has not failed
-_PATIENCE = 6.0  # a pull that makes progress is waited for at most this many times its timeout
+PATIENCE = 6.0  # a pull that makes progress is waited for at most this many times its timeout
+_PATIENCE = PATIENCE
 
 
 def default_stripes() -> int:
@@ -213,7 +214,7 @@ class _Progress:
     def __init__(self, deadline: Deadline):
         self.deadline = deadline
         self.silence = deadline.timeout
-        self.hard = Deadline(deadline.timeout * _PATIENCE)
+        self.hard = Deadline(min(deadline.timeout * _PATIENCE, MAX_TIMEOUT_S))  # as the source's
 
     def alive(self) -> None:
         self.deadline.at = max(self.deadline.at, min(time.monotonic() + self.silence, self.hard.at))

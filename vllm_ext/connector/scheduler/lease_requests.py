@@ -17,7 +17,7 @@ from .leases import Lease
 
 # A consumer's acquire may extend a lease by at most this much beyond its remaining time (the
 # pull's deadline): a lease is never freed under a pull in progress, nor held forever.
-MAX_HOLD_S = 900.0  # a pull's deadline is at most 600 s (pull_timeout_s)
+MAX_HOLD_S = messages.MAX_HOLD_S  # a pull's deadline (pull_timeout_s, at most 600 s) times gloo's patience
 # An acquire waits for the producer's worker to serve the lease's blocks (it grants them in the
 # engine step after the lease is made, and says so in that step's output: milliseconds when idle,
 # a forward's time on a busy host) for as long as the engine makes progress, at most the hold
