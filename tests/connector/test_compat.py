@@ -10,7 +10,7 @@ import pytest
 if os.environ.get("VLLM_EXT_REQUIRE_VLLM") == "1":  # make test-connector: a missing vllm is a failure
     import vllm  # noqa: F401
 else:
-    pytest.importorskip("vllm", reason="vllm is not installed here (make test-connector installs it)")
+    vllm = pytest.importorskip("vllm", reason="vllm is not installed here (make test-connector installs it)")
 
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import DeviceConfig, KVTransferConfig, VllmConfig  # noqa: E402
