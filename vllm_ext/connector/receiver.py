@@ -22,6 +22,7 @@ ops.copy_blocks' head ranges; the heads must split evenly over both sides.
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -342,24 +343,40 @@ class Receiver:
                       deadline: float) -> int:
         """The pull from the producer's rank of this rank's number, checked against its digests
         `want` (a mismatch pulls once more). Returns the bytes pulled."""
+        return self._verified(self.pull, peer, src, job.dst_block_ids, self.cache, deadline, want, job,
+                              "the pulled blocks differ from the producer's digests")
+
+    def _verified(self, pull, peer: PeerDescriptor, src: List[int], dst: List[int], cache: KVCache,
+                  deadline: float, want: List[int], job: RecvJob, what: str) -> int:
+        """`pull(peer, src, dst, deadline)` into `cache`, then the digests of its blocks `dst`
+        checked against `want` (none: unchecked): a mismatch is counted, logged and pulled once
+        more, a second one fails the transfer (`what` says which blocks differ from which
+        digests). Returns the bytes pulled."""
         for attempt in (1, 2):
-            stats = self.pull(peer, src, job.dst_block_ids, deadline)
-            if not (self.verify_kv and want) or self._digests(job.dst_block_ids) == want:
+            stats = pull(peer, src, dst, deadline)
+            if not (self.verify_kv and want) or self._digests(dst, cache) == want:
                 return stats.nbytes
             with self._lock:
                 self._stats.record_mismatch()
-            logger.warning("request %s: the pulled blocks differ from the producer's digests (attempt %d of 2)",
-                           job.req_id, attempt)
-        raise TransferFailed(f"lease {job.lease[:8]}: the pulled blocks differ from the producer's digests twice; "
-                             "not used")
+            logger.warning("request %s: %s (attempt %d of 2)", job.req_id, what, attempt)
+        raise TransferFailed(f"lease {job.lease[:8]}: {what} twice; not used")
 
     def pull(self, peer: PeerDescriptor, src: List[int], dst: List[int], deadline: float):
+        return self._pull_into(self.endpoint, peer, src, dst, deadline)
+
+    def _pull_into(self, endpoint: MigrationEndpoint, peer: PeerDescriptor, src: List[int], dst: List[int],
+                   deadline: float):
+        return self._on_stream(endpoint.pull, peer, src, dst, timeout=_left(deadline))
+
+    def _on_stream(self, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` on the receiver's own stream (beside the engine's), finished
+        before it returns; called directly where there is no stream (CPU)."""
         if self.stream is None:
-            return self.endpoint.pull(peer, src, dst, timeout=_left(deadline))
+            return fn(*args, **kwargs)
         with torch.cuda.stream(self.stream):
-            stats = self.endpoint.pull(peer, src, dst, timeout=_left(deadline))
+            out = fn(*args, **kwargs)
         self.stream.synchronize()
-        return stats
+        return out
 
     def _digests(self, block_ids: List[int], cache: Optional[KVCache] = None) -> List[int]:
         cache = cache or self.cache
@@ -383,39 +400,17 @@ class Receiver:
                 rows = list(range(len(chunk)))
                 for k, source in enumerate(route.sources):
                     want = digests[k * n:(k + 1) * n][span][start:start + len(chunk)] if digests else []
-                    for attempt in (1, 2):
-                        stats = self._staged_pull(staging, source.peer, chunk, rows, deadline)
-                        if not (self.verify_kv and want) or self._digests(rows, staging.cache) == want:
-                            break
-                        with self._lock:
-                            self._stats.record_mismatch()
-                        logger.warning("request %s: the blocks pulled from producer rank %d differ from its digests "
-                                       "(attempt %d of 2)", job.req_id, source.rank, attempt)
-                        if attempt == 2:
-                            raise TransferFailed(f"lease {job.lease[:8]}: the blocks pulled from producer rank "
-                                                 f"{source.rank} differ from its digests twice; not used")
-                    nbytes += stats.nbytes
+                    what = f"the blocks pulled from producer rank {source.rank} differ from its digests"
+                    nbytes += self._verified(functools.partial(self._pull_into, staging.endpoint), source.peer, chunk,
+                                             rows, staging.cache, deadline, want, job, what)
                     self._copy_heads(staging.cache, rows, dst, source)
         finally:
             staging.lock.release()
         return nbytes
 
-    def _staged_pull(self, staging: Staging, peer: PeerDescriptor, src: List[int], rows: List[int], deadline: float):
-        if self.stream is None:
-            return staging.endpoint.pull(peer, src, rows, timeout=_left(deadline))
-        with torch.cuda.stream(self.stream):
-            stats = staging.endpoint.pull(peer, src, rows, timeout=_left(deadline))
-        self.stream.synchronize()
-        return stats
-
     def _copy_heads(self, staged: KVCache, rows: List[int], dst: List[int], source: ShardSource) -> None:
-        heads = dict(src_heads=(source.src_first, source.count), dst_heads=(source.dst_first, source.count))
-        if self.stream is None:
-            ops.copy_blocks(staged, rows, self.cache, dst, **heads)
-            return
-        with torch.cuda.stream(self.stream):
-            ops.copy_blocks(staged, rows, self.cache, dst, **heads)
-        self.stream.synchronize()
+        self._on_stream(ops.copy_blocks, staged, rows, self.cache, dst,
+                        src_heads=(source.src_first, source.count), dst_heads=(source.dst_first, source.count))
 
     def _finish(self, job: RecvJob, ok: bool, why: str = "", nbytes: int = 0, seconds: float = 0.0) -> None:
         with self._lock:
