@@ -1,15 +1,23 @@
 """The worker half (worker.py) on a producer: its endpoint serves only live leases' blocks and
-no lease message, and the digests of vLLM's per-layer views as it wraps them."""
+no lease message, and the digests of vLLM's per-layer views as it wraps them. An MLA model's
+latent cache (layout `mla`, replicated on every TP rank: it moves whole between any TP sizes),
+the fingerprint that tells it from a dense cache, and what the worker refuses: caches of several
+geometries, state caches, several KV cache groups."""
 
 import time
 
 import pytest
+import torch
 
 from tests.connector.halves import (
+    BLOCK_SIZE,
     NUM_BLOCKS,
     SECRET,
+    STATIC,
     finish_prefill,
     lease_client,
+    make_request,
+    make_scheduler,
     step,
     vllm_layers,
 )
@@ -71,3 +79,212 @@ def test_block_digests_of_vllms_layers_follow_the_definition():
     cache, _ = wrap_kv_caches(vllm_layers(seed=int(time.time())))
     ids = list(range(NUM_BLOCKS))[::-1][:70] + [3, 3]
     assert ops.block_digests(cache, ids) == ref_block_digests(cache, ids)
+
+
+# ---- MLA and KV cache groups (issue 35) ---------------------------------------------------------
+MLA_WIDTH = 72  # the latent's width (DeepSeek's is 576: kv_lora_rank 512 + rope 64)
+MLA_STATIC = {**STATIC, "attn_backend": ["CPU_MLA"], "mla": True, "num_kv_heads": 1, "head_size": MLA_WIDTH}
+DENSE_STATIC = {**STATIC, "mla": False}
+DEADLINE_S = 30.0  # generous: a stated bound, never a speed assertion
+
+
+def mla_layers(seed, layers=2, release_032=True):
+    """An MLA model's per-layer caches as vLLM makes them: 0.32+ a [B, 1, N, C] view of one
+    allocation per layer (LBHNC, H = 1), earlier releases a [B, N, C] tensor per layer."""
+    g = torch.Generator().manual_seed(seed)
+    backing = torch.randn(layers * NUM_BLOCKS * BLOCK_SIZE * MLA_WIDTH, generator=g)
+    per_layer = NUM_BLOCKS * BLOCK_SIZE * MLA_WIDTH
+    if release_032:
+        return {f"model.layers.{i}.self_attn.attn": backing.as_strided(
+            (NUM_BLOCKS, 1, BLOCK_SIZE, MLA_WIDTH), (BLOCK_SIZE * MLA_WIDTH, 0, MLA_WIDTH, 1), i * per_layer)
+            for i in range(layers)}
+    return {f"model.layers.{i}.self_attn.attn": backing[i * per_layer:(i + 1) * per_layer].view(
+        NUM_BLOCKS, BLOCK_SIZE, MLA_WIDTH) for i in range(layers)}
+
+
+def mla_worker(kv_caches, producer, static=MLA_STATIC, allowed=(), tp_rank=0, tp_size=1, mla=True):
+    from vllm_ext.connector.worker import WorkerHalf
+
+    allowed = ["{}:{}".format(*a.lease_address) for a in allowed]
+    w = WorkerHalf(is_producer=producer, is_consumer=not producer, backend="gloo", endpoint_host="127.0.0.1",
+                   endpoint_options={}, secret=SECRET, pull_timeout_s=10.0, static_fields=dict(static),
+                   connect_to=[], allowed_producers=allowed, tp_rank=tp_rank, tp_size=tp_size, mla=mla)
+    w.register_kv_caches(kv_caches)
+    return w
+
+
+@pytest.mark.parametrize("release_032", [True, False], ids=["view-0.32", "tensor-0.26"])
+def test_an_mla_models_cache_is_wrapped_as_mla_without_a_copy(release_032):
+    """vLLM's MLA caches (0.32+: [B, 1, N, C] views; 0.26: [B, N, C] tensors) wrap as layout
+    `mla` over the same memory: one latent per token, no KV heads to split, digests by the
+    header's definition (fresh random latents)."""
+    from tests.helpers.reference import ref_block_digests
+    from vllm_ext.connector.worker import wrap_kv_caches
+
+    kv = mla_layers(seed=int(time.time()), release_032=release_032)
+    cache, names = wrap_kv_caches(kv, mla=True)
+    assert cache.layout == "mla" and names == list(kv)
+    assert (cache.num_kv_heads, cache.block_size, cache.head_size) == (1, BLOCK_SIZE, MLA_WIDTH)
+    assert [t.data_ptr() for t in cache.layers] == [t.data_ptr() for t in kv.values()]
+    with pytest.raises(ValueError, match="'mla' cache; it holds one latent per token"):
+        cache.head_part((0, 1))
+    ids = list(range(NUM_BLOCKS))[::-3]
+    assert ops.block_digests(cache, ids) == ref_block_digests(cache, ids)
+
+
+def test_caches_the_connector_cannot_move_are_refused_naming_the_layer():
+    from vllm_ext.connector.worker import wrap_kv_caches
+
+    with pytest.raises(ValueError, match=r"kv_caches\['model.layers.0.self_attn.attn'\]: expected a \[num_blocks, H, "):
+        wrap_kv_caches(mla_layers(seed=1, release_032=False))  # a 3-dim cache of a model vLLM calls non-MLA
+    with pytest.raises(ValueError, match=r"expected a \[num_blocks, block_size, C\] \(MLA\) tensor"):
+        wrap_kv_caches(vllm_layers(heads=2), mla=True)  # heads in an MLA model's cache
+    mixed = {**vllm_layers(heads=2, c=16), "model.layers.2.self_attn.attn": vllm_layers(heads=2, c=32)[
+        "model.layers.0.self_attn.attn"]}
+    with pytest.raises(ValueError, match=r"kv_caches\['model.layers.2.self_attn.attn'\]: shape \[64, 2, 16, 32\] "
+                                         r"differs from kv_caches\['model.layers.0.self_attn.attn'\]'s"):
+        wrap_kv_caches(mixed)
+    with pytest.raises(ValueError, match="Mamba or other state caches are not supported"):
+        wrap_kv_caches({"model.layers.0.mixer": (torch.zeros(4, 8), torch.zeros(4, 8))})
+
+
+def test_the_fingerprint_tells_an_mla_cache_from_a_dense_one_by_name():
+    """An MLA producer and a dense consumer (and the reverse) differ in named fields, whatever
+    their shapes: the consumer's describe refuses the producer with them."""
+    from vllm_ext.lease.kv_params import fingerprint_mismatch, instance_fields
+
+    mla = mla_worker(mla_layers(seed=2), producer=True)
+    dense = mla_worker(vllm_layers(heads=1, c=MLA_WIDTH), producer=False, static=DENSE_STATIC, mla=False)
+    try:
+        assert mla.fingerprint_fields["kv_layout"] == "mla" and dense.fingerprint_fields["kv_layout"] == "blocks"
+        diff = fingerprint_mismatch(instance_fields(dense.fingerprint_fields), instance_fields(mla.fingerprint_fields))
+        assert "kv_layout 'blocks' here vs 'mla' at the producer" in diff
+        assert "mla False here vs True at the producer" in diff
+        assert mla.fingerprint != dense.fingerprint
+    finally:
+        mla.shutdown()
+        dense.shutdown()
+
+
+class MlaInstance:
+    """An instance's scheduler half and its TP ranks' worker halves over an MLA model (every
+    rank holds the same latent: replicated), stepped as vLLM's executor does."""
+
+    def __init__(self, producer, tp, seed, allowed=()):
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+        self.workers = [mla_worker(mla_layers(seed), producer, allowed=allowed, tp_rank=r, tp_size=tp)
+                        for r in range(tp)]
+        self.sched = make_scheduler(producer, policy="recompute")
+        self.sched.set_handshake({r: w.handshake() for r, w in enumerate(self.workers)})
+        self.aggregator = KVOutputAggregator(tp)
+
+    def step(self):
+        import dataclasses
+
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
+
+        meta = self.sched.build_connector_meta(None)
+        outputs = []
+        for worker in self.workers:
+            worker.start_load_kv(meta)
+            sending, recving, failed = worker.take_results(meta)
+            out = dataclasses.replace(EMPTY_MODEL_RUNNER_OUTPUT)
+            out.kv_connector_output = KVConnectorOutput(
+                finished_sending=sending or None, finished_recving=recving or None, failed_recving=failed,
+                kv_connector_worker_meta=worker.build_worker_meta())
+            outputs.append(out)
+        output = self.aggregator.aggregate(outputs).kv_connector_output
+        self.sched.update_connector_output(output)
+        return output
+
+    def until(self, what):
+        deadline = time.monotonic() + DEADLINE_S
+        while True:
+            output = self.step()
+            if what(output):
+                return output
+            assert time.monotonic() < deadline, "not reached within the deadline"
+            time.sleep(0.01)
+
+    def shutdown(self):
+        for half in (self.sched, *self.workers):
+            half.shutdown()
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 2), (2, 1), (1, 2)])
+def test_mla_latents_move_whole_between_any_tp_sizes(p_tp, d_tp):
+    """An MLA model's latent is whole on every rank: each D rank pulls every block whole from one
+    P rank (its own number at equal sizes, kv_params.source_ranks' first at unequal ones; no head
+    ranges), checked against that rank's digests; the lease ends once every D rank released it."""
+    p = MlaInstance(True, p_tp, seed=int(time.time()) % 1000)
+    d = MlaInstance(False, d_tp, seed=5000, allowed=[p.sched])
+    try:
+        prompt = list(range(75))  # 5 blocks, the last partial
+        _, params = finish_prefill(p.sched, prompt)
+        p.step()  # every rank grants the lease
+        local = [20, 21, 22, 23, 24]
+        untouched = [t[25].clone() for w in d.workers for t in w.cache.layers]
+        req = make_request(prompt, params, req_id="d-0")
+        matched, is_async = d.sched.get_num_new_matched_tokens(req, 0)
+        assert is_async and matched > 0
+        d.sched.update_state_after_alloc(req, local, matched)
+        out = d.until(lambda o: o.finished_recving)
+        assert out.finished_recving == {"d-0"} and not out.failed_recving
+        src = p.workers[0].cache.layers
+        for w in d.workers:
+            for got, want in zip(w.cache.layers, src):
+                assert torch.equal(got[local], want[params["remote_block_ids"]])
+        assert all(torch.equal(t[25], u) for t, u in zip((t for w in d.workers for t in w.cache.layers), untouched))
+        assert p.until(lambda o: o.finished_sending).finished_sending == {"p-0"}
+        stats = [w.get_stats().data for w in d.workers]
+        assert [s["transfers"] for s in stats] == [1] * d_tp and all(s["failed"] == 0 for s in stats)
+    finally:
+        d.shutdown()
+        p.shutdown()
+
+
+def test_a_dense_consumer_refuses_an_mla_producer_naming_the_fields(caplog):
+    """A dense D refuses an MLA P's params at admission (their fingerprints differ: the prompt is
+    computed on D), and its handshake with P names the fields that differ."""
+    from vllm_ext.connector.receiver import TransferFailed
+
+    p = MlaInstance(True, 1, seed=7)
+    d_worker = mla_worker(vllm_layers(heads=1, c=MLA_WIDTH), producer=False, static=DENSE_STATIC, mla=False,
+                          allowed=[p.sched])
+    d_sched = make_scheduler(False, policy="recompute")
+    d_sched.set_handshake({0: d_worker.handshake()})
+    try:
+        prompt = list(range(40))
+        _, params = finish_prefill(p.sched, prompt)
+        p.step()
+        assert d_sched.get_num_new_matched_tokens(make_request(prompt, params, req_id="d-0"), 0)[0] == 0
+        assert "remote_fingerprint" in caplog.text and "is not this instance's" in caplog.text
+        host, port = p.sched.lease_address
+        with pytest.raises(TransferFailed, match="incompatible KV cache: .*kv_layout 'blocks' here vs 'mla' at the "
+                                                 "producer.*mla False here vs True at the producer"):
+            d_worker.receiver.connect_producer(host, port, None, time.monotonic() + DEADLINE_S)
+    finally:
+        d_worker.shutdown()
+        d_sched.shutdown()
+        p.shutdown()
+
+
+def test_several_kv_cache_groups_are_refused_naming_them():
+    """vLLM gives a connector without SupportsHMA one KV cache group (sliding-window layers
+    promoted to full attention); a config of several groups is refused, not moved by group 0."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    from vllm_ext.connector.connector import one_kv_cache_group
+
+    full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float32,
+                               sliding_window=64)
+    one = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["a", "b"], full)])
+    one_kv_cache_group(one)
+    two = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["b", "c"], window)])
+    with pytest.raises(ValueError, match=r"2 KV cache groups \(FullAttentionSpec \(1 layers\), SlidingWindowSpec "
+                                         r"\(2 layers\)\): the connector moves one \(a model"):
+        one_kv_cache_group(two)

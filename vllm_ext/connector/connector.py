@@ -113,6 +113,7 @@ class VllmExtConnector(KVConnectorBase_V1):
         settings = ConnectorSettings.parse(config.kv_connector_extra_config,
                                            device_type=vllm_config.device_config.device_type)
         tp_rank, tp_size = _tensor_parallel(vllm_config.parallel_config, role)
+        one_kv_cache_group(kv_cache_config)
         secret = deployment_secret()
         _log_under_vllm()
         self._scheduler = self._worker = None
@@ -143,7 +144,7 @@ class VllmExtConnector(KVConnectorBase_V1):
                 endpoint_options=dict(settings.backend_options), secret=secret,
                 pull_timeout_s=settings.pull_timeout_s, static_fields=_static_fields(vllm_config),
                 connect_to=list(settings.connect_to), allowed_producers=list(settings.allowed_producers),
-                verify_kv=settings.verify_kv, tp_rank=tp_rank, tp_size=tp_size)
+                verify_kv=settings.verify_kv, tp_rank=tp_rank, tp_size=tp_size, mla=uses_mla(vllm_config))
 
     # ==== worker side =====================================================================
     def register_kv_caches(self, kv_caches):
@@ -255,6 +256,25 @@ def _tensor_parallel(parallel, role) -> Tuple[int, int]:
     return get_tensor_model_parallel_rank(), size
 
 
+def uses_mla(vllm_config) -> bool:
+    """Whether the model's attention is MLA (one latent KV per token, replicated on every TP
+    rank), as vLLM's model config says on every supported release (NixlConnector asks the same)."""
+    return bool(getattr(vllm_config.model_config, "use_mla", False))
+
+
+def one_kv_cache_group(kv_cache_config) -> None:
+    """The connector moves one KV cache group (block ids of group 0). vLLM 0.26 to 0.34 give a
+    connector without SupportsHMA one group: they turn the hybrid KV cache manager off (sliding-
+    window layers then keep every block, as full attention does) and refuse a user's
+    --no-disable-hybrid-kv-cache-manager. Anything else that still yields several groups is
+    refused here, naming them, rather than moving group 0 alone."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        kinds = ", ".join(f"{type(g.kv_cache_spec).__name__} ({len(g.layer_names)} layers)" for g in groups)
+        raise ValueError(f"VllmExtConnector: {len(groups)} KV cache groups ({kinds}): the connector moves one (a "
+                         "model that needs several even with vLLM's hybrid KV cache manager off is not supported)")
+
+
 def max_tokens_limits(model) -> Tuple[int, int]:
     """(default, cap) of the output limit vLLM's OpenAI server applies (0: none), as its serving
     classes derive them: the default limits a request that sets none (the generation config's
@@ -277,7 +297,7 @@ def max_tokens_limits(model) -> Tuple[int, int]:
 
 def _static_fields(vllm_config) -> dict:
     """What the fingerprint takes from vLLM's config: the release, the attention backend, the
-    resolved layout and the model's KV geometry."""
+    resolved layout and the model's KV geometry (MLA or KV heads)."""
     import vllm
 
     backends = set()
@@ -287,19 +307,25 @@ def _static_fields(vllm_config) -> dict:
         except ImportError:  # releases that keep it in vllm.attention.layer
             from vllm.attention.layer import Attention
 
+        try:
+            from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+        except ImportError:  # releases that keep MLA elsewhere (the tensors still decide)
+            MLAAttention = Attention
         for layer in vllm_config.compilation_config.static_forward_context.values():
-            if isinstance(layer, Attention):
+            if isinstance(layer, (Attention, MLAAttention)):
                 backends.add(layer.get_attn_backend().get_name())
     except Exception:  # noqa: BLE001 - older releases keep the layer elsewhere; the tensors still decide
         pass
     cache = vllm_config.cache_config
     model = vllm_config.model_config
+    mla = uses_mla(vllm_config)
     return {
         "vllm": ".".join(vllm.__version__.split(".")[:2]),
         "attn_backend": sorted(backends),
         "kv_cache_layout": getattr(cache, "kv_cache_layout", None),
         "cache_dtype": str(cache.cache_dtype),
         "block_size": cache.block_size,
-        "num_kv_heads": model.get_total_num_kv_heads(),
+        "mla": mla,
+        "num_kv_heads": 1 if mla else model.get_total_num_kv_heads(),  # MLA: one latent, on every rank
         "head_size": model.get_head_size(),
     }

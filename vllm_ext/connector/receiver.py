@@ -33,7 +33,7 @@ import torch
 from .. import KVCache, ops
 from ..lease import messages
 from ..lease.channel import ChannelError, ChannelRefused, LeaseClient
-from ..lease.kv_params import fingerprint_mismatch, instance_fields, shard_plan
+from ..lease.kv_params import fingerprint_mismatch, instance_fields, shard_plan, source_ranks
 from ..lease.messages import MAX_HOLD_S
 from ..migration import MigrationEndpoint, MigrationError, PeerDescriptor
 from ..migration.gloo import PATIENCE as GLOO_PATIENCE
@@ -532,6 +532,9 @@ class Receiver:
             try:
                 if producer_ranks == self.ranks:
                     peer = self._connect_rank(describe_rank, reply, deadline, host, port)
+                elif self.cache.layout == "mla":  # the latent is whole on every rank: one source rank
+                    peer = self._connect_rank(describe_rank, reply, deadline, host, port,
+                                              rank=source_ranks(self.rank, self.ranks, producer_ranks)[0])
                 else:
                     peer = self._connect_shards(describe_rank, reply, producer_ranks, deadline, host, port)
             except MigrationError:
@@ -549,11 +552,18 @@ class Receiver:
                 self._endpoint_at[(host, port)] = instance
             return peer
 
-    def _connect_rank(self, describe, reply, deadline: float, host: str, port: int) -> PeerDescriptor:
-        """Equal TP sizes: the producer's rank of this rank's number, its shard laid out as ours."""
-        if self.rank:
-            reply = describe(self.rank)
-        diff = fingerprint_mismatch(self._fingerprint_fields, reply.fingerprint_fields)
+    def _connect_rank(self, describe, reply, deadline: float, host: str, port: int,
+                      rank: Optional[int] = None) -> PeerDescriptor:
+        """Equal TP sizes: the producer's rank of this rank's number, its shard laid out as ours.
+        An MLA cache at unequal sizes: the producer's `rank`, whose latent is ours (replicated on
+        every rank: only the TP sizes differ, and every block moves whole)."""
+        rank = self.rank if rank is None else rank
+        if rank:
+            reply = describe(rank)
+        mine, theirs = self._fingerprint_fields, reply.fingerprint_fields
+        if mine.get("tp_size") != theirs.get("tp_size"):
+            mine, theirs = ({k: v for k, v in f.items() if k != "tp_size"} for f in (mine, theirs))
+        diff = fingerprint_mismatch(mine, theirs)
         if diff:
             raise TransferFailed(f"producer {host}:{port} has an incompatible KV cache: {diff}")
         peer = descriptor_from_fields(reply.descriptor)

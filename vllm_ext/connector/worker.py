@@ -1,6 +1,7 @@
 """The worker half of VllmExtConnector (one per worker process).
 
-It wraps vLLM's KV cache views as one vllm_ext KVCache (layout `blocks`, no copy), serves it
+It wraps vLLM's KV cache views as one vllm_ext KVCache (layout `blocks`, or `mla` for an MLA
+model's latent cache; no copy), serves it
 through a MigrationEndpoint, and, on a consumer, hands each RecvJob to its Receiver
 (receiver.py: the pull pipeline).
 
@@ -13,7 +14,9 @@ deadline). ipc maps the whole cache: its authenticated peers are trusted with al
 Under tensor parallelism there is one WorkerHalf per TP rank, each with its own shard of the
 cache (its KV heads) and its own endpoint; every rank gets the same metadata each step. A
 consumer's rank r pulls from the producer's rank r at equal TP sizes, and gathers its heads
-from the producer ranks that hold them at unequal ones (receiver.py); vLLM counts a receive
+from the producer ranks that hold them at unequal ones (receiver.py); an MLA model's latent is
+whole on every rank (replicated, no heads to split), so at unequal sizes a rank pulls it from one
+producer rank (kv_params.source_ranks' first). vLLM counts a receive
 done once every rank reported it, failed if any rank failed it.
 
 Who calls what (vLLM, on the worker's thread): register_kv_caches once; per step
@@ -48,24 +51,37 @@ def make_endpoint(cache: KVCache, backend: str, host: str, options: Dict[str, An
 
 
 def physical_order(t: torch.Tensor) -> str:
-    """The order of [B, H, N, C] in memory, outermost first (vLLM's layout names without L)."""
-    return "".join(name for _, name in sorted(zip(t.stride(), "BHNC"), key=lambda x: -x[0]))
+    """The order of [B, H, N, C] (an MLA cache: [B, N, C]) in memory, outermost first (vLLM's
+    layout names without L)."""
+    dims = "BHNC" if t.dim() == 4 else "BNC"
+    return "".join(name for _, name in sorted(zip(t.stride(), dims), key=lambda x: -x[0]))
 
 
-def wrap_kv_caches(kv_caches: Dict[str, torch.Tensor]) -> Tuple[KVCache, List[str]]:
+def wrap_kv_caches(kv_caches: Dict[str, torch.Tensor], mla: bool = False) -> Tuple[KVCache, List[str]]:
     """One KVCache over vLLM's per-layer views, in the dict's (model) order; layers that share
-    a tensor (KV sharing) are moved once."""
+    a tensor (KV sharing) are moved once. Layout `blocks` ([num_blocks, H, block_size, C]), or,
+    for an MLA model (`mla`: vLLM's model_config.use_mla), `mla`: one latent per token and no KV
+    heads, from vLLM's [num_blocks, 1, block_size, C] view (0.32+) or its [num_blocks,
+    block_size, C] tensor (earlier releases). Every layer must have the first one's shape: one
+    KV cache group of one geometry (vLLM gives a connector without SupportsHMA one group)."""
     names, layers, seen = [], [], set()
+    want = "[num_blocks, block_size, C] (MLA)" if mla else "[num_blocks, H, block_size, C]"
     for name, t in kv_caches.items():
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"kv_caches[{name!r}]: expected a [num_blocks, H, block_size, C] tensor, got "
-                             f"{getattr(t, 'shape', type(t).__name__)} (hybrid or Mamba models are not supported)")
+        if isinstance(t, torch.Tensor) and mla and t.dim() == 4 and t.shape[1] == 1:
+            t = t.squeeze(1)  # a view: the latent's one "head"
+        if not isinstance(t, torch.Tensor) or t.dim() != (3 if mla else 4):
+            raise ValueError(f"kv_caches[{name!r}]: expected a {want} tensor, got "
+                             f"{getattr(t, 'shape', type(t).__name__)} (Mamba or other state caches are not supported)")
+        if layers and t.shape != layers[0].shape:
+            raise ValueError(f"kv_caches[{name!r}]: shape {list(t.shape)} differs from kv_caches[{names[0]!r}]'s "
+                             f"{list(layers[0].shape)}: layers of different KV geometry (a hybrid model whose layers "
+                             "differ in KV heads or head size) are not supported")
         if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
         names.append(name)
         layers.append(t)
-    return KVCache.from_layers(layers, layout="blocks"), names
+    return KVCache.from_layers(layers, layout="mla" if mla else "blocks"), names
 
 
 def descriptor_fields(desc: PeerDescriptor) -> Dict[str, Any]:
@@ -81,7 +97,7 @@ class WorkerHalf:
                  endpoint_options: Dict[str, Any], secret: bytes, pull_timeout_s: float,
                  static_fields: Dict[str, Any], connect_to: List[str],
                  allowed_producers: Optional[List[str]] = None, verify_kv: bool = True,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1, mla: bool = False):
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank: expected 0 to {tp_size - 1} (tp_size {tp_size}), got {tp_rank}")
         port = endpoint_options.get("port") or 0
@@ -91,6 +107,7 @@ class WorkerHalf:
                              "leave it out (0: any free port)")
         self.is_producer = is_producer
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.mla = mla  # the model's attention is MLA: every rank holds the whole latent (layout mla)
         self.is_consumer = is_consumer
         self._backend = backend
         self._endpoint_host = endpoint_host
@@ -118,7 +135,7 @@ class WorkerHalf:
 
     # ---- start-up ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
-        self.cache, names = wrap_kv_caches(kv_caches)
+        self.cache, names = wrap_kv_caches(kv_caches, mla=self.mla)
         if self.verify_kv and self.cache.alignment < 4:
             raise ValueError(f"vllm-ext connector: verify_kv digests 32-bit words, and these KV caches are only "
                              f"{self.cache.alignment}-byte aligned ({self.cache.slice_nbytes}-byte blocks per layer); "
@@ -128,7 +145,8 @@ class WorkerHalf:
         self.fingerprint_fields = {
             **self._static_fields, "protocol": PROTOCOL, "migration_backend": backend,
             "dtype": str(first.dtype).replace("torch.", ""), "layer_shape": list(first.shape[1:]),
-            "physical_order": physical_order(first), "num_layers": len(names), "layer_names": names,
+            "physical_order": physical_order(first), "kv_layout": self.cache.layout,
+            "num_layers": len(names), "layer_names": names,
             "device_type": first.device.type, "tp_size": self.tp_size,
         }
         self.fingerprint = instance_fingerprint(self.fingerprint_fields)
