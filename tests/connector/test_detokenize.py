@@ -3,8 +3,10 @@ new text from vLLM's fast detokenizer once the connector's plugin primed it
 (vllm_ext/connector/detokenize.py): at random cut points of random multi-byte text, the text the
 source emitted before the cut plus the text the destination emits after it equal the text of
 one unmoved stream, with a byte-level tokenizer and with the real model's; the same for vLLM's
-slow detokenizer (a Python tokenizer); and a stop string begun in the client's text before a
-resumed leg ends that leg at the token that completes it."""
+slow detokenizer (a Python tokenizer); a stop string begun in the client's text before a
+resumed leg ends that leg at the token that completes it; and the router's text over a moved
+request's legs, stop strings and min_tokens applied in chunks of several tokens, is the unmoved
+request's."""
 
 import os
 import random
@@ -198,3 +200,82 @@ def test_a_stop_string_that_straddles_a_resume_ends_it_at_its_token(tokenizer):
             assert kept == ids[cut:n], (stop, cut, n, per_step)
             assert sent + detok.output_text == text[:ends[n - 1]]
         checked += 1
+
+
+def _leg(tokenizer, prompt_ids, new_ids, leg, chunk):
+    """The router's pieces of a leg (`leg`: its body, legs.py) whose engine generates `new_ids`
+    after `prompt_ids`, one token a step, its API server sending chunk() steps a chunk (it falls
+    behind its engine); the leg ends where vLLM's detokenizer finds a stop string."""
+    from vllm_ext.router.openai import Piece
+
+    params = SamplingParams(max_tokens=len(new_ids) + 1, skip_special_tokens=True, stop=leg.get("stop"),
+                            include_stop_str_in_output=bool(leg.get("include_stop_str_in_output")),
+                            min_tokens=leg.get("min_tokens") or 0, extra_args=leg.get("vllm_xargs"))
+    detok = IncrementalDetokenizer.from_new_request(tokenizer, SimpleNamespace(
+        request_id="r", prompt_token_ids=list(prompt_ids), prompt_embeds=None, sampling_params=params))
+    pieces, taken, stop = [], 0, None
+    while taken < len(new_ids) and stop is None:
+        piece, count = Piece(), len(detok.output_token_ids)
+        for token_id in new_ids[taken:taken + chunk()]:
+            taken += 1
+            stop = detok.update([token_id], False)
+            if stop is not None:
+                piece.finish_reason, piece.stop_reason = "stop", stop
+                break
+        piece.token_ids = detok.output_token_ids[count:]
+        piece.text = detok.get_next_output_text(stop is not None, delta=True)
+        pieces.append(piece)
+    return pieces, detok
+
+
+def test_a_moved_requests_stop_strings_past_min_tokens_are_the_unmoved_ones():
+    """The router's text over a request's legs, moved at a random point, with stop strings
+    (U+FFFD, or 1-3 characters of the text) and min_tokens, its backends' API servers sending
+    several tokens a chunk: the text and token ids of vLLM's unmoved request. A random
+    byte-level model's text (bytes that are no character) spells no token's text, so where
+    the min_tokens-th token ends in a chunk is the backend's to say: a match in the first
+    min_tokens tokens' text does not stop the request, and one the backend ended on that began
+    in the chunk before does."""
+    from vllm_ext.router import legs
+    from vllm_ext.router.openai import ClientStream
+
+    register()
+    tokenizer = tokenizers.byte_level()
+    rng = random.Random(random.randrange(1 << 30))
+    alphabet = [tokenizer.encode(ch, add_special_tokens=False) for ch in ALPHABET]
+    prompt = tokenizer.encode("q é中", add_special_tokens=False)
+    masked = 0
+
+    def chunk():  # steps a backend's chunk holds
+        return rng.choice([1, 2, 3, 5])
+
+    for _ in range(CUTS // 2):
+        # multi-byte characters with bytes dropped: text full of U+FFFD
+        out = [t for ch in rng.choices(alphabet, k=60) for t in ch if rng.random() < 0.8][:100]
+        text = _emitted(tokenizer.backend_tokenizer, prompt + out)[len(_emitted(tokenizer.backend_tokenizer, prompt)):]
+        stop = detokenize.REPLACEMENT if rng.random() < 0.5 or len(text) < 8 else \
+            text[rng.randrange(len(text) // 2, len(text) - 3):][:rng.randint(1, 3)]
+        include = rng.random() < 0.5
+        body = {"stop": [stop], "min_tokens": rng.randrange(10, len(out) // 2), "max_tokens": len(out),
+                "include_stop_str_in_output": include}
+        unmoved, want = _leg(tokenizer, prompt, out, dict(body), lambda: 1)
+        masked += stop in (want.output_text[:-len(stop)] if include else want.output_text)
+        client = ClientStream("r", False, "m", want_ids=True, want_usage=False, stops=[stop], include_stop=include,
+                              min_tokens=body["min_tokens"])
+        switch = rng.randrange(1, len(out))  # the client's tokens when the source stops
+        client.begin_leg()
+        for piece in _leg(tokenizer, prompt, out, legs.first_leg_body(body, {}), chunk)[0]:
+            if len(client.token_ids) >= switch or client.finished:
+                break
+            client.add(piece)
+        if not client.finished:
+            given = len(client.token_ids)
+            leg = legs.resume_leg_body(body, len(out), prompt + out[:given], given, None, text=client.text)
+            client.begin_leg()
+            for piece in _leg(tokenizer, prompt + out[:given], out[given:], leg, chunk)[0]:
+                client.add(piece)
+        context = (stop, body, switch)
+        assert client.text == want.output_text, context
+        assert client.token_ids == want.output_token_ids, context
+        assert client.stop_reason == unmoved[-1].stop_reason, context
+    assert masked >= CUTS // 20, masked  # min_tokens masked earlier matches often enough to test them

@@ -194,6 +194,28 @@ def test_the_backends_stop_string_applies_min_tokens_at_its_token():
     assert c.text == "xyzab" and c.token_ids == [1, 2, 3, 4, 5] and c.finish_reason == "stop"
 
 
+def test_a_match_inside_the_min_tokens_of_a_chunk_of_several_is_the_backends_to_judge():
+    # the 3rd token ends inside the chunk, where is unknown: its "a" lay in the first min_tokens
+    # tokens' text, and the backend, which knows, went on; it ends the leg on a later one
+    c = ClientStream("cmpl-14", False, "m", want_ids=True, want_usage=False, stops=["a"], min_tokens=3)
+    c.begin_leg()
+    c.add(piece("xy", [1]))
+    c.add(piece("zab", [2, 3, 4]))
+    assert not c.finished and c.token_ids == [1, 2, 3, 4]
+    c.add(stopped("ca", [5, 6], "a"))
+    assert c.text == "xyzabc" and c.token_ids == [1, 2, 3, 4, 5, 6] and c.stop_reason == "a"
+    # the backend's stop string began in the chunk before (a held-back token gave no text)
+    for include in (False, True):
+        c = ClientStream("cmpl-15", False, "m", want_ids=True, want_usage=False, stops=["ab"], min_tokens=4,
+                         include_stop=include)
+        c.begin_leg()
+        c.add(piece("x", [1]))
+        c.add(piece("ya", [2, 3]))
+        c.add(stopped("b", [4, 5], "ab"))
+        assert c.text == ("xyab" if include else "xy") and c.token_ids == [1, 2, 3, 4, 5], include
+        assert (c.finish_reason, c.stop_reason) == ("stop", "ab")
+
+
 def test_a_stop_string_begun_in_the_last_leg_goes_before_the_backends():
     # the resumed leg's backend never saw the text before its prompt's end: a stop string that
     # straddles the hand-off is the router's, even where the backend ends on a later one

@@ -196,10 +196,12 @@ class ClientStream:
         searched_from = before
         if count < self.min_tokens and ends is not None:
             searched_from = ends[self.min_tokens - count - 1]
-        # the min_tokens-th token's end unknown: the whole piece is searched (the client then gets
-        # all its tokens, more than min_tokens)
+        # the min_tokens-th token ends inside the piece, and where is unknown: a match there may lie
+        # in the first min_tokens tokens' text. The backend knows (the leg carries the stop
+        # strings, its share of min_tokens and, resumed, the text before it): its stop alone counts.
+        searched = count >= self.min_tokens or ends is not None
         best = None
-        for stop in self.stops:
+        for stop in self.stops if searched else ():
             at = self.text.find(stop, max(0, searched_from - len(stop) + 1))
             if at != -1 and (best is None or at + len(stop) < best[0] + len(best[1])):
                 best = (at, stop)
@@ -217,9 +219,10 @@ class ClientStream:
 
     def _backend_stop(self, piece: Piece) -> Optional[str]:
         """The client's stop string that `piece`'s backend ended its leg with (the leg carries
-        them in the output: its text ends with it), or None."""
+        them in the output: the client's text, `piece`'s included, ends with it; it may begin
+        in an earlier piece's), or None."""
         stop = piece.stop_reason
-        if piece.finish_reason == "stop" and isinstance(stop, str) and stop in self.stops and piece.text.endswith(stop):
+        if piece.finish_reason == "stop" and isinstance(stop, str) and stop in self.stops and self.text.endswith(stop):
             return stop
         return None
 
