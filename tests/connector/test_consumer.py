@@ -113,15 +113,16 @@ BAD_PARAMS = [
 
 def test_a_sync_load_is_counted_as_computed_and_loaded_before_the_forward():
     """kv_transfer_params with sync_load (a migration's resume): the external tokens are not an
-    asynchronous hit, and the worker's job says so."""
+    asynchronous hit, and the worker's job says so. They stop before the request's last token,
+    which the step that loads them computes (vLLM schedules at least one token)."""
     sched = make_scheduler(False)
     try:
         from vllm_ext.connector.metadata import VllmExtHandshake
 
         sched.set_handshake({0: VllmExtHandshake(descriptor={}, fingerprint="cd" * 16, fingerprint_fields={})})
         req = make_request(range(40), dict(good_params(), sync_load=True), req_id="s")
-        assert sched.get_num_new_matched_tokens(req, 0) == (40, False)
-        sched.update_state_after_alloc(req, [4, 5, 6], 40)
+        assert sched.get_num_new_matched_tokens(req, 0) == (39, False)
+        sched.update_state_after_alloc(req, [4, 5, 6], 39)
         job, = sched.build_connector_meta().recvs
         assert job.sync and job.dst_block_ids == [4, 5, 6] and job.error is None
         bad = make_request(range(40), dict(good_params(), sync_load="yes"), req_id="b")
@@ -232,3 +233,67 @@ def test_a_lease_that_is_not_pulled_is_released(producer, case):
     finally:
         d.shutdown()
         d_worker.shutdown()
+
+
+# (load setting, the producer's backend, kv_load_failure_policy, async scheduling) -> loads in the step
+LOAD_RULE = [
+    ("auto", "ipc", "recompute", False, True),  # same-host device memory, a failure recomputed in place
+    ("auto", "ipc", "fail", True, True),  # the failure ends the request before any token
+    ("auto", "ipc", "recompute", True, False),  # vLLM would send the token of a step run on bad KV
+    ("auto", "gloo", "recompute", False, False),  # a CPU source served by Python: may run past the deadline
+    ("auto", "nccl", "fail", False, False),  # maybe across hosts
+    ("auto", "rayrpc", "recompute", False, False),
+    ("sync", "gloo", "recompute", False, True),
+    ("sync", "nccl", "fail", True, True),
+    ("async", "ipc", "recompute", False, False),
+]
+
+
+def consumer_scheduler(load, policy, async_scheduling):
+    return SchedulerHalf(is_producer=False, is_consumer=True, block_size=BLOCK_SIZE, lease_s=30.0,
+                         lease_host="127.0.0.1", lease_port=0, secret=SECRET, failure_policy=policy,
+                         async_scheduling=async_scheduling, load=load)
+
+
+@pytest.mark.parametrize("load,backend,policy,async_scheduling,sync", LOAD_RULE)
+def test_a_pd_request_loads_in_its_step_by_the_stated_rule(load, backend, policy, async_scheduling, sync):
+    """The `load` rule: a sync P/D request is reported as computed (not an asynchronous hit),
+    stops before its last token (which its first step computes) and its job loads before that
+    step's forward; vLLM 0.34's may_load_async agrees with it. A `sync_load` request (a live
+    migration's resume) loads in its step whatever the setting."""
+    import random
+
+    from vllm_ext.connector.metadata import VllmExtHandshake
+
+    sched = consumer_scheduler(load, policy, async_scheduling)
+    try:
+        sched.set_handshake({0: VllmExtHandshake(descriptor={}, fingerprint="cd" * 16, fingerprint_fields={})})
+        n = random.randrange(2 * BLOCK_SIZE + 1, 3 * BLOCK_SIZE + 1)  # three blocks, the prompt's whole length
+        prompt = [random.randrange(3, 1000) for _ in range(n)]
+        params = dict(good_params(), remote_num_tokens=n, remote_prompt_hash=prompt_hash(prompt))
+        params["remote_endpoint"] = dict(params["remote_endpoint"], backend=backend)
+        for asked in (False, True):
+            req = make_request(prompt, dict(params, **({"sync_load": True} if asked else {})), req_id=f"r-{asked}")
+            loads_sync = sync or asked
+            count = n - 1 if loads_sync else n
+            assert sched.get_num_new_matched_tokens(req, 0) == (count, not loads_sync)
+            assert sched.may_load_async(req.kv_transfer_params) is not loads_sync
+            sched.update_state_after_alloc(req, [4, 5, 6], count)
+            job, = sched.build_connector_meta().recvs
+            blocks = -(-count // BLOCK_SIZE)  # a sync load of 2 blocks + 1 token leaves the third to its step
+            assert job.sync is loads_sync and job.dst_block_ids == [4, 5, 6][:blocks] and job.error is None
+    finally:
+        sched.shutdown()
+
+
+def test_load_sync_is_refused_where_a_failed_load_would_send_a_wrong_token():
+    """load "sync" on an engine that schedules asynchronously under policy "recompute": vLLM
+    would run the request's next step on the KV of a failed load and send its token. Refused at
+    start-up, naming the setting and the ways out; "auto" and "async" start (asynchronously)."""
+    with pytest.raises(ValueError, match=r'kv_connector_extra_config.load "sync" with asynchronous scheduling and '
+                                         r'kv_load_failure_policy "recompute".*--no-async-scheduling'):
+        consumer_scheduler("sync", "recompute", True)
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config.load: expected one of auto, sync, async, got 'x'"):
+        consumer_scheduler("x", "fail", False)
+    for load in ("auto", "async"):
+        consumer_scheduler(load, "recompute", True).shutdown()

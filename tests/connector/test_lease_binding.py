@@ -131,7 +131,8 @@ def test_a_lease_for_another_prompt_is_refused_before_any_pull(producer, consume
         time.sleep(0.01)
     if not sync:
         assert done == failed == {"d-0"}
-    assert failed_blocks == set(dst)  # vLLM never caches them as loaded
+    # vLLM never caches them as loaded (a sync load stops before the last token, which its step computes)
+    assert failed_blocks == set(jobs[0].dst_block_ids) and jobs[0].dst_block_ids == dst[:-(-(n - sync) // BLOCK_SIZE)]
     assert pulls == []
     for t, b in zip(caches.values(), before):
         assert torch.equal(t, b)  # nothing written
@@ -208,8 +209,15 @@ def test_a_migration_lease_loads_only_into_the_requests_own_tokens(producer, con
                 assert sync_failed == set() and pulls == [[30, 31, 32]]
             else:
                 assert sync_failed == {30, 31, 32} and pulls == []
-            with pytest.raises(ChannelError, match="unknown, released or expired"):
-                client.acquire(lease.lease, 5, 5, *expect(lease))  # released by the consumer, pulled or not
+            # released by the consumer, pulled or not (a pull its digests vouch for: just after its report)
+            deadline = time.monotonic() + 30
+            while True:
+                with pytest.raises(ChannelError) as refused:
+                    client.acquire(lease.lease, 5, 5, *expect(lease))
+                if "unknown, released or expired" in str(refused.value):
+                    break
+                assert "already taken" in str(refused.value) and time.monotonic() < deadline, refused.value
+                time.sleep(0.01)
     finally:
         client.end(mid, 5)
         client.close()

@@ -70,13 +70,21 @@ def test_a_producer_connected_by_a_pull_is_not_connected_again_by_the_start_up_d
         consumer.shutdown()
 
 
-def test_pull_moves_the_leased_blocks_and_frees_the_lease(producer, monkeypatch):
+@pytest.mark.parametrize("verify", [True, False])
+def test_pull_moves_the_leased_blocks_and_frees_the_lease(producer, monkeypatch, verify):
+    """A load's time is recorded per phase. Checked against the producer's digests, its receive
+    is reported before the release (the digests vouch), which follows off the load's path;
+    unchecked (verify_kv off: no digest pass), the release's answer vouches and is waited for."""
     sched, p_worker = producer
     monkeypatch.setattr("vllm_ext.connector.receiver.SLOW_LOAD_S", 0.0)  # every load counts as slow: its line
     lines = []
     monkeypatch.setattr("vllm_ext.connector.receiver.logger.info", lambda fmt, *args: lines.append(fmt % args))
     consumer_caches = vllm_layers(seed=2)
     d_sched, d_worker = make_scheduler(False), make_worker(consumer_caches, producer=False, allowed=[sched])
+    d_worker.receiver.verify_kv = verify
+    digest_passes = []
+    digests = d_worker.receiver._digests
+    monkeypatch.setattr(d_worker.receiver, "_digests", lambda *a: digest_passes.append(a) or digests(*a))
     try:
         d_sched.set_handshake({0: d_worker.handshake()})
         prompt = list(range(50))  # 4 blocks, the last partial
@@ -102,9 +110,13 @@ def test_pull_moves_the_leased_blocks_and_frees_the_lease(producer, monkeypatch)
         assert p_worker.leased_blocks == {}  # revoked with the lease
         stats = d_worker.get_stats().data
         assert stats["transfers"] == 1 and stats["bytes"] == 3 * p_worker.cache.block_nbytes
+        assert stats["sync"] == 0 and len(digest_passes) == int(verify)
+        parts = ("queued", "connect", "acquire", "pull") + (("verify",) if verify else ("release",))
+        assert sorted(stats["phases"]) == sorted(parts), stats
+        assert all(len(v) == 1 and v[0] >= 0 for v in stats["phases"].values()), stats
         slow = [line for line in lines if line.startswith("request d-0: loading 3 blocks from")]
-        assert len(slow) == 1 and all(f"{part} " in slow[0] for part in ("queued", "connect", "lease", "pull",
-                                                                         "release")), lines
+        assert len(slow) == 1 and all(f"{part} " in slow[0] for part in parts if part != "verify"), lines
+        assert ("release " in slow[0]) is not verify, slow
     finally:
         d_sched.shutdown()
         d_worker.shutdown()
@@ -321,3 +333,65 @@ def test_the_acquire_holds_the_lease_as_long_as_a_gloo_pull_may_follow_its_sourc
     finally:
         d_sched.shutdown()
         d_worker.shutdown()
+
+
+def test_a_sync_job_loads_before_start_load_kv_returns(producer):
+    """A sync job (the step's forward reads its blocks) is pulled on the worker's thread inside
+    start_load_kv: its blocks hold the producer's when the call returns, it has no report (vLLM
+    counts it computed already), and the stats count it as a sync load, phase by phase."""
+    import random
+
+    sched, p_worker = producer
+    consumer_caches = vllm_layers(seed=random.randrange(1000))
+    d_sched, d_worker = make_scheduler(False), make_worker(consumer_caches, producer=False, allowed=[sched])
+    try:
+        d_sched.set_handshake({0: d_worker.handshake()})
+        prompt = [random.randrange(3, 1000) for _ in range(random.randrange(33, 49))]  # 3 blocks, the last partial
+        _, params = finish_prefill(sched, prompt, req_id="p-sync", block_ids=[40, 41, 42])
+        step(sched, p_worker)
+        req = make_request(prompt, dict(params, sync_load=True), req_id="d-sync")
+        count = len(prompt) - 1  # its step computes the last token
+        assert d_sched.get_num_new_matched_tokens(req, 0) == (count, False)
+        dst = [30, 31, 32][:-(-count // 16)]
+        d_sched.update_state_after_alloc(req, dst, count)
+        meta = d_sched.build_connector_meta()
+        d_worker.start_load_kv(meta)
+        assert d_worker.take_failed_blocks() == (set(), set())
+        for layer, t in enumerate(consumer_caches.values()):
+            for src, b in zip(params["remote_block_ids"], dst):
+                assert torch.equal(t[b], p_worker.cache.layers[layer][src])
+        assert d_worker.take_results(None)[1:] == (set(), set())
+        assert d_worker.build_worker_meta().loaded == ["d-sync"]
+        stats = d_worker.get_stats().data
+        assert stats["transfers"] == stats["sync"] == 1 and {"acquire", "pull", "verify"} <= set(stats["phases"])
+    finally:
+        d_sched.shutdown()
+        d_worker.shutdown()
+
+
+def test_a_sync_job_of_a_silent_producer_fails_at_its_own_deadline(monkeypatch):
+    """A sync load holds the worker's step: a producer that never answers fails it at the sync
+    deadline (sync_load_timeout_s), far before the pull's, and its blocks are reported invalid
+    (vLLM recomputes them or fails the request by its policy), not as a failed receive."""
+    import socket
+
+    from vllm_ext.connector.metadata import RecvJob, VllmExtMetadata
+
+    monkeypatch.setattr("vllm_ext.connector.receiver.CHANNEL_TIMEOUT_S", 300.0)  # only the job's deadline ends it
+    silent = socket.create_server(("127.0.0.1", 0))  # listens, never accepts nor answers
+    port = silent.getsockname()[1]
+    d_worker = make_worker(vllm_layers(seed=5), producer=False, pull_timeout_s=120.0, allowed=[f"127.0.0.1:{port}"])
+    d_worker.receiver.sync_timeout_s = 1.0
+    try:
+        job = RecvJob(req_id="d-0", lease="ab" * 16, lease_host="127.0.0.1", lease_port=port, endpoint_id="ef" * 16,
+                      fingerprint="cd" * 16, src_block_ids=[1, 2], dst_block_ids=[5, 6], sync=True)
+        started = time.monotonic()
+        d_worker.start_load_kv(VllmExtMetadata(recvs=[job]))
+        elapsed = time.monotonic() - started
+        assert 1.0 <= elapsed < 60.0, elapsed  # its own deadline, not the pull's 120 s
+        assert d_worker.take_failed_blocks() == ({5, 6}, {5, 6})
+        assert d_worker.take_results(None)[1:] == (set(), set())
+        assert d_worker.get_stats().data["failed"] == 1
+    finally:
+        d_worker.shutdown()
+        silent.close()

@@ -30,7 +30,8 @@ ROLES = (KVConnectorRole.WORKER, KVConnectorRole.SCHEDULER)
 # (a mistyped key, the key it should have been)
 TYPOS = [("lease_prot", "lease_port"), ("conect_to", "connect_to"), ("pull_timeout", "pull_timeout_s"),
          ("verify_kvs", "verify_kv"), ("allowed_producer", "allowed_producers"), ("leas_s", "lease_s"),
-         ("backend_option", "backend_options"), ("load_whole_block", "load_whole_blocks")]
+         ("backend_option", "backend_options"), ("load_whole_block", "load_whole_blocks"), ("laod", "load"),
+         ("sync_load_timeout", "sync_load_timeout_s")]
 
 # (key, a wrong value, what the message says a value should be)
 WRONG = [
@@ -59,6 +60,11 @@ WRONG = [
     ("lease_host", 8101, "a host name or IP address"),
     ("backend", "glo", 'one of "ipc", "nccl", "gloo"'),
     ("backend_options", ["stripes", 2], "an object of the backend's options"),
+    ("load", "fast", 'one of "auto", "sync", "async"'),
+    ("load", True, 'one of "auto", "sync", "async"'),
+    ("load", "SYNC", 'one of "auto", "sync", "async"'),
+    ("sync_load_timeout_s", 0, "seconds in (0, 600]"),
+    ("sync_load_timeout_s", "2", "seconds in (0, 600]"),
 ]
 
 
@@ -122,13 +128,15 @@ def test_the_settings_read_are_the_ones_given():
     producers = [f"10.0.{rng.randrange(256)}.{rng.randrange(256)}:{rng.randrange(1, 65536)}" for _ in range(3)]
     extra = {"backend": "gloo", "backend_options": {"stripes": 2}, "endpoint_host": "10.1.2.3", "lease_host": "prefill",
              "lease_port": port, "lease_s": 12.5, "max_leased_fraction": 0.25, "pull_timeout_s": 3,
-             "connect_to": producers, "verify_kv": False, "load_whole_blocks": False}
+             "connect_to": producers, "verify_kv": False, "load_whole_blocks": False, "load": "sync",
+             "sync_load_timeout_s": 0.75}
     config = vllm_config(extra).kv_transfer_config
     s = ConnectorSettings.parse(config.kv_connector_extra_config, device_type="cpu")
     assert (s.backend, dict(s.backend_options), s.endpoint_host, s.lease_host, s.lease_port) == \
         ("gloo", {"stripes": 2}, "10.1.2.3", "prefill", port)
     assert (s.lease_s, s.max_leased_fraction, s.pull_timeout_s, s.verify_kv, s.load_whole_blocks) == \
         (12.5, 0.25, 3.0, False, False)
+    assert (s.load, s.sync_load_timeout_s) == ("sync", 0.75)
     assert s.connect_to == s.allowed_producers == tuple(producers)  # allowed_producers defaults to connect_to
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.lease_port = 1
@@ -140,6 +148,10 @@ def test_defaults_follow_the_device():
     assert (cpu.backend, cpu.lease_port, cpu.lease_s, cpu.pull_timeout_s, cpu.max_leased_fraction, cpu.verify_kv) == \
         (None, 0, 30.0, 10.0, 0.5, True)
     assert ConnectorSettings.parse({"connect_to": ["a:1"], "allowed_producers": []}).allowed_producers == ()
+    # a sync load holds D's whole step: on a GPU its own, shorter deadline; on CPU the pull's
+    assert (cpu.load, gpu.load, cpu.sync_load_timeout_s, gpu.sync_load_timeout_s) == ("auto", "auto", 10.0, 2.0)
+    assert ConnectorSettings.parse({"pull_timeout_s": 0.5}, device_type="cuda").sync_load_timeout_s == 0.5
+    assert ConnectorSettings.parse({"pull_timeout_s": 30}, device_type="cpu").sync_load_timeout_s == 30.0
 
 
 @pytest.mark.serves

@@ -111,7 +111,8 @@ def test_a_trace_asked_with_the_resume_answers_once_the_load_before_its_first_st
             return t, answer
 
         def resume(mid, req_id, params, blocks):
-            req = make_request(range(40), dict(params, sync_load=True, migration_id=mid), req_id=req_id)
+            # a resume's request goes past its lease (the step that loads computes at least a token)
+            req = make_request(range(41), dict(params, sync_load=True, migration_id=mid), req_id=req_id)
             assert dst.get_num_new_matched_tokens(req, 0) == (40, False)
             dst.update_state_after_alloc(req, blocks, 40)
 

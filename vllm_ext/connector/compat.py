@@ -52,14 +52,15 @@ def kv_cache_access(kv_transfer_config):
     return KVCacheAccess.IN_PROCESS
 
 
-def may_load_async(kv_transfer_params: Any) -> bool:
+def may_load_async(kv_transfer_params: Any, consumer=None) -> bool:
     """vLLM 0.34+: whether a request may load its KV asynchronously (vLLM then queues it
-    apart under --max-num-inflight-kv-loads): a P/D request does; a resumed migration
-    (`sync_load`) loads before its first step, like a local prefix hit, and must not hold
-    other requests' asynchronous loads back."""
-    if not isinstance(kv_transfer_params, Mapping):
+    apart under --max-num-inflight-kv-loads). `consumer`: the instance's Consumer, whose rule
+    (`kv_connector_extra_config.load`, the producer's backend, `sync_load`) says which loads run
+    inside the step that schedules them, like a local prefix hit, and must not hold other
+    requests' asynchronous loads back; None (a producer alone): it loads nothing."""
+    if consumer is None or not isinstance(kv_transfer_params, Mapping):
         return False
-    return bool(kv_transfer_params.get("do_remote_prefill")) and kv_transfer_params.get("sync_load") is not True
+    return consumer.may_load_async(kv_transfer_params)
 
 
 def uses_v2_model_runner(vllm_config) -> bool:

@@ -23,6 +23,9 @@ every key is checked at start-up by settings.ConnectorSettings, which refuses un
     load_whole_blocks  load only whole blocks before the last token, compute the rest (< 1 block)
                      here (default: on CPU, where vLLM 0.32's AMX attention fails a first step that
                      starts inside a block)
+    load             "auto", "sync" or "async": when a consumer loads a P/D request's KV (inside
+                     the step that schedules it, or while later steps run; scheduler/consumer.py)
+    sync_load_timeout_s  deadline of a load inside a step (default 2 s on GPU, pull_timeout_s on CPU)
 
 The deployment secret (VLLM_EXT_AUTH_SECRET or VLLM_EXT_AUTH_SECRET_FILE) must be set on every
 instance. Failed receives follow vLLM's `kv_load_failure_policy` ("fail" or "recompute"): only
@@ -131,7 +134,7 @@ class VllmExtConnector(KVConnectorBase_V1):
                 async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
                 max_tokens_limits=max_tokens_limits(vllm_config.model_config),
                 max_leased_blocks=max_leased_blocks(settings, vllm_config, kv_cache_config)
-                if config.is_kv_producer else None)
+                if config.is_kv_producer else None, load=settings.load)
         else:
             from .worker import WorkerHalf
 
@@ -144,7 +147,8 @@ class VllmExtConnector(KVConnectorBase_V1):
                 endpoint_options=dict(settings.backend_options), secret=secret,
                 pull_timeout_s=settings.pull_timeout_s, static_fields=_static_fields(vllm_config),
                 connect_to=list(settings.connect_to), allowed_producers=list(settings.allowed_producers),
-                verify_kv=settings.verify_kv, tp_rank=tp_rank, tp_size=tp_size, mla=uses_mla(vllm_config))
+                verify_kv=settings.verify_kv, tp_rank=tp_rank, tp_size=tp_size,
+                sync_load_timeout_s=settings.sync_load_timeout_s, mla=uses_mla(vllm_config))
 
     # ==== worker side =====================================================================
     def register_kv_caches(self, kv_caches):
@@ -223,7 +227,7 @@ class VllmExtConnector(KVConnectorBase_V1):
         return self._scheduler.has_pending_frees() if self._scheduler is not None else False
 
     def may_load_async(self, request) -> bool:  # vLLM 0.34+
-        return compat.may_load_async(request.kv_transfer_params)
+        return self._scheduler.may_load_async(request.kv_transfer_params)
 
     # ==== class methods (also called in the API server) ====================================
     @classmethod

@@ -11,6 +11,19 @@ was queued, and a producer that just failed a job is not dialled again for BACKO
 start-up it connects to its connect_to producers ahead of the first pull, retrying while they
 start (for CONNECT_AHEAD_S); those attempts hold no pull back.
 
+A sync job (scheduler/consumer.py's rule) runs on the worker's thread, before the forward of the
+step that scheduled its request, under a deadline of its own (`sync_timeout_s`: it holds the whole
+step), and its pull's timeout is cut so that a backend that waits past it for a source that makes
+progress (gloo, up to PULL_PATIENCE times) still ends by that deadline.
+
+Where a load's time goes is recorded per phase (VllmExtStats.record_phases, PHASES): waiting on
+the queue, describing and connecting a new producer, the lease acquire (a round trip to the
+producer's scheduler, which answers once its worker serves the blocks), the pull, the digest
+check, and the release. A pull checked against the producer's digests is vouched for by them: its
+receive is reported at once and its release goes out on the release thread (no round trip on the
+load's path). Without digests the release's answer is what vouches (the lease held through the
+pull), so the receive waits for it.
+
 Under tensor parallelism each TP rank's worker has a Receiver, which acquires and releases the
 lease as rank r of `ranks` (the producer ends it once every rank released it). At equal TP sizes
 rank r describes, connects to and pulls from the producer's rank r (its shard of every block).
@@ -21,6 +34,7 @@ ops.copy_blocks' head ranges; the heads must split evenly over both sides.
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -65,6 +79,8 @@ RELEASE_WITHIN_S = 30.0
 PULL_PATIENCE = {"gloo": GLOO_PATIENCE}
 # Blocks of a staging cache (unequal TP sizes): a pull moves this many at a time per source rank.
 STAGING_BLOCKS = 16
+# The phases of a load, in order, as its stats name them (VllmExtStats.record_phases).
+PHASES = ("queued", "connect", "acquire", "pull", "verify", "release")
 
 
 class TransferFailed(RuntimeError):
@@ -77,6 +93,17 @@ def _left(deadline: float, cap: Optional[float] = None) -> float:
     if left <= 0:
         raise TransferFailed("the pull's deadline passed")
     return left if cap is None else min(left, cap)
+
+
+@contextlib.contextmanager
+def _held(lock: threading.Lock, deadline: float, what: str):
+    """`lock`, waited for up to `deadline` (a sync load holds the worker's step meanwhile)."""
+    if not lock.acquire(timeout=_left(deadline)):
+        raise TransferFailed(f"the pull's deadline passed while {what}")
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _log_if_slow(job: RecvJob, marks: List[Tuple[str, float]]) -> None:
@@ -152,12 +179,14 @@ class Receiver:
     may replace them on an instance (tests/e2e/live_faults.py), and read `stream`."""
 
     def __init__(self, *, secret: bytes, allowed: Set[str], connect_to: List[str], pull_timeout_s: float,
-                 verify_kv: bool, rank: int = 0, ranks: int = 1):
+                 verify_kv: bool, rank: int = 0, ranks: int = 1, sync_timeout_s: Optional[float] = None):
         self._secret = secret
         self.rank, self.ranks = rank, ranks  # this worker's TP rank and the instance's TP size
         self._allowed = set(allowed)
         self._connect_to = list(connect_to)
         self.pull_timeout_s = pull_timeout_s
+        # a sync load's deadline: it holds the worker's step (default: the pull's)
+        self.sync_timeout_s = pull_timeout_s if sync_timeout_s is None else sync_timeout_s
         self.verify_kv = verify_kv
         self.cache: Optional[KVCache] = None
         self.endpoint: Optional[MigrationEndpoint] = None
@@ -197,13 +226,15 @@ class Receiver:
     # ---- the worker's thread -------------------------------------------------------------
     def submit(self, jobs: List[RecvJob], releases: List[ReleaseJob]) -> None:
         """A step's jobs: a refused one fails at once, a sync one is loaded now (this step's
-        forward reads its blocks), the others on the pull threads."""
-        deadline = time.monotonic() + self.pull_timeout_s
+        forward reads its blocks; all of a step's under one deadline), the others on the pull
+        threads."""
+        now = time.monotonic()
+        deadline, sync_deadline = now + self.pull_timeout_s, now + self.sync_timeout_s
         for job in jobs:
             if job.error is not None:
                 self._finish(job, False, job.error)
             elif job.sync:
-                self.receive(job, deadline)
+                self.receive(job, sync_deadline)
             else:
                 self._pool.submit(self.receive, job, deadline)
         for release in releases:
@@ -259,11 +290,13 @@ class Receiver:
     # ---- the pull threads ----------------------------------------------------------------
     def receive(self, job: RecvJob, deadline: float) -> None:
         """`deadline`: monotonic time by which the job is done, counted from when it was queued."""
-        marks = [("", deadline - self.pull_timeout_s), ("queued", time.monotonic())]  # (step ended, when)
+        timeout = self.sync_timeout_s if job.sync else self.pull_timeout_s
+        marks = [("", deadline - timeout), ("queued", time.monotonic())]  # (step ended, when)
+        phases: Dict[str, float] = {}  # pull and verify: their attempts' sums
         client, acquired, pulling, released = None, False, False, False
         try:
             if time.monotonic() >= deadline:
-                raise TransferFailed(f"the pull's deadline ({self.pull_timeout_s:g} s) passed while it was queued")
+                raise TransferFailed(f"the pull's deadline ({timeout:g} s) passed while it was queued")
             client = self._client(job.lease_host, job.lease_port)
             peer = self.connect_producer(job.lease_host, job.lease_port, job.endpoint_id, deadline)
             marks.append(("connect", time.monotonic()))
@@ -280,7 +313,7 @@ class Receiver:
                     self._release(client, job.lease)
                     released = True
                 raise
-            marks.append(("lease", time.monotonic()))
+            marks.append(("acquire", time.monotonic()))
             acquired = True
             # the producer checked it holds these tokens (a migration lease: maybe a prefix of
             # its own); what its reply says must agree, whatever the params (the client's) said
@@ -296,17 +329,28 @@ class Receiver:
                 raise TransferFailed(f"lease {job.lease[:8]}: kv_transfer_params.remote_block_ids differ from the "
                                      "lease's blocks")
             pulling = True
+            pull_by = self._pull_deadline(peer, deadline) if job.sync else deadline
             if isinstance(peer, ShardRoute):
-                nbytes = self._pull_shards(peer, job, expected, digests, len(lease_blocks), span, deadline)
+                nbytes, checked = self._pull_shards(peer, job, expected, digests, len(lease_blocks), span, pull_by,
+                                                    phases)
             else:
-                nbytes = self._pull_checked(peer, job, expected, digests[span] if digests else [], deadline)
+                nbytes, checked = self._pull_checked(peer, job, expected, digests[span] if digests else [], pull_by,
+                                                     phases)
             marks.append(("pull", time.monotonic()))
             acquired, released = False, True
-            if not self._release(client, job.lease):
-                raise TransferFailed(f"lease {job.lease[:8]}: the producer could not vouch for the blocks after the "
-                                     "pull (its request was preempted meanwhile, or the release failed); not used")
-            marks.append(("release", time.monotonic()))
-            self._finish(job, True, nbytes=nbytes, seconds=marks[-1][1] - marks[1][1])
+            if checked:  # the digests vouch for the blocks: reported now, released off the load's path
+                self._release_pool.submit(self._release_only, ReleaseJob(job.req_id, job.lease, job.lease_host,
+                                                                         job.lease_port))
+            else:
+                if not self._release(client, job.lease):
+                    raise TransferFailed(f"lease {job.lease[:8]}: the producer could not vouch for the blocks after "
+                                         "the pull (its request was preempted meanwhile, or the release failed); "
+                                         "not used")
+                marks.append(("release", time.monotonic()))
+            for (_, before), (name, t) in zip(marks, marks[1:]):
+                if name in ("queued", "connect", "acquire", "release"):
+                    phases[name] = t - before
+            self._finish(job, True, nbytes=nbytes, seconds=marks[-1][1] - marks[1][1], phases=phases)
             _log_if_slow(job, marks)
         except BaseException as e:  # noqa: BLE001 - a receive must always be reported
             if pulling and self.stream is not None:
@@ -332,6 +376,14 @@ class Receiver:
                 self._release(client, job.lease)
 
     @staticmethod
+    def _pull_deadline(peer: Union[PeerDescriptor, ShardRoute], deadline: float) -> float:
+        """A sync load's pull deadline: a backend that waits up to PULL_PATIENCE times its
+        timeout for a source that makes progress still ends by `deadline`."""
+        backend = (peer.sources[0].peer if isinstance(peer, ShardRoute) else peer).backend
+        now = time.monotonic()
+        return now + (deadline - now) / PULL_PATIENCE.get(backend, 1.0)
+
+    @staticmethod
     def _hold_s(peer: Union[PeerDescriptor, ShardRoute], deadline: float) -> float:
         """How long the acquire holds the lease: every pull starts before `deadline` and runs at
         most its backend's patience times what was left of it then, so all end within that
@@ -340,22 +392,32 @@ class Receiver:
         return min(_left(deadline) * PULL_PATIENCE.get(backend, 1.0) + CHANNEL_TIMEOUT_S, MAX_HOLD_S)
 
     def _pull_checked(self, peer: PeerDescriptor, job: RecvJob, src: List[int], want: List[int],
-                      deadline: float) -> int:
+                      deadline: float, phases: Dict[str, float]) -> Tuple[int, bool]:
         """The pull from the producer's rank of this rank's number, checked against its digests
-        `want` (a mismatch pulls once more). Returns the bytes pulled."""
+        `want` (a mismatch pulls once more). Returns (the bytes pulled, whether checked)."""
         return self._verified(self.pull, peer, src, job.dst_block_ids, self.cache, deadline, want, job,
-                              "the pulled blocks differ from the producer's digests")
+                              "the pulled blocks differ from the producer's digests", phases)
 
     def _verified(self, pull, peer: PeerDescriptor, src: List[int], dst: List[int], cache: KVCache,
-                  deadline: float, want: List[int], job: RecvJob, what: str) -> int:
+                  deadline: float, want: List[int], job: RecvJob, what: str,
+                  phases: Dict[str, float]) -> Tuple[int, bool]:
         """`pull(peer, src, dst, deadline)` into `cache`, then the digests of its blocks `dst`
-        checked against `want` (none: unchecked): a mismatch is counted, logged and pulled once
-        more, a second one fails the transfer (`what` says which blocks differ from which
-        digests). Returns the bytes pulled."""
+        checked against `want` (none, or verify_kv off: unchecked, no digest pass): a mismatch is
+        counted, logged and pulled once more, a second one fails the transfer (`what` says which
+        blocks differ from which digests). Returns (the bytes pulled, whether checked); the time
+        of the pulls and of the digest passes is added to `phases` ("pull", "verify")."""
+        check = self.verify_kv and bool(want)
         for attempt in (1, 2):
+            started = time.monotonic()
             stats = pull(peer, src, dst, deadline)
-            if not (self.verify_kv and want) or self._digests(dst, cache) == want:
-                return stats.nbytes
+            pulled = time.monotonic()
+            phases["pull"] = phases.get("pull", 0.0) + pulled - started
+            if not check:
+                return stats.nbytes, False
+            same = self._digests(dst, cache) == want
+            phases["verify"] = phases.get("verify", 0.0) + time.monotonic() - pulled
+            if same:
+                return stats.nbytes, True
             with self._lock:
                 self._stats.record_mismatch()
             logger.warning("request %s: %s (attempt %d of 2)", job.req_id, what, attempt)
@@ -386,12 +448,12 @@ class Receiver:
             return ops.block_digests(cache, block_ids)
 
     def _pull_shards(self, route: ShardRoute, job: RecvJob, src: List[int], digests: List[int], n: int,
-                     span: slice, deadline: float) -> int:
+                     span: slice, deadline: float, phases: Dict[str, float]) -> Tuple[int, bool]:
         """A pull from a producer of another TP size: per chunk of STAGING_BLOCKS blocks and per
         source rank, its whole blocks into the staging cache (checked against that rank's digests,
         the k-th `n` of `digests`; a mismatch pulls once more), then its heads into this rank's
-        blocks. Returns the bytes pulled."""
-        staging, nbytes = route.staging, 0
+        blocks. Returns (the bytes pulled, whether every chunk was checked)."""
+        staging, nbytes, checked = route.staging, 0, True
         if not staging.lock.acquire(timeout=_left(deadline)):  # the other pull thread's, up to its deadline
             raise TransferFailed("the pull's deadline passed while another pull used the staging cache")
         try:
@@ -401,23 +463,27 @@ class Receiver:
                 for k, source in enumerate(route.sources):
                     want = digests[k * n:(k + 1) * n][span][start:start + len(chunk)] if digests else []
                     what = f"the blocks pulled from producer rank {source.rank} differ from its digests"
-                    nbytes += self._verified(functools.partial(self._pull_into, staging.endpoint), source.peer, chunk,
-                                             rows, staging.cache, deadline, want, job, what)
+                    moved, verified = self._verified(functools.partial(self._pull_into, staging.endpoint),
+                                                     source.peer, chunk, rows, staging.cache, deadline, want, job,
+                                                     what, phases)
+                    nbytes, checked = nbytes + moved, checked and verified
                     self._copy_heads(staging.cache, rows, dst, source)
         finally:
             staging.lock.release()
-        return nbytes
+        return nbytes, checked and bool(src)
 
     def _copy_heads(self, staged: KVCache, rows: List[int], dst: List[int], source: ShardSource) -> None:
         self._on_stream(ops.copy_blocks, staged, rows, self.cache, dst,
                         src_heads=(source.src_first, source.count), dst_heads=(source.dst_first, source.count))
 
-    def _finish(self, job: RecvJob, ok: bool, why: str = "", nbytes: int = 0, seconds: float = 0.0) -> None:
+    def _finish(self, job: RecvJob, ok: bool, why: str = "", nbytes: int = 0, seconds: float = 0.0,
+                phases: Optional[Dict[str, float]] = None) -> None:
         with self._lock:
             if not job.sync:  # vLLM waits for an asynchronous load's report; a sync load has none
                 self._done.add(job.req_id)
             if ok:
-                self._stats.record_transfer(nbytes, seconds, self.rank)
+                self._stats.record_transfer(nbytes, seconds, self.rank, sync=job.sync)
+                self._stats.record_phases(phases or {})
             else:
                 if job.sync:
                     self._sync_failed_blocks.update(job.dst_block_ids)
@@ -494,7 +560,7 @@ class Receiver:
         have connected it before the start-up dial got through). A failure to reach it puts it in
         back-off unless `back_off` is false."""
         client = self._client(host, port)
-        with self._peer_locks[(host, port)]:
+        with _held(self._peer_locks[(host, port)], deadline, f"another pull connected to producer {host}:{port}"):
             known = endpoint_id or self._endpoint_at.get((host, port))
             peer = self._peers.get(known) if known else None
             if peer is not None:

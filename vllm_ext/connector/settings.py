@@ -15,6 +15,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 WHERE = "kv_connector_extra_config"
 DEFAULT_HOST = "127.0.0.1"
+LOAD_MODES = ("auto", "sync", "async")
+# A sync load holds the decode instance's whole step (every running request waits): on a GPU its
+# deadline is this, or pull_timeout_s if shorter. An ipc pull takes milliseconds and the
+# producer's answer one of its steps; past this a busy producer costs less recomputed.
+SYNC_LOAD_TIMEOUT_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +38,12 @@ class ConnectorSettings:
     allowed_producers  the only lease channels a consumer dials (default: connect_to)
     verify_kv          producers digest leased blocks, consumers check their pulls
     load_whole_blocks  load only whole blocks before the last token (default: on CPU)
+    load               when a consumer loads a P/D request's KV: "auto" (inside the step that
+                       schedules it when the producer is on this host's device memory (ipc) and a
+                       failed load is safe to recompute in place; else asynchronously), "sync",
+                       "async" (scheduler/consumer.py applies it)
+    sync_load_timeout_s  deadline of a sync load (it holds the whole step); default
+                       min(SYNC_LOAD_TIMEOUT_S, pull_timeout_s) on GPU, pull_timeout_s on CPU
     """
 
     backend: Optional[str] = None
@@ -47,6 +58,8 @@ class ConnectorSettings:
     allowed_producers: Tuple[str, ...] = ()
     verify_kv: bool = True
     load_whole_blocks: bool = True
+    load: str = "auto"
+    sync_load_timeout_s: float = SYNC_LOAD_TIMEOUT_S
 
     @classmethod
     def parse(cls, extra: Optional[Mapping[str, Any]], *, device_type: str = "cpu") -> "ConnectorSettings":
@@ -79,6 +92,11 @@ class ConnectorSettings:
             raise ValueError(f"VllmExtConnector: {len(problems)} problems in {WHERE}:\n  " + "\n  ".join(problems))
         values.setdefault("allowed_producers", values.get("connect_to", ()))
         values.setdefault("load_whole_blocks", device_type == "cpu")
+        # on CPU the engine's own steps take seconds on a busy host and a gloo pull is as fast as
+        # the host: a sync load (a live migration's resume) keeps the pull's deadline there
+        pull_timeout_s = values.get("pull_timeout_s", cls.pull_timeout_s)
+        values.setdefault("sync_load_timeout_s", pull_timeout_s if device_type == "cpu"
+                          else min(SYNC_LOAD_TIMEOUT_S, pull_timeout_s))
         return cls(**values)
 
 
@@ -144,6 +162,12 @@ def _backend(value) -> str:
     return value
 
 
+def _load_mode(value) -> str:
+    if value not in LOAD_MODES:
+        raise _Refused("one of " + ", ".join(f'"{m}"' for m in LOAD_MODES))
+    return value
+
+
 def _options(value) -> dict:
     if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
         raise _Refused()
@@ -164,6 +188,8 @@ _KEYS: Dict[str, Tuple[Callable[[Any], Any], str]] = {
     "allowed_producers": (_addresses, "a list of 'host:port' (port 1-65535)"),
     "verify_kv": (_flag, "true or false"),
     "load_whole_blocks": (_flag, "true or false"),
+    "load": (_load_mode, "a load mode"),
+    "sync_load_timeout_s": (_number(0, 600), "seconds in (0, 600]"),
 }
 KNOWN_KEYS = tuple(_KEYS)
 

@@ -6,7 +6,18 @@
     vllm:vllm_ext_digest_mismatches_total  pulls whose blocks differed from the producer's digests
     vllm:vllm_ext_refused_leases_total     loads refused before the pull: the lease holds other tokens
     vllm:vllm_ext_transfer_bytes_total     bytes pulled
-    vllm:vllm_ext_pull_seconds             histogram of pull time (lease acquire to blocks written)
+    vllm:vllm_ext_pull_seconds             histogram of a load's time (its start to blocks written
+                                           and checked; the release too where no digests vouch)
+    vllm:vllm_ext_sync_loads_total         of the pulls completed, those loaded inside the step
+                                           that scheduled their request (before its forward)
+    vllm:vllm_ext_load_phase_seconds       histogram of each phase of a completed load (label
+                                           `phase`): queued (waiting for a pull thread), connect
+                                           (describe and connect a producer first seen; else
+                                           ~0), acquire (the lease round trip, answered once the
+                                           producer serves the blocks), pull (the transfer),
+                                           verify (the digest check; absent with verify_kv off),
+                                           release (absent where digests vouch: sent after the
+                                           load is reported)
     vllm:vllm_ext_leased_blocks            (gauge) the producer's blocks that P/D leases hold now
     vllm:vllm_ext_evicted_leases_total     untaken producer leases ended early to make room for new ones
     vllm:vllm_ext_unleased_prefills_total  prefills answered without a lease (max_leased_fraction reached)
@@ -26,15 +37,16 @@ check_vllm_version()  # before importing what another release may lack: one clea
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats  # noqa: E402
 
-_COUNTS = ("transfers", "failed", "expired", "bytes", "mismatches", "refused", "evicted", "unleased")
+_COUNTS = ("transfers", "failed", "expired", "bytes", "mismatches", "refused", "evicted", "unleased", "sync")
 LEASED = "leased_blocks"  # a gauge: the latest value wins when stats are merged
 RANKS = "ranks"  # TP rank (a string: the stats cross processes) -> {"transfers", "failed", "bytes"}
 _RANK_COUNTS = ("transfers", "failed", "bytes")
+PHASES = "phases"  # phase name -> [seconds of each load] (receiver.PHASES)
 
 
 def _empty() -> Dict[str, Any]:
     return {"transfers": 0, "failed": 0, "expired": 0, "bytes": 0, "mismatches": 0, "refused": 0, "evicted": 0,
-            "unleased": 0, "seconds": []}
+            "unleased": 0, "sync": 0, "seconds": []}
 
 
 @dataclasses.dataclass
@@ -46,13 +58,21 @@ class VllmExtStats(KVConnectorStats):
     def _rank(self, rank: int) -> Dict[str, int]:
         return self.data.setdefault(RANKS, {}).setdefault(str(rank), dict.fromkeys(_RANK_COUNTS, 0))
 
-    def record_transfer(self, nbytes: int, seconds: float, rank: int = 0) -> None:
+    def record_transfer(self, nbytes: int, seconds: float, rank: int = 0, sync: bool = False) -> None:
         self.data["transfers"] += 1
+        if sync:
+            self.data["sync"] = self.data.get("sync", 0) + 1
         self.data["bytes"] += int(nbytes)
         self.data["seconds"].append(float(seconds))
         counts = self._rank(rank)
         counts["transfers"] += 1
         counts["bytes"] += int(nbytes)
+
+    def record_phases(self, phases: Dict[str, float]) -> None:
+        """One completed load's time per phase (receiver.PHASES)."""
+        into = self.data.setdefault(PHASES, {})
+        for name, seconds in phases.items():
+            into.setdefault(name, []).append(float(seconds))
 
     def record_failure(self, rank: int = 0) -> None:
         self.data["failed"] += 1
@@ -85,6 +105,8 @@ class VllmExtStats(KVConnectorStats):
             for key in _COUNTS:
                 merged[key] += int(source.get(key, 0))
             merged["seconds"].extend(source.get("seconds", []))
+            for name, values in (source.get(PHASES) or {}).items():
+                merged.setdefault(PHASES, {}).setdefault(name, []).extend(values)
             for rank, counts in (source.get(RANKS) or {}).items():
                 into = merged.setdefault(RANKS, {}).setdefault(rank, dict.fromkeys(_RANK_COUNTS, 0))
                 for key in _RANK_COUNTS:
@@ -101,10 +123,14 @@ class VllmExtStats(KVConnectorStats):
                 "evicted_leases": self.data.get("evicted", 0), "unleased_prefills": self.data.get("unleased", 0),
                 **({LEASED: self.data[LEASED]} if LEASED in self.data else {}),
                 **({RANKS: self.data[RANKS]} if self.data.get(RANKS) else {}),
+                "sync_loads": self.data.get("sync", 0),
+                **{f"avg_{name}_ms": round(1e3 * sum(v) / len(v), 3)
+                   for name, v in (self.data.get(PHASES) or {}).items() if v},
                 "avg_pull_ms": round(1e3 * sum(seconds) / len(seconds), 3) if seconds else 0.0}
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k, 0) for k in _COUNTS) and not self.data["seconds"] and LEASED not in self.data
+        return (not any(self.data.get(k, 0) for k in _COUNTS) and not self.data["seconds"] and LEASED not in self.data
+                and not self.data.get(PHASES))
 
 
 class VllmExtPromMetrics(KVConnectorPromMetrics):
@@ -130,6 +156,8 @@ class VllmExtPromMetrics(KVConnectorPromMetrics):
                                "untaken producer leases ended early to make room for new ones (max_leased_fraction)")
         self.unleased = counter("vllm:vllm_ext_unleased_prefills",
                                 "prefills answered without a lease: P/D leases held max_leased_fraction of the cache")
+        self.sync = counter("vllm:vllm_ext_sync_loads",
+                            "KV pulls completed inside the step that scheduled their request (before its forward)")
         self.leased = create_metric_per_engine(
             self._gauge_cls(name="vllm:vllm_ext_leased_blocks", multiprocess_mode="mostrecent", labelnames=labelnames,
                             documentation="KV blocks the producer's P/D leases hold"), per_engine_labelvalues)
@@ -137,6 +165,10 @@ class VllmExtPromMetrics(KVConnectorPromMetrics):
             name="vllm:vllm_ext_pull_seconds", documentation="time of one KV pull (lease to blocks written)",
             buckets=[1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0], labelnames=labelnames)
         self.seconds = create_metric_per_engine(hist, per_engine_labelvalues)
+        self._phases = self._histogram_cls(
+            name="vllm:vllm_ext_load_phase_seconds", labelnames=[*labelnames, "phase"],
+            documentation="time of each phase of a completed KV load (queued, connect, acquire, pull, verify, release)",
+            buckets=[3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0])
         self._labelvalues = per_engine_labelvalues
         self._by_rank = {key: self._counter_cls(name=f"vllm:vllm_ext_rank_{name}", documentation=doc,
                                                 labelnames=[*labelnames, "tp_rank"])
@@ -147,7 +179,8 @@ class VllmExtPromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: Dict[str, Any], engine_idx: int = 0):
         for metric, key in ((self.transfers, "transfers"), (self.failed, "failed"),
                             (self.expired, "expired"), (self.bytes, "bytes"), (self.mismatches, "mismatches"),
-                            (self.refused, "refused"), (self.evicted, "evicted"), (self.unleased, "unleased")):
+                            (self.refused, "refused"), (self.evicted, "evicted"), (self.unleased, "unleased"),
+                            (self.sync, "sync")):
             value = int(transfer_stats_data.get(key, 0))
             if value:
                 metric[engine_idx].inc(value)
@@ -155,6 +188,10 @@ class VllmExtPromMetrics(KVConnectorPromMetrics):
             self.leased[engine_idx].set(int(transfer_stats_data[LEASED]))
         for s in transfer_stats_data.get("seconds", []):
             self.seconds[engine_idx].observe(s)
+        for name, values in (transfer_stats_data.get(PHASES) or {}).items():
+            child = self._phases.labels(*self._labelvalues[engine_idx], str(name))
+            for s in values:
+                child.observe(s)
         for rank, counts in (transfer_stats_data.get(RANKS) or {}).items():
             for key, metric in self._by_rank.items():
                 value = int(counts.get(key, 0))

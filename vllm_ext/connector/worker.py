@@ -97,7 +97,8 @@ class WorkerHalf:
                  endpoint_options: Dict[str, Any], secret: bytes, pull_timeout_s: float,
                  static_fields: Dict[str, Any], connect_to: List[str],
                  allowed_producers: Optional[List[str]] = None, verify_kv: bool = True,
-                 tp_rank: int = 0, tp_size: int = 1, mla: bool = False):
+                 tp_rank: int = 0, tp_size: int = 1, sync_load_timeout_s: Optional[float] = None,
+                 mla: bool = False):
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank: expected 0 to {tp_size - 1} (tp_size {tp_size}), got {tp_rank}")
         port = endpoint_options.get("port") or 0
@@ -124,7 +125,7 @@ class WorkerHalf:
         self.receiver = Receiver(secret=secret, allowed=set(connect_to if allowed_producers is None
                                                             else allowed_producers),
                                  connect_to=connect_to, pull_timeout_s=pull_timeout_s, verify_kv=verify_kv,
-                                 rank=tp_rank, ranks=tp_size)
+                                 rank=tp_rank, ranks=tp_size, sync_timeout_s=sync_load_timeout_s)
         self.leased_blocks: Dict[str, List[int]] = {}  # producer: lease id -> blocks granted for it
         self._granted_now: List[str] = []  # producer: leases granted since the last worker metadata
         self._digests_now: Dict[str, List[int]] = {}  # producer: their digests (verify_kv)

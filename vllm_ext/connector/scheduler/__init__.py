@@ -9,8 +9,8 @@ takes or releases expires after `lease_s`; P/D leases together hold at most
 `max_leased_fraction` of the cache, the oldest untaken ones ending early to make room (leases.py).
 
 Consumer: a request whose kv_transfer_params come from a producer reports the tokens beyond
-its local prefix-cache hit as an asynchronous external hit, and hands the worker a RecvJob
-(consumer.py).
+its local prefix-cache hit as an external hit, loaded inside the step that schedules it or
+asynchronously by the `load` rule, and hands the worker a RecvJob (consumer.py).
 
 Live migration: a producer is the source of the requests that carry a migration id
 (migration_source.py) and traces the resumed requests it receives for migrate.trace (traces.py).
@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ...lease.channel import LeaseServer
 from ...lease.kv_params import RemoteKV, migration_id_of, prompt_hash
+from .. import compat
 from ..metadata import VllmExtHandshake, VllmExtMetadata
 from ..stats import VllmExtStats
 from .consumer import Consumer, skip_draws
@@ -69,7 +70,8 @@ class SchedulerHalf(LeaseRequests):
                  lease_host: str, lease_port: int, secret: bytes, failure_policy: str,
                  whole_blocks: bool = False, clock: Callable[[], float] = time.monotonic,
                  wait_for_grant: bool = True, async_scheduling: bool = False,
-                 max_tokens_limits: Tuple[int, int] = (0, 0), max_leased_blocks: Optional[int] = None):
+                 max_tokens_limits: Tuple[int, int] = (0, 0), max_leased_blocks: Optional[int] = None,
+                 load: str = "auto"):
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.block_size = block_size
@@ -94,8 +96,8 @@ class SchedulerHalf(LeaseRequests):
         self._bound_log = {"evicted": 0, "unleased": 0, "logged_at": 0.0}
         self._source = MigrationSource(block_size=block_size)
         self._traces = Traces()  # a lock of its own
-        self._consumer = Consumer(block_size=block_size, failure_policy=failure_policy,
-                                  whole_blocks=whole_blocks) if is_consumer else None  # engine thread only
+        self._consumer = Consumer(block_size=block_size, failure_policy=failure_policy, whole_blocks=whole_blocks,
+                                  load=load, async_scheduling=async_scheduling) if is_consumer else None
         self._handshake: Optional[VllmExtHandshake] = None  # TP rank 0's: the instance's endpoint id
         self._handshakes: Dict[int, VllmExtHandshake] = {}  # TP rank -> its worker's
         self._stats = VllmExtStats()
@@ -137,6 +139,10 @@ class SchedulerHalf(LeaseRequests):
         if self._consumer is None:
             return 0, False
         return self._consumer.matched_tokens(request, num_computed_tokens)
+
+    def may_load_async(self, params: Any) -> bool:
+        """vLLM 0.34's may_load_async, by the consumer's rule (consumer.py)."""
+        return compat.may_load_async(params, self._consumer)
 
     def update_state_after_alloc(self, request, block_ids: List[int], num_external_tokens: int) -> None:
         """`block_ids`: all of the request's blocks (local-hit blocks first)."""

@@ -1,34 +1,84 @@
 """The consumer's admission of remote KV (engine thread only): a request whose
 kv_transfer_params come from a producer reports the tokens beyond its local prefix-cache hit as an
-external hit (asynchronous, or loaded before its first step's forward with `sync_load`), and
-hands the worker a RecvJob; a lease it will not pull, a ReleaseJob. A seeded request resumed here
-with `sampled_tokens` has its random stream skip those tokens' draws (skip_draws).
+external hit, loaded asynchronously or inside the step that schedules it (`loads_sync`, the rule
+below), and hands the worker a RecvJob; a lease it will not pull, a ReleaseJob. A seeded request
+resumed here with `sampled_tokens` has its random stream skip those tokens' draws (skip_draws).
+
+Sync or async (`kv_connector_extra_config.load`, default "auto"): a sync load runs in the worker
+before the forward of the step that schedules the request, so the request decodes in that step;
+an asynchronous one waits in WAITING_FOR_REMOTE_KVS while the next steps run, and is scheduled
+once a later step saw it received (two or more steps later). A sync load holds the whole step
+(every running request waits for it, up to `sync_load_timeout_s`), and a failed one is recomputed
+in place from its invalid blocks, which is safe only when vLLM learns of it before it runs the
+request's next step: an engine that schedules one step at a time, or policy "fail" (the request
+ends with vLLM's failed-load error and no token; the P/D proxy asks again without remote KV). So:
+- `sync_load` in the params (a live migration's resume): sync, whatever the setting (the router
+  checks the resume's trace for an unsafe failed load);
+- "async": asynchronous; "sync": sync (refused at start-up where a failure is unsafe);
+- "auto": sync when the producer's backend is ipc (its cache in this host's device memory: the
+  pull is one copy kernel of milliseconds) and a failure is safe; otherwise asynchronous: gloo
+  (a CPU source served by Python, whose pull may run up to its patience past the deadline while
+  it makes progress), nccl (maybe across hosts), rayrpc, and any engine that schedules
+  asynchronously under policy "recompute" (a GPU's default: use --no-async-scheduling on D, or
+  policy "fail" behind the proxy, for the sync path).
 
 The params come from the client, so their prompt hash proves nothing: the RecvJob carries the
 hash of the request's own first `remote_num_tokens` tokens, and the worker refuses a lease whose
 acquire says it holds other tokens, before any pull (docs/security.md)."""
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ...lease.kv_params import ParamsError, RemoteKV, lease_ref, parse_remote_params, prompt_hash, sampled_tokens_of
 from ..metadata import RecvJob, ReleaseJob
+from ..settings import LOAD_MODES
 
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
 # Refused requests remembered for one log line each (vLLM may ask about a waiting request many times).
 MAX_WARNED = 10000
+# Producer backends whose pull "auto" runs inside the step: the producer's cache is mapped from this
+# host's device memory, so the pull is a local copy bounded by the blocks' size.
+SYNC_BACKENDS = ("ipc",)
+
+
+def loads_sync(load: str, asked: bool, backend: str, safe: bool) -> bool:
+    """The rule (module docstring): whether a request loads inside the step that schedules it.
+    `load`: the setting; `asked`: its params carry `sync_load`; `backend`: the producer's;
+    `safe`: a failed load is recomputed (or failed) before any of its tokens leaves."""
+    if asked or load == "sync":
+        return True
+    return load == "auto" and backend in SYNC_BACKENDS and safe
+
+
+def failed_sync_load_is_safe(failure_policy: str, async_scheduling: bool) -> bool:
+    """Whether vLLM learns of a failed sync load before a token of it leaves: an engine that
+    schedules one step at a time, or policy "fail" (the request ends with no token)."""
+    return not async_scheduling or failure_policy == "fail"
 
 
 class Consumer:
     """Args are values: the engine's block size, `kv_load_failure_policy` ("fail" or
-    "recompute") and whether loads stop at the last whole block before a request's last token.
-    `fingerprint`: this instance's KV cache layout, once its worker registered it."""
+    "recompute"), whether loads stop at the last whole block before a request's last token, the
+    `load` setting and whether the engine schedules asynchronously. `fingerprint`: this
+    instance's KV cache layout, once its worker registered it. ValueError for `load` "sync"
+    where a failed load is unsafe."""
 
-    def __init__(self, *, block_size: int, failure_policy: str, whole_blocks: bool):
+    def __init__(self, *, block_size: int, failure_policy: str, whole_blocks: bool, load: str = "auto",
+                 async_scheduling: bool = False):
+        if load not in LOAD_MODES:
+            raise ValueError(f"kv_connector_extra_config.load: expected one of {', '.join(LOAD_MODES)}, got {load!r}")
         self.block_size = block_size
         self.failure_policy = failure_policy
         self.whole_blocks = whole_blocks
+        self.load = load
+        self.sync_safe = failed_sync_load_is_safe(failure_policy, async_scheduling)
+        if load == "sync" and not self.sync_safe:
+            raise ValueError('VllmExtConnector: kv_connector_extra_config.load "sync" with asynchronous scheduling and '
+                             'kv_load_failure_policy "recompute": vLLM would run the request\'s next step on the KV '
+                             "of a failed load and send its token. Start this instance with --no-async-scheduling, "
+                             'or set kv_load_failure_policy "fail" (behind the P/D proxy, which asks again without '
+                             'remote KV), or load "auto"')
         self.fingerprint: Optional[str] = None
         self._recvs: List[RecvJob] = []
         self._releases: List[ReleaseJob] = []
@@ -69,14 +119,33 @@ class Consumer:
         end = self._load_end(request, remote) if remote is not None else 0
         if end <= num_computed_tokens:
             return 0, False
-        return end - num_computed_tokens, not remote.sync
+        return end - num_computed_tokens, not self.is_sync(remote)
+
+    def is_sync(self, remote: RemoteKV) -> bool:
+        """Whether `remote` loads inside the step that schedules its request (loads_sync)."""
+        return loads_sync(self.load, remote.sync, remote.backend, self.sync_safe)
+
+    def may_load_async(self, params: Any) -> bool:
+        """vLLM 0.34's may_load_async: False only for a request whose load (if any) is sync by
+        the rule, read from its raw params (a request whose params are refused may fail its
+        "load" asynchronously: True). Agrees with matched_tokens."""
+        if not isinstance(params, Mapping) or not params.get("do_remote_prefill"):
+            return False
+        endpoint = params.get("remote_endpoint")
+        backend = endpoint.get("backend") if isinstance(endpoint, Mapping) else ""
+        asked = params.get("sync_load", False)
+        if not isinstance(asked, bool):
+            return True  # refused by name: failed at once, as an asynchronous load
+        return not loads_sync(self.load, asked, backend if isinstance(backend, str) else "", self.sync_safe)
 
     def _load_end(self, request, remote: RemoteKV) -> int:
         """Tokens [0, end) come from the producer. With whole_blocks, `end` stops at the last
         block boundary before the request's last token, so that the step after the load starts
-        on a block boundary as after a local prefix hit (the rest, < one block, is computed here)."""
+        on a block boundary as after a local prefix hit (the rest, < one block, is computed here).
+        A sync load stops before the last token in any case: the step that loads it computes
+        that token (vLLM schedules at least one; an asynchronous load's end is moved back by vLLM)."""
         if not self.whole_blocks:
-            return remote.num_tokens
+            return min(remote.num_tokens, request.num_tokens - 1) if self.is_sync(remote) else remote.num_tokens
         return min(remote.num_tokens, request.num_tokens - 1) // self.block_size * self.block_size
 
     def allocated(self, request, block_ids: List[int], num_external_tokens: int) -> Optional[RecvJob]:
@@ -108,7 +177,8 @@ class Consumer:
             lease_port=remote.lease_port, endpoint_id=remote.endpoint_id, fingerprint=remote.fingerprint,
             first_block=first, num_tokens=remote.num_tokens,
             prompt_hash=prompt_hash(request.all_token_ids[:remote.num_tokens]),  # the worker checks the lease's
-            src_block_ids=remote.block_ids[first:last], dst_block_ids=list(block_ids[first:last]), sync=remote.sync)
+            src_block_ids=remote.block_ids[first:last], dst_block_ids=list(block_ids[first:last]),
+            sync=self.is_sync(remote))
         self._recvs.append(job)
         return job
 
