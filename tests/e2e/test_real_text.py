@@ -192,7 +192,33 @@ def assert_same_logprobs(got, want, context):
     depend on how its tokens were grouped into chunks, which a GPU makes several a chunk)."""
     assert got["tokens"] == want["tokens"] and got["text_offset"] == want["text_offset"], context
     assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-3), context
-    assert [sorted(t) for t in got["top_logprobs"]] == [sorted(t) for t in want["top_logprobs"]], context
+    assert len(got["top_logprobs"]) == len(want["top_logprobs"]), context
+    for i, (g, w) in enumerate(zip(got["top_logprobs"], want["top_logprobs"])):
+        assert_same_top(g or {}, w or {}, f"top_logprobs[{i}] {g} != {w}: {context}")
+
+
+def assert_same_top(got, want, context, tol=1e-3):
+    """One position's top logprobs: the same candidates with the same values (to `tol`), but for
+    a near tie at the cut. The destination's prefill rounds differently from the source's decode
+    steps, so the candidates ranked last, with (nearly) equal log probabilities, may trade
+    places: a candidate in one answer only is worth what the other answer's last one is. A dict
+    keyed by token strings merges candidates that decode alike (bytes that are no character
+    yet: U+FFFD), keeping the lowest-ranked one's value: a key both answers have may differ
+    where one of them holds its answer's last value (a merged candidate traded at the cut)."""
+    def at_cut(value, top):
+        return bool(top) and value == pytest.approx(min(top.values()), abs=tol)
+
+    if got.keys() == want.keys():
+        assert got == pytest.approx(want, abs=tol), context
+        return
+    for key in got.keys() | want.keys():
+        if key in got and key in want:
+            assert got[key] == pytest.approx(want[key], abs=tol) or at_cut(got[key], got) \
+                or at_cut(want[key], want), context
+        elif key in want:
+            assert at_cut(want[key], got), context
+        else:
+            assert at_cut(got[key], want), context
 
 
 def straddles(ends, start, end, at):
@@ -350,16 +376,22 @@ class TestByteLevel:
         (some on the source, some on the destination), completions logprobs (their tokens and
         text offsets), with or without the stop string in the output, moved inside held-back
         text: streamed and not, the router's answer is a single instance's (vLLM applying the
-        stop string itself). (TestRealModel has one that straddles the switch.)"""
+        stop string itself). (TestRealModel has one that straddles the switch.)
+
+        The stop strings are 1-3 characters of the text, U+FFFD included (bytes that are no
+        character), so earlier matches that min_tokens masks are common, and a chunk of several
+        tokens may hold one: the router leaves those to the backend, which knows where the
+        min_tokens-th token ends. The text they are drawn from is an answer under the same
+        min_tokens: it masks </s>, which the random model writes now and then."""
         moved = []
         for i, streamed in enumerate((True, False, True)):
-            body, free, _, _ = held_case(tiny, tokenizer, rng, "/v1/completions", multi_byte, 35, 75)
-            ends = emitted_ends(tokenizer, free["token_ids"])
+            body, _, _, _ = held_case(tiny, tokenizer, rng, "/v1/completions", multi_byte, 35, 75)
             m = rng.randrange(60, 100)  # the stop string begins in the text of the m-th token or after
-            at = ends[m - 1]
+            body = dict(body, min_tokens=rng.randrange(m - 10, m), logprobs=2)
+            free, _ = answer(tiny["A"].url, "/v1/completions", body)
+            at = emitted_ends(tokenizer, free["token_ids"])[m - 1]
             stop = free["text"][at:at + rng.randint(1, 3)]
-            body = dict(body, stop=[stop], min_tokens=rng.randrange(m - 10, m), logprobs=2,
-                        include_stop_str_in_output=i == 1)
+            body = dict(body, stop=[stop], include_stop_str_in_output=i == 1)
             want, want_usage = answer(tiny["A"].url, "/v1/completions", body)
             assert want["finish_reason"] == "stop", (stop, want)
             # the stop string completes in the text of the n-th token; the move comes well before
@@ -377,7 +409,7 @@ class TestByteLevel:
             else:
                 got, usage, status, record = move_unstreamed(tiny, "/v1/completions", body, k, **how)
             context = f"stop {stop!r} {body['min_tokens']=} moved at {k} ({how}): {record}"
-            assert got["text"] == want["text"], context
+            assert_same_text(got["text"], got["token_ids"], want, context)
             assert (got["finish_reason"], got["stop_reason"]) == ("stop", stop), context
             moved.append(moved_or_ended(status, record, len(got["token_ids"]), len(got["token_ids"])))
             if moved[-1]:  # the destination's engine ended the leg on the stop string (the leg carries it)
