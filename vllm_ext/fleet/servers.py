@@ -17,6 +17,10 @@ from typing import Any, Dict, Tuple
 from . import models
 from .process import Process, free_port
 
+# vLLM CPU binds a worker process, every thread it starts included, to the cores its
+# VLLM_CPU_OMP_THREADS_BIND names. Servers that share a core starve each other's ranks there
+# (tests/e2e/test_tp.py says how); NO_BIND leaves every thread to the OS, one compute thread each.
+NO_BIND = "nobind"
 BLOCK_SIZE = 32  # CPU_ATTN needs a multiple of 32; FlashAttention takes it too (a multiple of 16)
 SECRET = "connector-tests-deployment-secret"
 MAX_MODEL_LEN = 2048
@@ -36,9 +40,13 @@ class Device:
     sequential_start: bool = False
 
     def env(self, core: str) -> Dict[str, str]:
-        """The environment of a server; `core` is the CPU core a CPU server computes on."""
+        """The environment of a server; `core` is the CPU core a CPU server computes on (its
+        VLLM_CPU_OMP_THREADS_BIND: "0", "0|1" for TP = 2), or NO_BIND."""
         if self.name == "cpu":
-            return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": core}
+            env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": core}
+            if core == NO_BIND:  # vLLM sets OMP_NUM_THREADS only where it binds
+                env["OMP_NUM_THREADS"] = "1"
+            return env
         # greedy decoding needs no FlashInfer sampler, and FlashInfer may not be installed
         return {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
