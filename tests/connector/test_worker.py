@@ -288,3 +288,15 @@ def test_several_kv_cache_groups_are_refused_naming_them():
     with pytest.raises(ValueError, match=r"2 KV cache groups \(FullAttentionSpec \(1 layers\), SlidingWindowSpec "
                                          r"\(2 layers\)\): the connector moves one \(a model"):
         one_kv_cache_group(two)
+
+
+def test_an_mla_consumer_on_cpu_loads_every_token_but_the_last_unless_told():
+    """vLLM 0.32's CPU MLA computes a prefill over loaded context wrong: an MLA model's consumer
+    loads all but the last token (a decode computes it) unless load_whole_blocks is given."""
+    from vllm_ext.connector.connector import load_whole_blocks
+    from vllm_ext.connector.settings import ConnectorSettings
+
+    for extra, mla, want in (({}, False, True), ({}, True, False), ({"load_whole_blocks": True}, True, True),
+                             ({"load_whole_blocks": False}, False, False)):
+        settings = ConnectorSettings.parse(extra, device_type="cpu")
+        assert load_whole_blocks(settings, extra, mla) is want, (extra, mla)

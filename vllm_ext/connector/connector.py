@@ -129,7 +129,8 @@ class VllmExtConnector(KVConnectorBase_V1):
                 is_producer=config.is_kv_producer, is_consumer=config.is_kv_consumer,
                 block_size=vllm_config.cache_config.block_size, lease_s=settings.lease_s,
                 lease_host=settings.lease_host, lease_port=settings.lease_port,
-                secret=secret, failure_policy=policy, whole_blocks=settings.load_whole_blocks,
+                secret=secret, failure_policy=policy,
+                whole_blocks=load_whole_blocks(settings, config.kv_connector_extra_config, uses_mla(vllm_config)),
                 wait_for_grant=VllmExtWorkerMetadata is not None,
                 async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
                 max_tokens_limits=max_tokens_limits(vllm_config.model_config),
@@ -264,6 +265,18 @@ def uses_mla(vllm_config) -> bool:
     """Whether the model's attention is MLA (one latent KV per token, replicated on every TP
     rank), as vLLM's model config says on every supported release (NixlConnector asks the same)."""
     return bool(getattr(vllm_config.model_config, "use_mla", False))
+
+
+def load_whole_blocks(settings, extra_config, mla: bool) -> bool:
+    """Whether a consumer loads only whole blocks (kv_connector_extra_config.load_whole_blocks).
+    Its CPU default exists for vLLM 0.32's AMX attention, which MLA models do not run; and vLLM
+    0.32's CPU MLA prefill over loaded context (which a server with prefix caching and chunked
+    prefill off runs for nothing else) gave other tokens than a single instance from the first
+    one on, where a decode over the loaded KV gave its first tokens. So an MLA model loads every
+    token but the last (D computes it as a decode) unless the setting is given."""
+    if mla and "load_whole_blocks" not in (extra_config or {}):
+        return False
+    return settings.load_whole_blocks
 
 
 def one_kv_cache_group(kv_cache_config) -> None:

@@ -4,6 +4,8 @@
                        from N(0, WEIGHT_STD), so greedy outputs change with the prompt (vLLM's
                        dummy weights repeat one cycle whatever the prompt) and every process
                        that loads the folder computes the same;
+  write_random_mla     a seeded random DeepSeek-V2 (MLA), and write_random_sliding a seeded
+                       random Gemma 3 (sliding-window beside full attention), the same way;
   write_config         a config.json alone, served with `--load-format dummy` (a large geometry
                        costs no disk and no time to write);
   write_chat_model     a random Llama with a byte-level tokenizer and a chat template, the
@@ -11,8 +13,9 @@
   write_text_model     a config.json with a trained BPE tokenizer, the serving benchmark's.
 
 Geometries are LlamaConfig fields: TINY (a 2-core CPU), TINY_GPU (FlashAttention's head size on
-one GPU) and LLAMA_7B (Llumnix's geometry). torch and transformers are imported when a writer
-runs, not with this module.
+one GPU) and LLAMA_7B (Llumnix's geometry); TINY_MLA and TINY_SLIDING are a CPU's MLA and
+sliding-window models, DEEPSEEK_V2_LITE and GEMMA3_1B config.json files for dummy weights on a
+GPU. torch and transformers are imported when a writer runs, not with this module.
 """
 
 import json
@@ -48,11 +51,18 @@ def random_llama(config: Dict[str, Any], seed: int = 0, dtype: Optional[str] = N
     """A LlamaForCausalLM of `config` (LlamaConfig's fields) whose weights but the norms are drawn
     from N(0, WEIGHT_STD) after torch.manual_seed(seed), in float32, then cast to `dtype` (a
     torch dtype name; None: left in float32)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return random_model("Llama", config, seed, dtype)
 
+
+def random_model(family: str, config: Dict[str, Any], seed: int = 0, dtype: Optional[str] = None):
+    """transformers' `<family>ForCausalLM` of `<family>Config(**config)` (family: "Llama",
+    "DeepseekV2", "Gemma3"), its weights drawn as random_llama's."""
+    import torch
+    import transformers
+
+    config_class = getattr(transformers, "Gemma3TextConfig" if family == "Gemma3" else f"{family}Config")
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**config))
+    model = getattr(transformers, f"{family}ForCausalLM")(config_class(**config))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:
@@ -63,6 +73,56 @@ def random_llama(config: Dict[str, Any], seed: int = 0, dtype: Optional[str] = N
 def write_random_llama(path: Path, config: Dict[str, Any], seed: int = 0, dtype: Optional[str] = None) -> Path:
     """`random_llama(config, seed, dtype)` saved to `path` as safetensors, with no tokenizer."""
     random_llama(config, seed, dtype).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+# An MLA model (DeepSeek-V2's attention) small enough for a 2-core CPU: vLLM's CPU MLA kernel takes
+# only DeepSeek's latent (kv_lora_rank 512 + rope 64 = 576) and blocks of 16; dense MLPs only
+# (first_k_dense_replace = every layer), no MoE.
+TINY_MLA = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2, kv_lora_rank=512,
+                q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+                max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)
+# Sliding-window layers beside full-attention ones (Gemma 3's pattern), windows shorter than the
+# tests' prompts so that both kinds of layer matter.
+TINY_SLIDING = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=48,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                    max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False)
+# For --load-format dummy on a GPU: DeepSeek-V2-Lite's geometry (27 layers, MLA latent 512 + 64,
+# 64 experts) and a Gemma-3-1B-shaped model (5 sliding-window layers of 512 tokens per full one).
+DEEPSEEK_V2_LITE = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+                    "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+                    "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+                    "n_shared_experts": 2, "n_routed_experts": 64, "num_experts_per_tok": 6,
+                    "first_k_dense_replace": 1, "moe_layer_freq": 1, "kv_lora_rank": 512, "q_lora_rank": None,
+                    "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "topk_method": "greedy",
+                    "n_group": 1, "topk_group": 1, "norm_topk_prob": False, "scoring_func": "softmax",
+                    "routed_scaling_factor": 1.0, "aux_loss_alpha": 0.001, "max_position_embeddings": 4096,
+                    "rms_norm_eps": 1e-6, "rope_theta": 10000, "hidden_act": "silu", "tie_word_embeddings": False,
+                    "torch_dtype": "bfloat16", "bos_token_id": 100000, "eos_token_id": 100001}
+GEMMA3_1B = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
+             "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
+             "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 512, "sliding_window_pattern": 6,
+             "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+             "rope_local_base_freq": 10000, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+             "final_logit_softcapping": None, "attn_logit_softcapping": None, "tie_word_embeddings": True,
+             "torch_dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": 1}
+
+
+def write_random_mla(path: Path, seed: int = 0, dtype: str = "bfloat16") -> Path:
+    """A seeded random DeepSeek-V2 of TINY_MLA geometry (MLA attention) as safetensors, no tokenizer."""
+    random_model("DeepseekV2", dict(TINY_MLA, torch_dtype=dtype), seed, dtype).save_pretrained(
+        path, safe_serialization=True)
+    return path
+
+
+def write_random_sliding(path: Path, seed: int = 0, dtype: str = "bfloat16") -> Path:
+    """A seeded random Gemma 3 of TINY_SLIDING geometry (sliding-window and full attention layers)
+    as safetensors, no tokenizer."""
+    random_model("Gemma3", dict(TINY_SLIDING, torch_dtype=dtype), seed, dtype).save_pretrained(
+        path, safe_serialization=True)
     return path
 
 
