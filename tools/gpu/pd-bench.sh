@@ -53,7 +53,8 @@ command -v nvidia-smi >/dev/null || { echo "nvidia-smi not found: this needs a C
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv | tee -a "$summary"
 if [ -n "${NIXL_WHEELS:-}" ]; then
   stamp "nixl (from $NIXL_WHEELS)"
-  "$PYTHON" -m pip install -q --no-index --no-deps "$NIXL_WHEELS"/*.whl 2>&1 | tail -n 5 | tee -a "$summary"
+  "$PYTHON" -m pip install -q --no-index --no-deps "$NIXL_WHEELS"/*.whl >"$out/nixl-install.log" 2>&1 \
+    || echo "installing nixl failed (see nixl-install.log): the NIXL rows will say why" | tee -a "$summary"
 fi
 if [ "${BUILD:-0}" = 1 ]; then
   stamp "build (editable install; log: build.log)"
