@@ -468,6 +468,9 @@ def summarise(samples: List[dict], ceilings: List[dict], configs: List[str], len
         peer = by.get((r["tokens"], NIXL_PULL + ("-proxy" if r["config"].endswith("-proxy") else "")))
         r["to_single"] = r["ttft_s"] / single["ttft_s"] if single and r["config"] != "single" else None
         r["to_nixl"] = r["ttft_s"] / peer["ttft_s"] if peer and r["config"] != "single" else None
+        for key in ("decode_s", "transfer_s"):  # the legs' ratios to NIXL's (pull), where both are known
+            known = peer and r["config"] != "single" and r.get(key) and peer.get(key)
+            r[key.removesuffix("_s") + "_to_nixl"] = r[key] / peer[key] if known else None
     ceiling_rows = []
     for n in lengths:
         mine = [c for c in ceilings if c["tokens"] == n]
@@ -563,7 +566,8 @@ def markdown(args, backend, result, summary, status, verdict, installed) -> str:
               "vllm:inter_token_latency_seconds); x single / x NIXL = TTFT against the single instance / "
               "NixlConnector (pull) on the same path.", "",
               "| tokens | configuration | TTFT | prefill leg | decode leg | transfer | ITL | x single | x NIXL | "
-              "wrong |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "decode leg x NIXL | transfer x NIXL | wrong |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in summary["rows"]:
         pair = pair_of(r["config"])
         transfer = _spread(r, "transfer_s", 2)
@@ -571,7 +575,8 @@ def markdown(args, backend, result, summary, status, verdict, installed) -> str:
             transfer = r.get("transfer_note") or result["metric_notes"].get(pair) or "unknown"
         lines.append(f"| {r['tokens']} | {r['config']} | {_spread(r, 'ttft_s')} | {_ms(r['prefill_s'])} | "
                      f"{_ms(r['decode_s'])} | {transfer if pair else '-'} | {_ms(r['itl_s'], 2)} | "
-                     f"{_x(r['to_single'])} | {_x(r['to_nixl'])} | {r['wrong']} |")
+                     f"{_x(r['to_single'])} | {_x(r['to_nixl'])} | {_x(r['decode_to_nixl'])} | "
+                     f"{_x(r['transfer_to_nixl'])} | {r['wrong']} |")
     parts = sorted({p for r in summary["rows"] for p in r["transfer_parts_s"]},
                    key=lambda p: (PHASE_ORDER.index(p) if p in PHASE_ORDER else len(PHASE_ORDER), p))
     lines += ["", "## vllm-ext's transfer against the pull ceiling", "",

@@ -69,6 +69,8 @@ def test_targets_met_missed_and_unknown():
     rows = {(r["tokens"], r["config"]): r for r in out["rows"]}
     assert rows[128, "ext"]["to_single"] == pytest.approx((single + 0.5 * budget) / single)
     assert rows[128, "ext"]["decode_s"] == pytest.approx(0.5 * budget)
+    assert rows[128, "ext"]["decode_to_nixl"] == pytest.approx(0.5 / 0.9)
+    assert rows[128, "ext"]["transfer_to_nixl"] is None  # NIXL's transfer is unknown here
 
 
 def test_a_ratio_above_the_ceiling_is_unknown_and_a_slow_transfer_misses():
