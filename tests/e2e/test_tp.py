@@ -48,7 +48,8 @@ INSTANCES = {"A": TP, "C": 1}  # name -> tensor_parallel_size
 PAIRS = ("AC", "CA")  # (prefill, decode): TP 2 -> 1, 1 -> 2
 LEASE_S = 30.0
 MAX_TOKENS = 12
-LIVE_MAX_TOKENS = 400  # long enough to be running when the move starts (within its first 20 tokens)
+LIVE_MAX_TOKENS = 1000  # running, mostly, when the move switches (a request that ended first is tried again)
+MOVE_ATTEMPTS = 3
 IDLE_TIMEOUT_S = LEASE_S + 15.0
 
 
@@ -136,14 +137,9 @@ def test_pd_across_tp_sizes_equals_a_single_instance(cluster, pair):
     wait_idle(cluster)
 
 
-@pytest.mark.parametrize("source,destination", [("A", "C"), ("C", "A")], ids=["tp2-tp1", "tp1-tp2"])
-def test_live_migration_across_tp_sizes(cluster, source, destination):
-    """A request moved mid-decode between instances of unequal TP sizes: each of the
-    destination's ranks loads its heads of the moved blocks, and the client's tokens and text
-    equal a single instance's (the source's)."""
-    rng = random.Random(36 + len(source))
-    prompt = [rng.randrange(3, 1000) for _ in range(70)]
-    before = rank_counters(cluster[destination].url)
+def move(cluster, source, destination, prompt, rng):
+    """Streams `prompt` from the source through the router and asks its move to the destination
+    at a random early token; checks the client's tokens and text, returns the router's record."""
     results = []
     s = Stream(cluster["router"].url, {"model": "tiny", "prompt": prompt, "max_tokens": LIVE_MAX_TOKENS,
                                        "temperature": 0, "return_token_ids": True})
@@ -160,10 +156,29 @@ def test_live_migration_across_tp_sizes(cluster, source, destination):
     finally:
         undrained.set()
     (status, record), = finish([s], results)
+    if status == 404 and "no running request" in str(record) and len(s.ids) == LIVE_MAX_TOKENS:
+        status, record = 200, {"outcome": "finished", "source": pin}  # ended before the move reached the router
     assert s.error is None and status == 200, (s.error, status, record)
-    assert record["outcome"] == "moved" and record["source"] == pin, record
+    assert record["source"] == pin, record
     want_ids, want_text = complete(pin, prompt, LIVE_MAX_TOKENS)
     assert s.ids == want_ids and s.text == want_text
+    return record
+
+
+@pytest.mark.parametrize("source,destination", [("A", "C"), ("C", "A")], ids=["tp2-tp1", "tp1-tp2"])
+def test_live_migration_across_tp_sizes(cluster, source, destination):
+    """A request moved mid-decode between instances of unequal TP sizes: each of the
+    destination's ranks loads its heads of the moved blocks, and the client's tokens and text
+    equal a single instance's (the source's). A request that ends on the source before the move's
+    switch ("finished": the tiny model decodes fast, a move waits for both engines' steps) is
+    right too, and tried again on a new prompt, MOVE_ATTEMPTS times at most."""
+    rng = random.Random(36 + ord(source))
+    before = rank_counters(cluster[destination].url)
+    for _ in range(MOVE_ATTEMPTS):
+        record = move(cluster, source, destination, [rng.randrange(3, 1000) for _ in range(70)], rng)
+        if record["outcome"] != "finished":
+            break
+    assert record["outcome"] == "moved", record
     moved = delta(rank_counters(cluster[destination].url), before)
     ranks = INSTANCES[destination]
     assert sorted(moved) == list(range(ranks)) and all(t >= 1 and f == 0 for t, f in moved.values()), moved
