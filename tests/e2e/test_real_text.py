@@ -395,11 +395,12 @@ class TestByteLevel:
             want, want_usage = answer(tiny["A"].url, "/v1/completions", body)
             assert want["finish_reason"] == "stop", (stop, want)
             # the stop string completes in the text of the n-th token; the move comes well before
-            # (a busy host's moves take long), inside held-back text where there is some
+            # (a busy host's moves take long), inside held-back text where there is some, by the
+            # quicker switches (stop-and-copy, recompute)
             n = len(want["token_ids"])
-            points = held_points(tokenizer, free["token_ids"], n - 50, n - 25) or [n - 35]
+            points = held_points(tokenizer, free["token_ids"], n - 60, n - 30) or [n - 45]
             k = rng.choice(points)
-            how = MOVES[i % 2]
+            how = MOVES[1 + i % 2]
             stops_before = {url: stops_ended(url) for url in (tiny["A"].url, tiny["B"].url)}
             if streamed:
                 s, status, record = move_streamed(tiny, "/v1/completions", body, k, **how)
