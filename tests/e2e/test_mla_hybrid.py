@@ -30,7 +30,9 @@ require_vllm()
 
 LEASE_S = 15.0
 MAX_TOKENS = 12
-LIVE_MAX_TOKENS = 300  # long enough to be running when the move starts (within its first 20 tokens)
+# long enough to be running when the move ends (it starts within the client's first 20 tokens; on a
+# loaded host the engine runs hundreds of tokens ahead of what the client has read)
+LIVE_MAX_TOKENS = 1000
 IDLE_TIMEOUT_S = LEASE_S + 15.0
 
 # kind -> (CPU: writer of a seeded random checkpoint, the servers' extra arguments; GPU: a
@@ -141,7 +143,8 @@ def test_a_moved_request_equals_an_unmoved_one(cluster):
         assert record["outcome"] in ("moved", "finished"), (status, record)
         assert len(s.ids) == LIVE_MAX_TOKENS
         moved += record["outcome"] == "moved"
-        if comparable(cluster):
+        # MLA on a CPU: a destination that computed one token (a decode over the moved KV) as well
+        if comparable(cluster) or record.get("recomputed_tokens") == 1:
             assert (s.ids, s.text) == complete(record.get("source") or cluster["A"].url, prompt, LIVE_MAX_TOKENS)
     assert moved >= 1
     after = transfer_counts(cluster)
