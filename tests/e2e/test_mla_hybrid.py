@@ -57,8 +57,9 @@ def cluster(request, tmp_path_factory):
     (write, cpu_args), (gpu_config, gpu_args) = KINDS[kind]
     if device.name == "cpu":
         model, extra_args = write(work / "model"), cpu_args
-    else:  # the geometry at full size, a vocabulary the word-level tokenizer covers
-        model = models.write_config(work / "model", dict(gpu_config, vocab_size=models.VOCAB_SIZE))
+    else:  # the geometry at full size, a vocabulary the word-level tokenizer covers (its special ids too)
+        model = models.write_config(work / "model", dict(gpu_config, vocab_size=models.VOCAB_SIZE, bos_token_id=1,
+                                                         eos_token_id=2))
         extra_args = ("--load-format", "dummy", *gpu_args)
     models.write_word_tokenizer(model)
     for cluster in start_pair(work, model, lease_s=LEASE_S, extra_args=extra_args, proxy=True, device=device):
