@@ -297,3 +297,23 @@ def test_load_sync_is_refused_where_a_failed_load_would_send_a_wrong_token():
         consumer_scheduler("x", "fail", False)
     for load in ("auto", "async"):
         consumer_scheduler(load, "recompute", True).shutdown()
+
+
+@pytest.mark.parametrize("load,sync", [("sync", True), ("async", False)])
+def test_refused_params_fail_as_the_load_the_rule_names(load, sync):
+    """Params refused by the scheduler (here: another instance's layout) under policy "fail":
+    the request's "load" fails at once, inside its step where the rule loads in the step (its
+    blocks invalid, no asynchronous receive), asynchronously otherwise; may_load_async agrees."""
+    from vllm_ext.connector.metadata import VllmExtHandshake
+
+    sched = consumer_scheduler(load, "fail", True)
+    try:
+        sched.set_handshake({0: VllmExtHandshake(descriptor={}, fingerprint="ee" * 16, fingerprint_fields={})})
+        req = make_request(range(40), good_params(), req_id="x")  # remote_fingerprint "cd"*16: refused
+        assert sched.get_num_new_matched_tokens(req, 0) == (39, not sync)
+        assert sched.may_load_async(req.kv_transfer_params) is not sync
+        sched.update_state_after_alloc(req, [4, 5, 6], 39)
+        job, = sched.build_connector_meta().recvs
+        assert job.error and job.sync is sync and job.dst_block_ids == [4, 5, 6]
+    finally:
+        sched.shutdown()

@@ -114,7 +114,8 @@ class Consumer:
         if error is not None:
             self._warn_once(request.request_id, error)
             if self.failure_policy == "fail" and request.num_tokens - 1 > num_computed_tokens:
-                return request.num_tokens - 1 - num_computed_tokens, True  # failed by the worker at once
+                # failed by the worker at once, as the load may_load_async says it is
+                return request.num_tokens - 1 - num_computed_tokens, self.may_load_async(request.kv_transfer_params)
             return 0, False
         end = self._load_end(request, remote) if remote is not None else 0
         if end <= num_computed_tokens:
@@ -157,6 +158,7 @@ class Consumer:
         remote, error = self.remote(request)
         if remote is None and error is None:
             return None
+        asynchronous = self.may_load_async(request.kv_transfer_params)  # a refused load fails as this
         request.kv_transfer_params["do_remote_prefill"] = False  # once: a preempted request recomputes
         if num_external_tokens <= 0 or error is not None:
             job = None
@@ -165,7 +167,8 @@ class Consumer:
                 # releases without failed_recving (0.26) learn of the failure only from its blocks
                 end = request.num_tokens - 1
                 first, last = (end - num_external_tokens) // self.block_size, -(-end // self.block_size)
-                job = RecvJob(req_id=request.request_id, error=error, dst_block_ids=list(block_ids[first:last]))
+                job = RecvJob(req_id=request.request_id, error=error, dst_block_ids=list(block_ids[first:last]),
+                              sync=not asynchronous)
                 self._recvs.append(job)
             self.release(request.request_id, request.kv_transfer_params)
             return job
