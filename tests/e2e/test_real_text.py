@@ -500,30 +500,35 @@ class TestByteLevel:
 
     def test_a_drain_and_the_balancer_keep_the_text(self, tiny, tokenizer, rng):
         """Streams (chat and completions) begun on A, moved by a drain of A, then by the
-        balancer of a second router: each client's text is the unmoved one's."""
+        balancer of a second router: each client's text is the unmoved one's. The balancer
+        moves as it sees fit, and on a busy host the streams may end first: up to three rounds
+        of streams until it moved one."""
         paths = ["/v1/completions", "/v1/chat/completions", "/v1/completions"]
         urls = [tiny["A"].url, tiny["B"].url]
         balancer = start_router(tiny["work"], "balancer", urls, [tiny["leases"][n] for n in "AB"], "--balance",
                                 "--balance-threshold", "2", "--balance-interval-s", "0.1")
         try:
             for router, move in ((tiny["router"], "drain"), (balancer, "balance")):
-                # longer for the balancer, which moves them one at a time as it sees fit
-                cases = [held_case(tiny, tokenizer, rng, path, multi_byte if i % 2 else letters,
-                                   max_tokens=BYTE_MAX_TOKENS * (1 if move == "drain" else 2))
-                         for i, path in enumerate(paths)]
-                scope = dict(tiny, router=router)
-                streams = pin_to(scope, router, "A", lambda r=router, c=cases: started_streams(r, c, paths), urls)
-                if move == "drain":
-                    status, report = admin(router, "/drain", {"instance": tiny["A"].url})
-                    admin(router, "/undrain", {"instance": tiny["A"].url})
-                    assert status == 200 and report["left"] == [], report
-                finish(streams)
-                history = admin(router, "/requests")[1]["migrations"]
-                for s, path, (_, want, want_usage, _) in zip(streams, paths, cases):
-                    moves = [m for m in history if m["request_id"] == s.rid]
-                    assert s.error is None, s.error
-                    assert_same_text(s.text, s.ids, want, f"{path} after a {move}: {moves}")
-                    assert s.usage == want_usage
+                for _ in range(1 if move == "drain" else 3):
+                    # longer for the balancer, which moves them one at a time as it sees fit
+                    cases = [held_case(tiny, tokenizer, rng, path, multi_byte if i % 2 else letters,
+                                       max_tokens=BYTE_MAX_TOKENS * (1 if move == "drain" else 2))
+                             for i, path in enumerate(paths)]
+                    scope = dict(tiny, router=router)
+                    streams = pin_to(scope, router, "A", lambda r=router, c=cases: started_streams(r, c, paths), urls)
+                    if move == "drain":
+                        status, report = admin(router, "/drain", {"instance": tiny["A"].url})
+                        admin(router, "/undrain", {"instance": tiny["A"].url})
+                        assert status == 200 and report["left"] == [], report
+                    finish(streams)
+                    history = admin(router, "/requests")[1]["migrations"]
+                    for s, path, (_, want, want_usage, _) in zip(streams, paths, cases):
+                        moves = [m for m in history if m["request_id"] == s.rid]
+                        assert s.error is None, s.error
+                        assert_same_text(s.text, s.ids, want, f"{path} after a {move}: {moves}")
+                        assert s.usage == want_usage
+                    if any(m["outcome"] in ("moved", "recomputed") for m in history):
+                        break
                 assert any(m["outcome"] in ("moved", "recomputed") for m in history), \
                     (move, [(m["outcome"], m["reason"]) for m in history])
         finally:
