@@ -5,6 +5,7 @@ test module where vLLM is not installed (make test-connector installs it); the f
 it are in conftest.py."""
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
@@ -107,6 +108,60 @@ def step(sched, worker, scheduler_output=None, output=True):
     if output:
         sched.update_connector_output(SimpleNamespace(kv_connector_worker_meta=worker.build_worker_meta()))
     return meta
+
+
+@dataclasses.dataclass
+class Instance:
+    """One instance's scheduler half and its TP ranks' worker halves, stepped as vLLM's executor
+    does (their outputs aggregated by vLLM's own KVOutputAggregator)."""
+
+    sched: object
+    workers: list
+    aggregator: object
+
+    @classmethod
+    def of(cls, workers, producer: bool, policy: str = "recompute") -> "Instance":
+        """A scheduler half (`policy`) over `workers` (rank r at index r), handshakes set."""
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+        sched = make_scheduler(producer, policy=policy)
+        sched.set_handshake({rank: w.handshake() for rank, w in enumerate(workers)})
+        return cls(sched, workers, KVOutputAggregator(len(workers)))
+
+    def step(self, ranks=None):
+        """One engine step: the metadata to every rank's worker, their outputs aggregated (of
+        `ranks` only: the others' outputs do not reach the scheduler this step)."""
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
+
+        meta = self.sched.build_connector_meta(None)
+        outputs = []
+        for rank, worker in enumerate(self.workers):
+            worker.start_load_kv(meta)
+            if ranks is not None and rank not in ranks:
+                continue
+            sending, recving, failed = worker.take_results(meta)
+            out = dataclasses.replace(EMPTY_MODEL_RUNNER_OUTPUT)  # fields differ by release
+            out.kv_connector_output = KVConnectorOutput(
+                finished_sending=sending or None, finished_recving=recving or None, failed_recving=failed,
+                kv_connector_worker_meta=worker.build_worker_meta())
+            outputs.append(out)
+        output = self.aggregator.aggregate(outputs).kv_connector_output
+        self.sched.update_connector_output(output)
+        return output
+
+    def until(self, what, deadline_s=30.0):
+        """Steps until `what(output)` holds (a stated, generous deadline); that step's output."""
+        deadline = time.monotonic() + deadline_s
+        while True:
+            output = self.step()
+            if what(output):
+                return output
+            assert time.monotonic() < deadline, "not reached within the deadline"
+            time.sleep(0.01)
+
+    def shutdown(self):
+        for half in (self.sched, *self.workers):
+            half.shutdown()
 
 
 def finish_prefill(sched, prompt, req_id="p-0", block_ids=None):

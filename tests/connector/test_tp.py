@@ -6,7 +6,6 @@ rank serves it, taken once per rank and ended once every rank released it; a req
 fails on one rank fails as a whole. At unequal TP sizes (2 -> 1, 1 -> 2) a consumer rank gathers
 its heads from the producer ranks that hold them, each checked against that rank's digests."""
 
-import dataclasses
 import os
 import time
 
@@ -19,10 +18,10 @@ else:
     pytest.importorskip("vllm", reason="vllm is not installed here (make test-connector installs it)")
 
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput  # noqa: E402
 
 from tests.connector.halves import (
     STATIC,
+    Instance,
     expect,
     finish_prefill,
     lease_client,
@@ -38,55 +37,11 @@ HEADS = STATIC["num_kv_heads"]  # the model's; each rank holds HEADS // its TP s
 DEADLINE_S = 30.0  # generous: a stated bound, never a speed assertion
 
 
-@dataclasses.dataclass
-class Instance:
-    """One instance's scheduler half and its ranks' worker halves, stepped as vLLM's executor does."""
-
-    sched: object
-    workers: list
-    aggregator: KVOutputAggregator
-
-    def step(self, ranks=None) -> KVConnectorOutput:
-        """One engine step: the metadata to every rank's worker, their outputs aggregated (of
-        `ranks` only: the others' outputs do not reach the scheduler this step)."""
-        meta = self.sched.build_connector_meta(None)
-        outputs = []
-        for rank, worker in enumerate(self.workers):
-            worker.start_load_kv(meta)
-            if ranks is not None and rank not in ranks:
-                continue
-            sending, recving, failed = worker.take_results(meta)
-            out = dataclasses.replace(EMPTY_MODEL_RUNNER_OUTPUT)  # fields differ by release
-            out.kv_connector_output = KVConnectorOutput(
-                finished_sending=sending or None, finished_recving=recving or None, failed_recving=failed,
-                kv_connector_worker_meta=worker.build_worker_meta())
-            outputs.append(out)
-        output = self.aggregator.aggregate(outputs).kv_connector_output
-        self.sched.update_connector_output(output)
-        return output
-
-    def until(self, what, deadline_s=DEADLINE_S) -> KVConnectorOutput:
-        """Steps until `what(output)` holds (a stated, generous deadline); that step's output."""
-        deadline = time.monotonic() + deadline_s
-        while True:
-            output = self.step()
-            if what(output):
-                return output
-            assert time.monotonic() < deadline, "not reached within the deadline"
-            time.sleep(0.01)
-
-    def shutdown(self):
-        for half in (self.sched, *self.workers):
-            half.shutdown()
-
-
 def instance(producer: bool, tp: int, seed: int, allowed=()) -> Instance:
     """An instance of `tp` ranks; rank r's shard is drawn with seed `seed + r` (every shard differs)."""
     workers = [make_worker(vllm_layers(heads=HEADS // tp, seed=seed + rank), producer, allowed=allowed,
                            tp_rank=rank, tp_size=tp) for rank in range(tp)]
-    sched = make_scheduler(producer, policy="recompute")
-    sched.set_handshake({rank: w.handshake() for rank, w in enumerate(workers)})
-    return Instance(sched, workers, KVOutputAggregator(tp))
+    return Instance.of(workers, producer)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from tests.connector.halves import (
     NUM_BLOCKS,
     SECRET,
     STATIC,
+    Instance,
     finish_prefill,
     lease_client,
     make_request,
@@ -166,50 +167,10 @@ def test_the_fingerprint_tells_an_mla_cache_from_a_dense_one_by_name():
         dense.shutdown()
 
 
-class MlaInstance:
-    """An instance's scheduler half and its TP ranks' worker halves over an MLA model (every
-    rank holds the same latent: replicated), stepped as vLLM's executor does."""
-
-    def __init__(self, producer, tp, seed, allowed=()):
-        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-
-        self.workers = [mla_worker(mla_layers(seed), producer, allowed=allowed, tp_rank=r, tp_size=tp)
-                        for r in range(tp)]
-        self.sched = make_scheduler(producer, policy="recompute")
-        self.sched.set_handshake({r: w.handshake() for r, w in enumerate(self.workers)})
-        self.aggregator = KVOutputAggregator(tp)
-
-    def step(self):
-        import dataclasses
-
-        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
-
-        meta = self.sched.build_connector_meta(None)
-        outputs = []
-        for worker in self.workers:
-            worker.start_load_kv(meta)
-            sending, recving, failed = worker.take_results(meta)
-            out = dataclasses.replace(EMPTY_MODEL_RUNNER_OUTPUT)
-            out.kv_connector_output = KVConnectorOutput(
-                finished_sending=sending or None, finished_recving=recving or None, failed_recving=failed,
-                kv_connector_worker_meta=worker.build_worker_meta())
-            outputs.append(out)
-        output = self.aggregator.aggregate(outputs).kv_connector_output
-        self.sched.update_connector_output(output)
-        return output
-
-    def until(self, what):
-        deadline = time.monotonic() + DEADLINE_S
-        while True:
-            output = self.step()
-            if what(output):
-                return output
-            assert time.monotonic() < deadline, "not reached within the deadline"
-            time.sleep(0.01)
-
-    def shutdown(self):
-        for half in (self.sched, *self.workers):
-            half.shutdown()
+def mla_instance(producer, tp, seed, allowed=()):
+    """An instance of `tp` ranks over an MLA model (every rank holds the same latent: replicated)."""
+    return Instance.of([mla_worker(mla_layers(seed), producer, allowed=allowed, tp_rank=r, tp_size=tp)
+                        for r in range(tp)], producer)
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 2), (2, 1), (1, 2)])
@@ -217,8 +178,8 @@ def test_mla_latents_move_whole_between_any_tp_sizes(p_tp, d_tp):
     """An MLA model's latent is whole on every rank: each D rank pulls every block whole from one
     P rank (its own number at equal sizes, kv_params.source_ranks' first at unequal ones; no head
     ranges), checked against that rank's digests; the lease ends once every D rank released it."""
-    p = MlaInstance(True, p_tp, seed=int(time.time()) % 1000)
-    d = MlaInstance(False, d_tp, seed=5000, allowed=[p.sched])
+    p = mla_instance(True, p_tp, seed=int(time.time()) % 1000)
+    d = mla_instance(False, d_tp, seed=5000, allowed=[p.sched])
     try:
         prompt = list(range(75))  # 5 blocks, the last partial
         _, params = finish_prefill(p.sched, prompt)
@@ -249,7 +210,7 @@ def test_a_dense_consumer_refuses_an_mla_producer_naming_the_fields(caplog):
     computed on D), and its handshake with P names the fields that differ."""
     from vllm_ext.connector.receiver import TransferFailed
 
-    p = MlaInstance(True, 1, seed=7)
+    p = mla_instance(True, 1, seed=7)
     d_worker = mla_worker(vllm_layers(heads=1, c=MLA_WIDTH), producer=False, static=DENSE_STATIC, mla=False,
                           allowed=[p.sched])
     d_sched = make_scheduler(False, policy="recompute")
