@@ -107,6 +107,14 @@ def start_router(work, name, urls, leases, *extra):
     return proc
 
 
+def complete(url, prompt, max_tokens):
+    """A greedy completion of token ids `prompt` on the tiny model: (token ids, text)."""
+    status, body = fleet.post(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                                     "temperature": 0, "return_token_ids": True, "ignore_eos": True})
+    assert status == 200, body
+    return body["choices"][0]["token_ids"], body["choices"][0]["text"]
+
+
 def admin(router, path, body=None):
     req = urllib.request.Request(router.url + path, data=None if body is None else json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})

@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+from tests.e2e import live_cluster
 from tests.e2e.live_cluster import Stream, finish, migrate_async, require_vllm, start_pair
 from vllm_ext import fleet
 from vllm_ext.fleet import models
@@ -72,10 +73,7 @@ def prompts(seed, lengths):
 
 
 def complete(url, prompt, max_tokens=MAX_TOKENS):
-    status, body = fleet.post(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
-                                                     "temperature": 0, "return_token_ids": True, "ignore_eos": True})
-    assert status == 200, body
-    return body["choices"][0]["token_ids"], body["choices"][0]["text"]
+    return live_cluster.complete(url, prompt, max_tokens)
 
 
 def wait_idle(cluster):

@@ -28,6 +28,7 @@ import time
 
 import pytest
 
+from tests.e2e import live_cluster
 from tests.e2e.live_cluster import (
     Stream,
     fault_files,
@@ -84,10 +85,7 @@ def cluster(tmp_path_factory):
 
 
 def complete(url, prompt, max_tokens=MAX_TOKENS):
-    status, body = fleet.post(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
-                                                     "temperature": 0, "return_token_ids": True, "ignore_eos": True})
-    assert status == 200, body
-    return body["choices"][0]["token_ids"], body["choices"][0]["text"]
+    return live_cluster.complete(url, prompt, max_tokens)
 
 
 def rank_counters(url):
