@@ -47,9 +47,13 @@ require_vllm()
 TP = 2
 INSTANCES = {"A": TP, "C": 1}  # name -> tensor_parallel_size
 PAIRS = ("AC", "CA")  # (prefill, decode): TP 2 -> 1, 1 -> 2
-LEASE_S = 30.0
+# An unused lease's life: generous, a deadline and not a speed bound (on a saturated 2-core host a
+# decode's pull was seen to begin 30 s after its prefill ended, past a 30 s lease)
+LEASE_S = 90.0
 MAX_TOKENS = 12
-LIVE_MAX_TOKENS = 1000  # running, mostly, when the move switches (a request that ended first is tried again)
+# running, mostly, when the move switches (a request that ended first is tried again); with the
+# 70-token prompt within the servers' 2048-token limit
+LIVE_MAX_TOKENS = 1900
 MOVE_ATTEMPTS = 3
 IDLE_TIMEOUT_S = LEASE_S + 15.0
 
