@@ -206,3 +206,9 @@ def ref_head_digests(cache: KVCache, ids, first: int, count: int) -> list:
         weights = (p * np.uint64(DIGEST_STEP) + np.uint64(DIGEST_SEED)) | np.uint64(1)
         out.append(int((words * weights).sum(dtype=np.uint64).astype(np.int64)))
     return out
+
+
+# copy_blocks layout pairs whose heads lie in the same order (flash and flashinfer are both
+# token-major), for the head-range tests on CPU and GPU
+HEAD_RANGE_PAIRS = [("flash", "flash"), ("flash", "flashinfer"), ("flashinfer", "flash"), ("blocks_hnd", "blocks_hnd"),
+                    ("blocks_nhd", "blocks_nhd")]

@@ -13,6 +13,7 @@ import torch
 from tests.helpers.reference import (
     DTYPES,
     HEAD_LAYOUTS,
+    HEAD_RANGE_PAIRS,
     assert_cache_bytes_equal,
     cache_bytes,
     distinct_ids,
@@ -27,9 +28,7 @@ from tests.helpers.reference import (
 from vllm_ext import KVCache, _lib, ops
 
 SEEDS = range(3)
-# copy_blocks pairs whose heads lie in the same order (flash and flashinfer are both token-major)
-PAIRS = [("flash", "flash"), ("flash", "flashinfer"), ("flashinfer", "flash"), ("blocks_hnd", "blocks_hnd"),
-         ("blocks_nhd", "blocks_nhd")]
+PAIRS = HEAD_RANGE_PAIRS
 
 
 def poisoned(shape, seed):

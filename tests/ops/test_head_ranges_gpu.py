@@ -12,6 +12,7 @@ import torch
 from tests.helpers.reference import (
     DTYPES,
     HEAD_LAYOUTS,
+    HEAD_RANGE_PAIRS,
     assert_cache_bytes_equal,
     cache_bytes,
     distinct_ids,
@@ -23,8 +24,7 @@ from tests.helpers.reference import (
 from vllm_ext import KVCache, ops
 
 SEEDS = range(3)
-PAIRS = [("flash", "flash"), ("flash", "flashinfer"), ("flashinfer", "flash"), ("blocks_hnd", "blocks_hnd"),
-         ("blocks_nhd", "blocks_nhd")]
+PAIRS = HEAD_RANGE_PAIRS
 # (dtype, head_size, access width): a head range whose offset, runs and strides allow that width
 # at most (the first head is odd, so the offset is one head's bytes).
 WIDTHS = [
