@@ -164,6 +164,14 @@ class Instance:
             half.shutdown()
 
 
+def assert_every_rank_received_once(p: Instance, d: Instance) -> None:
+    """P's lease "p-0" ended (every D rank released it), and each D rank made one transfer, none
+    failed."""
+    assert p.until(lambda o: o.finished_sending).finished_sending == {"p-0"}
+    stats = [w.get_stats().data for w in d.workers]
+    assert [s["transfers"] for s in stats] == [1] * len(d.workers) and all(s["failed"] == 0 for s in stats)
+
+
 def finish_prefill(sched, prompt, req_id="p-0", block_ids=None):
     """Runs the producer's request_finished as the engine does after a 1-token prefill."""
     req = make_request(prompt, {"do_remote_decode": True}, req_id=req_id, max_tokens=1)

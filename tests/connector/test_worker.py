@@ -15,6 +15,7 @@ from tests.connector.halves import (
     SECRET,
     STATIC,
     Instance,
+    assert_every_rank_received_once,
     finish_prefill,
     lease_client,
     make_request,
@@ -197,9 +198,7 @@ def test_mla_latents_move_whole_between_any_tp_sizes(p_tp, d_tp):
             for got, want in zip(w.cache.layers, src):
                 assert torch.equal(got[local], want[params["remote_block_ids"]])
         assert all(torch.equal(t[25], u) for t, u in zip((t for w in d.workers for t in w.cache.layers), untouched))
-        assert p.until(lambda o: o.finished_sending).finished_sending == {"p-0"}
-        stats = [w.get_stats().data for w in d.workers]
-        assert [s["transfers"] for s in stats] == [1] * d_tp and all(s["failed"] == 0 for s in stats)
+        assert_every_rank_received_once(p, d)
     finally:
         d.shutdown()
         p.shutdown()
