@@ -92,8 +92,9 @@ class Fleet:
     """Instances A and B (kv_both: each can be the other's producer or consumer), the router and
     the P/D proxy, stopped together."""
 
-    def __init__(self, model: Path, work: Path, device, served: str):
+    def __init__(self, model: Path, work: Path, device, served: str, max_model_len: int = 1024):
         self.work, self.device, self.served = work, device, served
+        self.max_model_len = max_model_len
         self.token = secrets.token_hex(16)
         self.secret = secrets.token_hex(32)
         self.processes: List[Process] = []
@@ -119,7 +120,8 @@ class Fleet:
                                                 "connect_to": [f"127.0.0.1:{self.lease_ports[other]}"]}}
             port = free_port()
             argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
-                    "--served-model-name", self.served, "--dtype", self.device.dtype, "--max-model-len", "1024",
+                    "--served-model-name", self.served, "--dtype", self.device.dtype,
+                    "--max-model-len", str(self.max_model_len),
                     "--block-size", "32", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port),
                     *self.device.server_args, "--kv-transfer-config", json.dumps(kv)]
             say(f"starting vLLM instance {name} on port {port} (lease channel {self.lease_ports[name]})")
@@ -146,11 +148,14 @@ class Fleet:
         say("stopped every process it started")
 
 
-def _stream_and_move(fleet: Fleet, max_tokens: int, move_after: int) -> dict:
+def _stream_and_move(fleet: Fleet, max_tokens: int, move_after: int, ignore_eos: bool = False,
+                     how: Optional[dict] = None) -> dict:
     """Streams a chat answer through the router to the terminal and moves it to the other
-    instance once `move_after` tokens came; returns the move's record and the client's view."""
+    instance once `move_after` tokens came (`how`: more of the /migrate body); returns the
+    move's record and the client's view."""
+    how = how or {}
     body = {"model": fleet.served, "messages": [{"role": "user", "content": CHAT}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True}
+            "temperature": 0, "stream": True, "ignore_eos": ignore_eos}
     req = urllib.request.Request(fleet.router.url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     seen = {"tokens": 0, "gaps": [], "text": "", "record": None}
@@ -166,7 +171,7 @@ def _stream_and_move(fleet: Fleet, max_tokens: int, move_after: int) -> dict:
                 if r.get("generated", 0) >= move_after and rid:
                     target = fleet.b.url if source == fleet.a.url else fleet.a.url
                     status, record = _admin(fleet.router.url, fleet.token, "/migrate",
-                                            {"request_id": rid, "to": target})
+                                            dict(how, request_id=rid, to=target))
                     seen["record"] = record if status == 200 else {"error": record, "status": status}
                     moved.set()
                     return
@@ -255,12 +260,14 @@ def main(argv=None) -> int:
         model, served = real_model_folder("float32", say=say), SERVED_NAME
         max_tokens = args.max_tokens or 160
     else:
-        from .models import write_chat_model
+        from .models import CHAT_MODEL_MAX_POSITIONS, write_chat_model
 
         model, served = work / "tiny-model", "tiny"
         write_chat_model(model)
-        max_tokens = args.max_tokens or 600
-    fleet = Fleet(model, work, device, served)
+        # long enough that its engine, hundreds of tokens a second ahead of the client on a CPU,
+        # still decodes when the move switches (at 600 the move found it ended, seen on 2 cores)
+        max_tokens = args.max_tokens or CHAT_MODEL_MAX_POSITIONS - 256
+    fleet = Fleet(model, work, device, served, 1024 if args.model == "real" else CHAT_MODEL_MAX_POSITIONS)
     signal.signal(signal.SIGTERM, _interrupted)  # a kill stops the fleet too, as Ctrl-C does
     try:
         fleet.start()
@@ -271,7 +278,11 @@ def main(argv=None) -> int:
         # the tiny model decodes hundreds of tokens a second on a CPU: it is moved early, or its
         # engine would end the answer while the client (and the router's count) still lag behind
         move_after = 8 if args.model == "tiny" else max(8, max_tokens // 5)
-        seen = _stream_and_move(fleet, max_tokens, move_after=move_after)
+        # the random tiny model may write its end of text at any token: it runs its max_tokens
+        # and it moves by stop-and-copy: pre-copy rounds last longer than its whole answer on a CPU
+        tiny = args.model == "tiny"
+        seen = _stream_and_move(fleet, max_tokens, move_after=move_after, ignore_eos=tiny,
+                                how={"stages": 0} if tiny else None)
         _report_move(seen)
         _pd(fleet)
     except KeyboardInterrupt:

@@ -146,7 +146,7 @@ def write_word_tokenizer(path: Path, vocab_size: int = VOCAB_SIZE) -> Path:
 
 
 # The Docker images' model: the TINY geometry over the byte-level tokenizer's vocabulary.
-CHAT_MODEL_MAX_POSITIONS = 1024
+CHAT_MODEL_MAX_POSITIONS = 2048
 
 
 def write_chat_model(path: Path, seed: int = 0) -> Dict[str, Any]:
