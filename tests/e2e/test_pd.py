@@ -16,7 +16,6 @@ leases (not expired ones) can pass; its expired-leases counter stays 0 across th
 The servers are shared by a device's tests, in order; its last test kills the prefill server.
 """
 
-import importlib.util
 import json
 import os
 import random
@@ -28,15 +27,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.live_cluster import require_vllm_found
 from vllm_ext import fleet
 
-# Found, not imported (10-30 s): the servers import vLLM, write_checkpoint transformers.
-MISSING = [name for name in ("vllm", "transformers") if importlib.util.find_spec(name) is None]
-if MISSING and os.environ.get("VLLM_EXT_REQUIRE_VLLM") == "1":  # make test-connector: a missing vllm fails
-    raise ImportError(f"{' and '.join(MISSING)} not installed for {sys.executable}")
-if MISSING:
-    pytest.skip(f"{' and '.join(MISSING)} not installed here (make test-connector installs vllm)",
-                allow_module_level=True)
+# the servers import vLLM, write_checkpoint transformers
+require_vllm_found()
 
 # The servers import the test-only fault connector as tests.e2e.<module>, from the repository root
 # (the folder holding tests/) on their PYTHONPATH.

@@ -18,16 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.live_cluster import require_vllm_found
+
 ROOT = Path(__file__).resolve().parents[2]
 RUN_S = 1200.0
 LENGTHS = (96, 1100)
 
-MISSING = [name for name in ("vllm", "transformers") if importlib.util.find_spec(name) is None]
-if MISSING and os.environ.get("VLLM_EXT_REQUIRE_VLLM") == "1":  # make test-connector: a missing vllm fails
-    raise ImportError(f"{' and '.join(MISSING)} not installed for {sys.executable}")
-if MISSING:
-    pytest.skip(f"{' and '.join(MISSING)} not installed here (make test-connector installs vllm)",
-                allow_module_level=True)
+require_vllm_found()
 if not (ROOT / "benchmarks").is_dir():
     pytest.skip("benchmarks/ is not here (the test image holds tests/ only)", allow_module_level=True)
 
