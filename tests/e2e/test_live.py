@@ -36,6 +36,7 @@ from tests.e2e.live_cluster import (
     start_router,
 )
 from vllm_ext import fleet
+from vllm_ext.fleet.servers import NO_BIND
 
 require_vllm()
 
@@ -589,7 +590,10 @@ def test_three_instances_drain_and_instances_killed_mid_migration(cluster):
     A waits to pull it) and the destination of one from B (B has stopped it, C waits to pull
     it), with a third request only streaming from it: all three finish elsewhere with the
     unmigrated tokens, none lost or doubled, and B's lease on its blocks is let go."""
-    c = cluster["start"]("C", "0")  # the core of A, whose engine waits when B must step (below)
+    # C is bound to no core: vLLM CPU binds every thread of a worker, ours included, to its cores,
+    # and a worker spins between steps; bound beside A, C's pulls from A starved (20 s pull
+    # deadlines, a drain past 120 s in CI)
+    c = cluster["start"]("C", NO_BIND)
     c.wait_healthy()
     cluster["C"] = c
     # a fresh CPU server's first request takes seconds (lazy start-up): not in the first timed move
@@ -609,9 +613,9 @@ def test_three_instances_drain_and_instances_killed_mid_migration(cluster):
         admin(router, "/undrain", {"instance": cluster["A"].url})
         assert status == 200 and report["left"] == [], report
         # spread over B and C (each move to the least loaded); KV moved in at least one. A move
-        # may end "finished" (the request ended on A first: on this 2-core host C, on A's core,
-        # may wait out its pull deadline for a pre-copy from A) or "recomputed", saying why (a
-        # pull that failed so); the moves' data path is the two-instance tests' subject
+        # may end "finished" (the request ended on A first: on this 2-core host a pull can wait
+        # out its deadline) or "recomputed", saying why (a pull that failed so); the moves' data
+        # path is the two-instance tests' subject
         moves = [(m["destination"], m["outcome"], m["reason"], m["state"], m["stages"]) for m in report["migrations"]]
         assert {m["destination"] for m in report["migrations"]} == {cluster["B"].url, c.url}, moves
         assert "moved" in {m["outcome"] for m in report["migrations"]}, moves
