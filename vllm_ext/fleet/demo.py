@@ -268,7 +268,11 @@ def main(argv=None) -> int:
         # still decodes when the move switches (at 600 the move found it ended, seen on 2 cores)
         max_tokens = args.max_tokens or CHAT_MODEL_MAX_POSITIONS - 256
     fleet = Fleet(model, work, device, served, 1024 if args.model == "real" else CHAT_MODEL_MAX_POSITIONS)
-    signal.signal(signal.SIGTERM, _interrupted)  # a kill stops the fleet too, as Ctrl-C does
+    # Ctrl-C and a kill stop the fleet. SIGINT's handler is set too: a process started in the
+    # background by a non-interactive shell (nohup make demo &, a CI job) inherits SIGINT ignored,
+    # and Python then raises no KeyboardInterrupt for it
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupted)
     try:
         fleet.start()
         say(f"fleet up in {time.monotonic() - started:.0f} s")
