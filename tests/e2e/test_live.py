@@ -44,6 +44,9 @@ LEASE_S = 10.0  # short: the expiry test waits it out (a loaded 2-core host can 
 # Long enough to be running when a migration starts (a tiny model decodes hundreds of tokens a
 # second here; moves start within a client's first 40 tokens)
 MAX_TOKENS = 1000
+# The requests a drain or the balancer moves, one at a time: long enough that the last is still
+# running when its turn comes on a loaded host (a first connection to a producer took 7 s there)
+LONG_MAX_TOKENS = 1900
 DRAIN_TIMEOUT_S = 15.0
 
 
@@ -444,9 +447,9 @@ def until_generated(streams_, k):
 def test_drain_moves_every_running_request(cluster):
     router = cluster["router"]
     ps = prompts(22, (20, 45, 77))
-    refs = [reference(cluster, p)[0] for p in ps]
+    refs = [reference(cluster, p, LONG_MAX_TOKENS)[0] for p in ps]
 
-    streams_ = pin_to(cluster, router, "A", lambda: start_streams(router, ps),
+    streams_ = pin_to(cluster, router, "A", lambda: start_streams(router, ps, LONG_MAX_TOKENS),
                       [cluster["A"].url, cluster["B"].url, cluster["dead"]])
     status, report = admin(router, "/drain", {"instance": cluster["A"].url})
     admin(router, "/undrain", {"instance": cluster["A"].url})
@@ -470,9 +473,9 @@ def test_the_balancer_moves_load_off_the_busiest_instance(cluster):
                           "--balance-interval-s", "0.1")
     try:
         ps = prompts(23, (30, 50, 70, 90))
-        refs = [reference(cluster, p)[0] for p in ps]
+        refs = [reference(cluster, p, LONG_MAX_TOKENS)[0] for p in ps]
         admin(router, "/drain", {"instance": cluster["B"].url})
-        streams_ = start_streams(router, ps)
+        streams_ = start_streams(router, ps, LONG_MAX_TOKENS)
         admin(router, "/undrain", {"instance": cluster["B"].url})
         finish(streams_)
         history = admin(router, "/requests")[1]["migrations"]
@@ -602,8 +605,7 @@ def test_three_instances_drain_and_instances_killed_mid_migration(cluster):
     router = start_router(cluster["work"], "router3", urls, [cluster["leases"][n] for n in "ABC"])
     try:
         ps = prompts(24, (20, 45, 77, 101))[:4]
-        n = 1900  # long: every request still runs when it is moved or its instance is killed (a
-        # move from a busy source over gloo can take seconds on 2 cores)
+        n = LONG_MAX_TOKENS  # every request still runs when it is moved or its instance is killed
         refs = [reference(cluster, p, n)[0] for p in ps]
         drained = pin_to(cluster, router, "A", lambda: start_streams(router, ps, n), urls)
         # each has complete blocks to lease (the first prompt is under one block: moved at once it
