@@ -230,26 +230,6 @@ def test_a_dense_consumer_refuses_an_mla_producer_naming_the_fields(caplog):
         p.shutdown()
 
 
-def test_several_kv_cache_groups_are_refused_naming_them():
-    """vLLM gives a connector without SupportsHMA one KV cache group (sliding-window layers
-    promoted to full attention); a config of several groups is refused, not moved by group 0."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
-
-    from vllm_ext.connector.connector import one_kv_cache_group
-
-    full = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float32)
-    window = SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float32,
-                               sliding_window=64)
-    one = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(["a", "b"], full)])
-    one_kv_cache_group(one)
-    two = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["b", "c"], window)])
-    with pytest.raises(ValueError, match=r"2 KV cache groups \(FullAttentionSpec \(1 layers\), SlidingWindowSpec "
-                                         r"\(2 layers\)\): the connector moves one \(a model"):
-        one_kv_cache_group(two)
-
-
 def test_an_mla_consumer_on_cpu_loads_every_token_but_the_last_unless_told():
     """vLLM 0.32's CPU MLA computes a prefill over loaded context wrong: an MLA model's consumer
     loads all but the last token (a decode computes it) unless load_whole_blocks is given."""

@@ -4,8 +4,12 @@
     connector's layout `mla`); on CPU vLLM 0.32 serves it with its CPU_MLA backend (blocks of 16,
     no prefix caching and no chunked prefill: vLLM turns both off for MLA on a CPU);
   - `sliding`: a seeded random Gemma 3 (sliding-window layers of 48 tokens beside full-attention
-    ones, prompts longer than the window). vLLM runs a connector without SupportsHMA with one KV
-    cache group: every layer keeps every block, and the connector moves them all.
+    ones, prompts longer than the window) under vLLM's hybrid KV cache manager: two KV cache
+    groups, the window's table holding null blocks once the window passed them; P/D moves each
+    group's blocks that D holds (connector/groups.py), and a moved request is recomputed on its
+    destination (its source leases no running request's blocks, saying why);
+  - `sliding-one-group`: the same with --disable-hybrid-kv-cache-manager (one group, every layer
+    keeping every block): P/D and live migration move them all.
 On one GPU (marked gpu, ipc) the same with config-only models of DeepSeek-V2-Lite's and
 Gemma-3-1B's geometries and dummy weights (fleet.models; token-id prompts).
 
@@ -44,13 +48,18 @@ KINDS = {
     "mla": ((models.write_random_mla, ("--block-size", "16", "--attention-backend", "CPU_MLA")),
             (models.DEEPSEEK_V2_LITE, ("--gpu-memory-utilization", "0.45"))),  # 16B parameters (31 GB) each
     "sliding": ((models.write_random_sliding, ()), (models.GEMMA3_1B, ())),
+    "sliding-one-group": ((models.write_random_sliding, ("--disable-hybrid-kv-cache-manager",)),
+                          (models.GEMMA3_1B, ("--disable-hybrid-kv-cache-manager",))),
 }
+
 
 
 @pytest.fixture(scope="module", params=[
     pytest.param(("cpu", "mla"), id="cpu-mla"), pytest.param(("cpu", "sliding"), id="cpu-sliding"),
+    pytest.param(("cpu", "sliding-one-group"), id="cpu-sliding-one-group"),
     pytest.param(("cuda", "mla"), id="cuda-mla", marks=pytest.mark.gpu),
-    pytest.param(("cuda", "sliding"), id="cuda-sliding", marks=pytest.mark.gpu)])
+    pytest.param(("cuda", "sliding"), id="cuda-sliding", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "sliding-one-group"), id="cuda-sliding-one-group", marks=pytest.mark.gpu)])
 def cluster(request, tmp_path_factory):
     device_name, kind = request.param
     device = fleet.DEVICES[device_name]
@@ -119,13 +128,46 @@ def test_pd_outputs_equal_a_single_instance(cluster):
             assert (got_ids, got_text) == complete(cluster["A"].url, prompt)
     after = transfer_counts(cluster)["B"]
     assert [a - b for a, b in zip(after, before)] == [len(cases), 0, 0]  # transfers, failed, mismatches
+    # the hybrid manager on (two groups) for `sliding` only, as its servers said at start-up
+    for name in "AB":
+        assert hybrid_groups(cluster, name) == (cluster["kind"] == "sliding"), (name, cluster[name].log_tail())
     wait_idle(cluster)
+
+
+def hybrid_groups(cluster, name) -> bool:
+    """Whether instance `name` said at start-up that it moves a full-attention group and a
+    sliding-window one (connector/worker.py's line)."""
+    log = cluster[name].log_path.read_text(errors="replace")
+    size = (models.TINY_SLIDING if cluster["device"].name == "cpu" else models.GEMMA3_1B)["sliding_window"]
+    line = next((x for x in log.splitlines() if "; KV cache groups [" in x), "")
+    return "['FullAttentionSpec', 0]" in line and f"['SlidingWindowSpec', {size}]" in line
 
 
 def test_a_moved_request_equals_an_unmoved_one(cluster):
     """A request moved during its decode (pre-copy, then the switch) gives the tokens and text
-    of one that stayed where it ran (comparable()); every load of the moves passed its check."""
+    of one that stayed where it ran (comparable()); every load of the moves passed its check.
+    Under the hybrid manager (`sliding`) the source leases no blocks, saying why, and the router
+    recomputes the request on the destination: the same tokens and text."""
     rng = random.Random(int(time.time()))
+    if cluster["kind"] == "sliding":
+        refused = []
+        for prompt in prompts(rng.randrange(1 << 30), (90, 110, 130)):  # until a move reaches a running request
+            results = []
+            s = Stream(cluster["router"].url, {"model": "tiny", "prompt": prompt, "max_tokens": LIVE_MAX_TOKENS,
+                                               "temperature": 0, "return_token_ids": True})
+            s.at(rng.randrange(2, 20), migrate_async(cluster, results=results))
+            s.start()
+            (status, record), = finish([s], results)
+            assert s.error is None and len(s.ids) == LIVE_MAX_TOKENS, s.error
+            assert (s.ids, s.text) == complete(cluster["A"].url, prompt, LIVE_MAX_TOKENS)
+            if not (status == 404 and "no running request" in str(record)):  # not ended before its move came
+                assert record["outcome"] == "recomputed" and "--disable-hybrid-kv-cache-manager" in str(
+                    record["reason"]), (status, record)
+                refused.append(record)
+                break
+        assert refused
+        wait_idle(cluster)
+        return
     before = transfer_counts(cluster)
     moved = 0
     for prompt in prompts(rng.randrange(1 << 30), (90, 130)):

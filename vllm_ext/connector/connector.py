@@ -42,6 +42,7 @@ check_vllm_version()  # before importing what another release may lack: one clea
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole  # noqa: E402
 
 from ..migration import auth  # noqa: E402
+from . import groups as kv_groups  # noqa: E402
 from .metadata import VllmExtMetadata, VllmExtWorkerMetadata  # noqa: E402
 from .settings import ConnectorSettings  # noqa: E402
 from .stats import VllmExtPromMetrics, VllmExtStats  # noqa: E402
@@ -57,6 +58,12 @@ except ImportError:  # releases before hit sources
     CacheHitSource = None
 
 _HAS_TRANSFER_RESULTS = hasattr(KVConnectorBase_V1, "get_transfer_results")
+
+try:  # a connector that says it moves each KV cache group keeps vLLM's hybrid KV cache manager on
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+    _HMA = (SupportsHMA,)
+except ImportError:  # releases without it: one group, always
+    _HMA = ()
 
 
 def deployment_secret() -> bytes:
@@ -104,7 +111,7 @@ def warn_if_requests_can_be_lost(config) -> None:
                        "such a request is computed here instead and never lost.")
 
 
-class VllmExtConnector(KVConnectorBase_V1):
+class VllmExtConnector(KVConnectorBase_V1, *_HMA):
     if CacheHitSource is not None:
         _cache_hit_source = CacheHitSource.P2P
 
@@ -116,7 +123,7 @@ class VllmExtConnector(KVConnectorBase_V1):
         settings = ConnectorSettings.parse(config.kv_connector_extra_config,
                                            device_type=vllm_config.device_config.device_type)
         tp_rank, tp_size = _tensor_parallel(vllm_config.parallel_config, role)
-        one_kv_cache_group(kv_cache_config)
+        groups = kv_groups.of_config(kv_cache_config, vllm_config.cache_config.block_size)
         secret = deployment_secret()
         _log_under_vllm()
         self._scheduler = self._worker = None
@@ -130,12 +137,13 @@ class VllmExtConnector(KVConnectorBase_V1):
                 block_size=vllm_config.cache_config.block_size, lease_s=settings.lease_s,
                 lease_host=settings.lease_host, lease_port=settings.lease_port,
                 secret=secret, failure_policy=policy,
-                whole_blocks=load_whole_blocks(settings, config.kv_connector_extra_config, uses_mla(vllm_config)),
+                whole_blocks=load_whole_blocks(settings, config.kv_connector_extra_config,
+                                               uses_mla(vllm_config) or groups.windowed),
                 wait_for_grant=VllmExtWorkerMetadata is not None,
                 async_scheduling=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
                 max_tokens_limits=max_tokens_limits(vllm_config.model_config),
                 max_leased_blocks=max_leased_blocks(settings, vllm_config, kv_cache_config)
-                if config.is_kv_producer else None, load=settings.load)
+                if config.is_kv_producer else None, load=settings.load, groups=groups)
         else:
             from .worker import WorkerHalf
 
@@ -146,7 +154,8 @@ class VllmExtConnector(KVConnectorBase_V1):
                 is_producer=config.is_kv_producer, is_consumer=config.is_kv_consumer,
                 backend=settings.backend, endpoint_host=settings.endpoint_host,
                 endpoint_options=dict(settings.backend_options), secret=secret,
-                pull_timeout_s=settings.pull_timeout_s, static_fields=_static_fields(vllm_config),
+                pull_timeout_s=settings.pull_timeout_s,
+                static_fields={**_static_fields(vllm_config), **groups.fingerprint_fields()},
                 connect_to=list(settings.connect_to), allowed_producers=list(settings.allowed_producers),
                 verify_kv=settings.verify_kv, tp_rank=tp_rank, tp_size=tp_size,
                 sync_load_timeout_s=settings.sync_load_timeout_s, mla=uses_mla(vllm_config))
@@ -210,13 +219,17 @@ class VllmExtConnector(KVConnectorBase_V1):
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        self._scheduler.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        self._scheduler.update_state_after_alloc(request, kv_groups.interleave(blocks.get_block_ids()),
+                                                 num_external_tokens)
 
     def build_connector_meta(self, scheduler_output):
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request, block_ids):
         return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request, block_ids):  # SupportsHMA: one table per group
+        return self._scheduler.request_finished(request, kv_groups.interleave(block_ids))
 
     def update_connector_output(self, connector_output):
         self._scheduler.update_connector_output(connector_output)
@@ -267,29 +280,19 @@ def uses_mla(vllm_config) -> bool:
     return bool(getattr(vllm_config.model_config, "use_mla", False))
 
 
-def load_whole_blocks(settings, extra_config, mla: bool) -> bool:
+def load_whole_blocks(settings, extra_config, every_token: bool) -> bool:
     """Whether a consumer loads only whole blocks (kv_connector_extra_config.load_whole_blocks).
-    Its CPU default exists for vLLM 0.32's AMX attention, which MLA models do not run; and vLLM
-    0.32's CPU MLA prefill over loaded context (which a server with prefix caching and chunked
-    prefill off runs for nothing else) gave other tokens than a single instance from the first
-    one on, where a decode over the loaded KV gave its first tokens. So an MLA model loads every
-    token but the last (D computes it as a decode) unless the setting is given."""
-    if mla and "load_whole_blocks" not in (extra_config or {}):
+    Its CPU default exists for vLLM 0.32's AMX attention of dense models. `every_token`: loads
+    stop only before the last token unless the setting is given, for
+    - an MLA model: vLLM 0.32's CPU MLA prefill over loaded context (which a server with prefix
+      caching and chunked prefill off runs for nothing else) gave other tokens than a single
+      instance from the first one on, where a decode over the loaded KV gave its first tokens;
+    - a sliding window under the hybrid KV cache manager (groups.py): the producer keeps the
+      window of the prompt's last token, and a load that stopped blocks earlier would need blocks
+      before it (the load fails, and D computes the prompt)."""
+    if every_token and "load_whole_blocks" not in (extra_config or {}):
         return False
     return settings.load_whole_blocks
-
-
-def one_kv_cache_group(kv_cache_config) -> None:
-    """The connector moves one KV cache group (block ids of group 0). vLLM 0.26 to 0.34 give a
-    connector without SupportsHMA one group: they turn the hybrid KV cache manager off (sliding-
-    window layers then keep every block, as full attention does) and refuse a user's
-    --no-disable-hybrid-kv-cache-manager. Anything else that still yields several groups is
-    refused here, naming them, rather than moving group 0 alone."""
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    if len(groups) > 1:
-        kinds = ", ".join(f"{type(g.kv_cache_spec).__name__} ({len(g.layer_names)} layers)" for g in groups)
-        raise ValueError(f"VllmExtConnector: {len(groups)} KV cache groups ({kinds}): the connector moves one (a "
-                         "model that needs several even with vLLM's hybrid KV cache manager off is not supported)")
 
 
 def max_tokens_limits(model) -> Tuple[int, int]:

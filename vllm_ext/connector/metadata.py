@@ -32,6 +32,9 @@ class RecvJob:
     endpoint_id: str = ""
     fingerprint: str = ""
     first_block: int = 0  # index into the lease's blocks of src_block_ids[0]
+    # the lease's blocks src_block_ids are, by index, where they are not first_block on (a
+    # sliding-window group's blocks this instance does not hold are left out: groups.pairs)
+    lease_index: Optional[List[int]] = None
     # what the lease must hold, its acquire's reply says: this request's own first num_tokens
     # tokens, by their prompt_hash (computed from the request's token ids, never from the params)
     num_tokens: int = 0

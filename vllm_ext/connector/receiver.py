@@ -87,6 +87,13 @@ class TransferFailed(RuntimeError):
     """A receive failed for a reason worth one log line (the request is failed or recomputed)."""
 
 
+def lease_index(job: RecvJob) -> List[int]:
+    """The indices in the lease's blocks of the job's src_block_ids."""
+    if job.lease_index is not None:
+        return list(job.lease_index)
+    return list(range(job.first_block, job.first_block + len(job.src_block_ids)))
+
+
 def _left(deadline: float, cap: Optional[float] = None) -> float:
     """Seconds until `deadline` (at most `cap`); TransferFailed once it has passed."""
     left = deadline - time.monotonic()
@@ -324,18 +331,18 @@ class Receiver:
                                      f"(hash {lease_hash[:8]}), not this request's first {job.num_tokens} "
                                      f"(hash {job.prompt_hash[:8]}); refused before any pull")
             expected = job.src_block_ids
-            span = slice(job.first_block, job.first_block + len(expected))
-            if lease_blocks[span] != expected:
+            index = lease_index(job)
+            if max(index, default=-1) >= len(lease_blocks) or [lease_blocks[i] for i in index] != expected:
                 raise TransferFailed(f"lease {job.lease[:8]}: kv_transfer_params.remote_block_ids differ from the "
                                      "lease's blocks")
             pulling = True
             pull_by = self._pull_deadline(peer, deadline) if job.sync else deadline
             if isinstance(peer, ShardRoute):
-                nbytes, checked = self._pull_shards(peer, job, expected, digests, len(lease_blocks), span, pull_by,
+                nbytes, checked = self._pull_shards(peer, job, expected, digests, len(lease_blocks), index, pull_by,
                                                     phases)
             else:
-                nbytes, checked = self._pull_checked(peer, job, expected, digests[span] if digests else [], pull_by,
-                                                     phases)
+                want = [digests[i] for i in index] if digests else []
+                nbytes, checked = self._pull_checked(peer, job, expected, want, pull_by, phases)
             marks.append(("pull", time.monotonic()))
             acquired, released = False, True
             if checked:  # the digests vouch for the blocks: reported now, released off the load's path
@@ -448,11 +455,12 @@ class Receiver:
             return ops.block_digests(cache, block_ids)
 
     def _pull_shards(self, route: ShardRoute, job: RecvJob, src: List[int], digests: List[int], n: int,
-                     span: slice, deadline: float, phases: Dict[str, float]) -> Tuple[int, bool]:
+                     index: List[int], deadline: float, phases: Dict[str, float]) -> Tuple[int, bool]:
         """A pull from a producer of another TP size: per chunk of STAGING_BLOCKS blocks and per
         source rank, its whole blocks into the staging cache (checked against that rank's digests,
-        the k-th `n` of `digests`; a mismatch pulls once more), then its heads into this rank's
-        blocks. Returns (the bytes pulled, whether every chunk was checked)."""
+        the k-th `n` of `digests`, at the lease's blocks `index`; a mismatch pulls once more), then
+        its heads into this rank's blocks. Returns (the bytes pulled, whether every chunk was
+        checked)."""
         staging, nbytes, checked = route.staging, 0, True
         if not staging.lock.acquire(timeout=_left(deadline)):  # the other pull thread's, up to its deadline
             raise TransferFailed("the pull's deadline passed while another pull used the staging cache")
@@ -461,7 +469,7 @@ class Receiver:
                 chunk, dst = src[start:start + STAGING_BLOCKS], job.dst_block_ids[start:start + STAGING_BLOCKS]
                 rows = list(range(len(chunk)))
                 for k, source in enumerate(route.sources):
-                    want = digests[k * n:(k + 1) * n][span][start:start + len(chunk)] if digests else []
+                    want = [digests[k * n + i] for i in index[start:start + len(chunk)]] if digests else []
                     what = f"the blocks pulled from producer rank {source.rank} differ from its digests"
                     moved, verified = self._verified(functools.partial(self._pull_into, staging.endpoint),
                                                      source.peer, chunk, rows, staging.cache, deadline, want, job,

@@ -62,8 +62,8 @@ def wrap_kv_caches(kv_caches: Dict[str, torch.Tensor], mla: bool = False) -> Tup
     a tensor (KV sharing) are moved once. Layout `blocks` ([num_blocks, H, block_size, C]), or,
     for an MLA model (`mla`: vLLM's model_config.use_mla), `mla`: one latent per token and no KV
     heads, from vLLM's [num_blocks, 1, block_size, C] view (0.32+) or its [num_blocks,
-    block_size, C] tensor (earlier releases). Every layer must have the first one's shape: one
-    KV cache group of one geometry (vLLM gives a connector without SupportsHMA one group)."""
+    block_size, C] tensor (earlier releases). Every layer must have the first one's shape (the
+    layers of several KV cache groups share their tensors, one per layer slot: groups.py)."""
     names, layers, seen = [], [], set()
     want = "[num_blocks, block_size, C] (MLA)" if mla else "[num_blocks, H, block_size, C]"
     for name, t in kv_caches.items():
@@ -155,9 +155,10 @@ class WorkerHalf:
         self.endpoint = make_endpoint(self.cache, backend, self._endpoint_host, self._endpoint_options, self._secret,
                                       serve="granted" if self._grants else "all")
         stream = torch.cuda.Stream(device=first.device) if first.is_cuda else None
-        logger.info("vllm-ext connector: %r serving %d layers [%s] over %s, fingerprint %s (TP rank %d of %d)",
+        groups = self.fingerprint_fields.get("kv_cache_groups")
+        logger.info("vllm-ext connector: %r serving %d layers [%s] over %s, fingerprint %s (TP rank %d of %d)%s",
                     self.cache, len(names), self.fingerprint_fields["physical_order"], backend, self.fingerprint,
-                    self.tp_rank, self.tp_size)
+                    self.tp_rank, self.tp_size, f"; KV cache groups {groups}" if groups else "")
         serve = "granted" if backend in GRANTED_BACKENDS else "all"  # a staging cache serves nothing it can refuse
         self.receiver.start(self.cache, self.endpoint, self.fingerprint_fields, stream,
                             make_endpoint=lambda cache: make_endpoint(cache, backend, self._endpoint_host,

@@ -82,8 +82,8 @@ class RemoteKV:
     migration_id: Optional[str] = None  # a router's id of the request (it may move again)
 
     @classmethod
-    def parse(cls, params: Any, block_size: int) -> "RemoteKV":
-        return parse_remote_params(params, block_size)
+    def parse(cls, params: Any, block_size: int, groups: int = 1) -> "RemoteKV":
+        return parse_remote_params(params, block_size, groups)
 
     def to_params(self) -> Dict[str, Any]:
         """The kv_transfer_params that name this lease (parse's inverse)."""
@@ -132,8 +132,10 @@ def _hex(params, name, length: Optional[int] = None, where="kv_transfer_params")
     return value
 
 
-def parse_remote_params(params: Any, block_size: int) -> RemoteKV:
-    """Checks every field a decode instance reads; ParamsError naming the first bad one."""
+def parse_remote_params(params: Any, block_size: int, groups: int = 1) -> RemoteKV:
+    """Checks every field a decode instance reads; ParamsError naming the first bad one.
+    `groups`: the KV cache groups of the instance (its block ids interleave them: a block of each
+    group per `block_size` tokens, connector/groups.py)."""
     if not isinstance(params, dict):
         raise ParamsError(f"kv_transfer_params: expected an object, got {type(params).__name__}")
     _no_extra(params, _FIELDS + _VLLM_FIELDS, "kv_transfer_params")
@@ -150,10 +152,11 @@ def parse_remote_params(params: Any, block_size: int) -> RemoteKV:
         if not isinstance(b, int) or isinstance(b, bool) or b < 0:
             raise ParamsError(f"kv_transfer_params.remote_block_ids[{i}]: expected a non-negative int, got {b!r}")
     num_tokens = _field(params, "remote_num_tokens", int)
-    blocks_needed = -(-num_tokens // block_size) if num_tokens > 0 else 0
+    blocks_needed = (-(-num_tokens // block_size) if num_tokens > 0 else 0) * groups
     if num_tokens <= 0 or blocks_needed != len(block_ids):
+        of = f"blocks of {block_size}" + (f" in each of {groups} KV cache groups" if groups > 1 else "")
         raise ParamsError(f"kv_transfer_params.remote_num_tokens: {num_tokens} tokens need "
-                          f"{blocks_needed} blocks of {block_size}, remote_block_ids has {len(block_ids)}")
+                          f"{blocks_needed} {of}, remote_block_ids has {len(block_ids)}")
     hash_ = _hex(params, "remote_prompt_hash", 64)
     fingerprint = _hex(params, "remote_fingerprint", 32)
     endpoint = _field(params, "remote_endpoint", dict)

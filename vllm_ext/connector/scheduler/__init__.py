@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ...lease.channel import LeaseServer
 from ...lease.kv_params import RemoteKV, migration_id_of, prompt_hash
 from .. import compat
+from ..groups import ONE, Groups
 from ..metadata import VllmExtHandshake, VllmExtMetadata
 from ..stats import VllmExtStats
 from .consumer import Consumer, skip_draws
@@ -71,8 +72,10 @@ class SchedulerHalf(LeaseRequests):
                  whole_blocks: bool = False, clock: Callable[[], float] = time.monotonic,
                  wait_for_grant: bool = True, async_scheduling: bool = False,
                  max_tokens_limits: Tuple[int, int] = (0, 0), max_leased_blocks: Optional[int] = None,
-                 load: str = "auto"):
+                 load: str = "auto", groups: Groups = ONE):
         self.is_producer = is_producer
+        # the KV cache groups: a request's block ids interleave them (groups.py)
+        self.groups = groups
         self.is_consumer = is_consumer
         self.block_size = block_size
         self.lease_s = lease_s
@@ -94,10 +97,11 @@ class SchedulerHalf(LeaseRequests):
         self._last_step_at = time.monotonic()  # a step scheduled or its output in
         self._steps_in_flight = 0  # scheduled, output not in yet
         self._bound_log = {"evicted": 0, "unleased": 0, "logged_at": 0.0}
-        self._source = MigrationSource(block_size=block_size)
+        self._source = MigrationSource(block_size=block_size, refusal=groups.live_migration_refusal())
         self._traces = Traces()  # a lock of its own
         self._consumer = Consumer(block_size=block_size, failure_policy=failure_policy, whole_blocks=whole_blocks,
-                                  load=load, async_scheduling=async_scheduling) if is_consumer else None
+                                  load=load, async_scheduling=async_scheduling,
+                                  groups=groups) if is_consumer else None
         self._handshake: Optional[VllmExtHandshake] = None  # TP rank 0's: the instance's endpoint id
         self._handshakes: Dict[int, VllmExtHandshake] = {}  # TP rank -> its worker's
         self._stats = VllmExtStats()
@@ -145,7 +149,7 @@ class SchedulerHalf(LeaseRequests):
         return compat.may_load_async(params, self._consumer)
 
     def update_state_after_alloc(self, request, block_ids: List[int], num_external_tokens: int) -> None:
-        """`block_ids`: all of the request's blocks (local-hit blocks first)."""
+        """`block_ids`: all of the request's blocks (local-hit blocks first; the groups interleaved)."""
         try:
             mid = migration_id_of(request.kv_transfer_params) if self.is_producer else None
             if mid is not None:
@@ -170,6 +174,7 @@ class SchedulerHalf(LeaseRequests):
 
     # ---- a request's end (engine thread) -------------------------------------------------
     def request_finished(self, request, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """`block_ids`: the request's blocks, the groups interleaved (groups.py)."""
         self._traces.request_finished(request.request_id)
         if self._consumer is not None:
             self._consumer.request_finished(request)
@@ -190,7 +195,7 @@ class SchedulerHalf(LeaseRequests):
             return False, None
         num_tokens = min(request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0),
                          request.num_prompt_tokens)
-        nblocks = -(-num_tokens // self.block_size)
+        nblocks = -(-num_tokens // self.block_size) * self.groups.count
         if num_tokens <= 0 or nblocks > len(block_ids):
             return False, None
         leased = list(block_ids[:nblocks])

@@ -30,6 +30,7 @@ import logging
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ...lease.kv_params import ParamsError, RemoteKV, lease_ref, parse_remote_params, prompt_hash, sampled_tokens_of
+from ..groups import NULL_BLOCK, ONE, Groups, pairs
 from ..metadata import RecvJob, ReleaseJob
 from ..settings import LOAD_MODES
 
@@ -60,18 +61,19 @@ def failed_sync_load_is_safe(failure_policy: str, async_scheduling: bool) -> boo
 class Consumer:
     """Args are values: the engine's block size, `kv_load_failure_policy` ("fail" or
     "recompute"), whether loads stop at the last whole block before a request's last token, the
-    `load` setting and whether the engine schedules asynchronously. `fingerprint`: this
-    instance's KV cache layout, once its worker registered it. ValueError for `load` "sync"
-    where a failed load is unsafe."""
+    `load` setting, whether the engine schedules asynchronously and its KV cache groups (block
+    ids interleave them: groups.py). `fingerprint`: this instance's KV cache layout, once its
+    worker registered it. ValueError for `load` "sync" where a failed load is unsafe."""
 
     def __init__(self, *, block_size: int, failure_policy: str, whole_blocks: bool, load: str = "auto",
-                 async_scheduling: bool = False):
+                 async_scheduling: bool = False, groups: Groups = ONE):
         if load not in LOAD_MODES:
             raise ValueError(f"kv_connector_extra_config.load: expected one of {', '.join(LOAD_MODES)}, got {load!r}")
         self.block_size = block_size
         self.failure_policy = failure_policy
         self.whole_blocks = whole_blocks
         self.load = load
+        self.groups = groups
         self.sync_safe = failed_sync_load_is_safe(failure_policy, async_scheduling)
         if load == "sync" and not self.sync_safe:
             raise ValueError('VllmExtConnector: kv_connector_extra_config.load "sync" with asynchronous scheduling and '
@@ -91,7 +93,7 @@ class Consumer:
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return None, None
         try:
-            remote = parse_remote_params(params, self.block_size)
+            remote = parse_remote_params(params, self.block_size, self.groups.count)
             if self.fingerprint is not None and remote.fingerprint != self.fingerprint:
                 raise ParamsError(
                     f"kv_transfer_params.remote_fingerprint: {remote.fingerprint} is not this instance's "
@@ -151,7 +153,7 @@ class Consumer:
 
     def allocated(self, request, block_ids: List[int], num_external_tokens: int) -> Optional[RecvJob]:
         """vLLM allocated the request's blocks (`block_ids`: all of them, local-hit blocks
-        first): the receive it needs, if any (also returned). It is called for every request
+        first; the groups interleaved): the receive it needs, if any (also returned). It is called for every request
         scheduled from the waiting queue, also when nothing is loaded (a full local hit, nothing
         beyond it, skip_reading_prefix_cache, refused params): then the lease is released at once,
         so the producer frees its blocks now and not at expiry."""
@@ -167,23 +169,37 @@ class Consumer:
                 # releases without failed_recving (0.26) learn of the failure only from its blocks
                 end = request.num_tokens - 1
                 first, last = (end - num_external_tokens) // self.block_size, -(-end // self.block_size)
-                job = RecvJob(req_id=request.request_id, error=error, dst_block_ids=list(block_ids[first:last]),
-                              sync=not asynchronous)
+                job = RecvJob(req_id=request.request_id, error=error, sync=not asynchronous,
+                              dst_block_ids=self._blocks(block_ids, first, last))
                 self._recvs.append(job)
             self.release(request.request_id, request.kv_transfer_params)
             return job
         end = self._load_end(request, remote)
         start = end - num_external_tokens
         first, last = start // self.block_size, -(-end // self.block_size)
+        g = self.groups.count
+        try:
+            src, dst, index = pairs(remote.block_ids[first * g:last * g], block_ids[first * g:last * g], first * g,
+                                    self.groups.windowed)
+        except ValueError as e:  # failed by the worker at once, and the lease released
+            job = RecvJob(req_id=request.request_id, error=str(e), sync=self.is_sync(remote),
+                          dst_block_ids=self._blocks(block_ids, first, last))
+            self._recvs.append(job)
+            self.release(request.request_id, request.kv_transfer_params)
+            return job
         job = RecvJob(
             req_id=request.request_id, lease=remote.lease, lease_host=remote.lease_host,
             lease_port=remote.lease_port, endpoint_id=remote.endpoint_id, fingerprint=remote.fingerprint,
-            first_block=first, num_tokens=remote.num_tokens,
+            first_block=first * g, lease_index=index, num_tokens=remote.num_tokens,
             prompt_hash=prompt_hash(request.all_token_ids[:remote.num_tokens]),  # the worker checks the lease's
-            src_block_ids=remote.block_ids[first:last], dst_block_ids=list(block_ids[first:last]),
-            sync=self.is_sync(remote))
+            src_block_ids=src, dst_block_ids=dst, sync=self.is_sync(remote))
         self._recvs.append(job)
         return job
+
+    def _blocks(self, block_ids: List[int], first: int, last: int) -> List[int]:
+        """This instance's blocks of positions [first, last), every group's (nulls left out)."""
+        g = self.groups.count
+        return [b for b in block_ids[first * g:last * g] if not self.groups.windowed or b != NULL_BLOCK]
 
     def request_finished(self, request) -> None:
         """A request never scheduled (aborted while waiting): nothing will pull its lease."""

@@ -64,10 +64,12 @@ def preemptions_of(request) -> int:
 
 
 class MigrationSource:
-    """Args are values: the engine's block size."""
+    """Args are values: the engine's block size, and why no request of this instance can move
+    (None: they can; its KV cache groups say: groups.py)."""
 
-    def __init__(self, *, block_size: int):
+    def __init__(self, *, block_size: int, refusal: Optional[str] = None):
         self.block_size = block_size
+        self.refusal = refusal
         self._tracked: Dict[str, Tracked] = {}  # migration id -> request
         self._by_req: Dict[str, str] = {}  # request id -> migration id
         self._asks: Dict[str, PrecopyAsk] = {}  # migration id -> the pre-copy asked
@@ -76,7 +78,7 @@ class MigrationSource:
     def track(self, request, block_ids: List[int]) -> None:
         """Follows a request that a router may migrate (it carries a migration id)."""
         mid = migration_id_of(request.kv_transfer_params)
-        if mid is None:
+        if mid is None or self.refusal is not None:
             return
         tracked = self._tracked.get(mid)
         if tracked is not None and tracked.request is not request:
@@ -152,6 +154,8 @@ class MigrationSource:
     # ---- lease channel threads -----------------------------------------------------------
     def ask(self, mid: str) -> PrecopyAsk:
         """A router's pre-copy ask, answered at the engine's next step."""
+        if self.refusal is not None:
+            raise ValueError(f"migration {mid[:8]}: {self.refusal}")
         if mid not in self._tracked:
             raise messages.RequestEnded(f"migration {mid[:8]}: no running request of this instance carries it")
         ask = self._asks[mid] = PrecopyAsk()
