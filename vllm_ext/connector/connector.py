@@ -229,7 +229,9 @@ class VllmExtConnector(KVConnectorBase_V1, *_HMA):
         return self._scheduler.request_finished(request, block_ids)
 
     def request_finished_all_groups(self, request, block_ids):  # SupportsHMA: one table per group
-        return self._scheduler.request_finished(request, kv_groups.interleave(block_ids))
+        # through request_finished, with the tables interleaved (groups.py): what vLLM calls on a
+        # connector without SupportsHMA, which a subclass may extend
+        return self.request_finished(request, kv_groups.interleave(block_ids))
 
     def update_connector_output(self, connector_output):
         self._scheduler.update_connector_output(connector_output)
