@@ -96,8 +96,11 @@ def test_a_cut_in_a_long_run_of_broken_characters_resumes_exactly():
     tokenizer = tokenizers.byte_level()
     tok = tokenizer.backend_tokenizer
     rng = random.Random(random.randrange(1 << 30))
-    longest = 0
-    for _ in range(CUTS // 4):
+    longest, cuts = 0, 0
+    # CUTS // 4 cuts, and more until one fell in a run longer than any character's bytes (a random
+    # one does not always: 1 run in about 20 had none longer than 8 tokens)
+    while cuts < CUTS // 4 or longest <= 8 and cuts < 4 * CUTS:
+        cuts += 1
         ids = [t for t in tokenizer.encode("ok " + "中文日本語🙂👍🏽∑" * 6, add_special_tokens=False)
                if rng.random() < 0.8]
         cut = rng.randint(1, len(ids) - 1)
