@@ -282,3 +282,29 @@ def test_a_moved_requests_stop_strings_past_min_tokens_are_the_unmoved_ones():
         assert client.token_ids == want.output_token_ids, context
         assert client.stop_reason == unmoved[-1].stop_reason, context
     assert masked >= CUTS // 20, masked  # min_tokens masked earlier matches often enough to test them
+
+
+def test_a_resumed_legs_logprobs_complete_a_character_begun_before_it():
+    """vLLM completes a logprob's token string from the request's sampled tokens only: a resumed
+    leg whose first token completes a character begun before the hand-off (in its prompt) got "",
+    where the unmoved request got the character. With the router's GENERATED count the patched
+    processor looks back at those prompt tokens as at sampled ones."""
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    assert detokenize.install()
+    tokenizer = tokenizers.byte_level()
+    for text in ("ok 中", "ok 🙂", "ok ږ"):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        prompt, last = ids[:-1], ids[-1]  # the hand-off falls before the character's last byte
+        alone = tokenizer.decode([last])
+        assert alone.endswith(detokenize.REPLACEMENT), alone
+
+        def processor(xargs, prompt=prompt):
+            params = SamplingParams(max_tokens=4, logprobs=1, extra_args=xargs)
+            request = SimpleNamespace(request_id="r", prompt_token_ids=prompt, sampling_params=params)
+            return LogprobsProcessor.from_new_request(tokenizer, request)
+
+        assert processor(None)._verify_tokens([alone], [last]) == [""]  # vLLM's own: no sampled context
+        char = text[-1]
+        assert processor({detokenize.GENERATED: len(char.encode()) - 1})._verify_tokens([alone], [last]) == [char]
+        assert processor({detokenize.GENERATED: 9})._verify_tokens([alone], [last]) == [char]

@@ -17,6 +17,13 @@ slow (Python) detokenizer, for tokenizers that are not `tokenizers`-backed, lose
 (it compares the length of the text with and without the new token): it is primed as a stream
 that generated the prompt's last tokens would be (`slow_state`).
 
+vLLM writes a logprob's token string from the token alone, and where that ends inside a
+character, completes it from the request's last sampled tokens (not its prompt's). A resumed
+leg's first tokens have none: a token that completes a character begun before the hand-off got
+"" where the unmoved request's got the character. The router tells a resumed leg how many of its
+prompt's tokens were generated (vllm_xargs GENERATED), and the patched logprobs processor looks
+back at those as it would at sampled ones (`generated_context`).
+
 A stop string may straddle a hand-off: it begins in the text the client already has and ends in
 the destination's. vLLM looks for stop strings in a request's own output text only, so the
 router sends a resumed leg the end of the client's text (`vllm_xargs`, key STOP_PREFIX: as many
@@ -35,6 +42,10 @@ WINDOW = 16  # tokens decoded before a point to tell whether the text there ends
 REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a character
 # vllm_xargs key of a resumed leg: the client's text before it, for stop strings that straddle
 STOP_PREFIX = "vllm_ext_stop_prefix"
+# vllm_xargs key of a resumed leg: how many of its prompt's last tokens were generated (sampled)
+GENERATED = "vllm_ext_generated"
+# vLLM's logprobs complete a token's character from at most this many sampled tokens before it
+LOGPROB_CONTEXT = 4
 
 
 def held_back(tokenizer, prompt_ids: List[int], skip_special_tokens: bool) -> int:
@@ -105,6 +116,44 @@ def stop_prefix(request) -> str:
     return value if isinstance(value, str) else ""
 
 
+def generated_context(request) -> List[int]:
+    """The tokens a resumed leg's logprobs look back at as sampled ones: its prompt's last
+    generated tokens (vllm_xargs GENERATED), at most LOGPROB_CONTEXT ([] for another request)."""
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None)
+    n = extra.get(GENERATED) if isinstance(extra, dict) else None
+    prompt = getattr(request, "prompt_token_ids", None)
+    if type(n) is not int or n <= 0 or not prompt:
+        return []
+    return [int(t) for t in prompt[-min(n, LOGPROB_CONTEXT, len(prompt)):]]
+
+
+def _wrap_logprobs(cls) -> None:
+    """A LogprobsProcessor made for a resumed leg completes its first tokens' strings from the
+    generated tokens before the hand-off, as the unmoved request's did from its sampled ones."""
+    make, verify = cls.from_new_request.__func__, cls._verify_tokens
+
+    @functools.wraps(make)
+    def from_new_request(klass, tokenizer, request):
+        processor = make(klass, tokenizer, request)
+        try:
+            processor._vllm_ext_context = generated_context(request)
+        except Exception:  # noqa: BLE001 - vLLM's own strings stay
+            logger.exception("vllm-ext: the logprobs context of request %s failed", getattr(request, "request_id", "?"))
+        return processor
+
+    @functools.wraps(verify)
+    def _verify_tokens(self, decoded_tokens_list, tokens, context_token_ids=None):
+        before = getattr(self, "_vllm_ext_context", None)
+        if before:
+            if context_token_ids is None:
+                context_token_ids = self._get_sampled_context_ids(self.logprobs)
+            context_token_ids = (list(before) + list(context_token_ids))[-LOGPROB_CONTEXT:]
+        return verify(self, decoded_tokens_list, tokens, context_token_ids)
+
+    cls.from_new_request = classmethod(from_new_request)
+    cls._verify_tokens = _verify_tokens
+
+
 def _wrap_init(cls, prime) -> None:
     """Runs `prime(detokenizer, request)` after `cls.__init__`; a failure logs and keeps vLLM's state."""
     original = cls.__init__
@@ -164,8 +213,8 @@ def _wrap_update(cls) -> None:
 
 
 def install() -> bool:
-    """Patches vLLM's incremental detokenizers as above, once per process; False where this
-    vLLM has no such classes (nothing is changed)."""
+    """Patches vLLM's incremental detokenizers and its logprobs processor as above, once per
+    process; False where this vLLM has no such detokenizers (nothing is changed)."""
     try:
         from vllm.v1.engine import detokenizer
     except ImportError:
@@ -182,4 +231,11 @@ def install() -> bool:
     _wrap_init(fast, _prime_fast)
     _wrap_init(slow, _prime_slow)
     base._vllm_ext_primed = True
+    try:
+        from vllm.v1.engine.logprobs import LogprobsProcessor
+    except ImportError:
+        LogprobsProcessor = None
+    # releases whose logprobs complete no character from context have nothing to emulate
+    if LogprobsProcessor is not None and hasattr(LogprobsProcessor, "_verify_tokens"):
+        _wrap_logprobs(LogprobsProcessor)
     return True

@@ -31,6 +31,9 @@ ROUTERS_OWN = ("stop", "include_stop_str_in_output")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's default for /v1/completions
 # The vllm_xargs key of a resumed leg's text before it (connector/detokenize.py reads it).
 STOP_PREFIX = "vllm_ext_stop_prefix"
+# The vllm_xargs key of a resumed leg's count of generated tokens at its prompt's end (its
+# logprobs complete a character begun before the hand-off from them: connector/detokenize.py).
+GENERATED = "vllm_ext_generated"
 
 
 def not_migratable(body: Dict[str, Any], chat: bool) -> Optional[str]:
@@ -175,8 +178,9 @@ def resume_leg_body(body: Dict[str, Any], limit: Optional[int], token_ids: List[
     if body.get("min_tokens"):
         leg["min_tokens"] = min_left
     before = stop_prefix(body, text)
-    if before:
-        leg["vllm_xargs"] = {STOP_PREFIX: before}
+    xargs = {**({STOP_PREFIX: before} if before else {}), **({GENERATED: generated} if generated else {})}
+    if xargs:
+        leg["vllm_xargs"] = xargs
     if params is not None and seeded_random(body):
         params = dict(params, sampled_tokens=generated)  # the destination's stream skips their draws
     if params is not None:
