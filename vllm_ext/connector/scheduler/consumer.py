@@ -153,27 +153,24 @@ class Consumer:
 
     def allocated(self, request, block_ids: List[int], num_external_tokens: int) -> Optional[RecvJob]:
         """vLLM allocated the request's blocks (`block_ids`: all of them, local-hit blocks
-        first; the groups interleaved): the receive it needs, if any (also returned). It is called for every request
-        scheduled from the waiting queue, also when nothing is loaded (a full local hit, nothing
-        beyond it, skip_reading_prefix_cache, refused params): then the lease is released at once,
-        so the producer frees its blocks now and not at expiry."""
+        first; the groups interleaved): the receive it needs, if any (also returned). It is called
+        for every request scheduled from the waiting queue, also when nothing is loaded (a full
+        local hit, nothing beyond it, skip_reading_prefix_cache, refused params): then the lease is
+        released at once, so the producer frees its blocks now and not at expiry."""
         remote, error = self.remote(request)
         if remote is None and error is None:
             return None
         asynchronous = self.may_load_async(request.kv_transfer_params)  # a refused load fails as this
         request.kv_transfer_params["do_remote_prefill"] = False  # once: a preempted request recomputes
         if num_external_tokens <= 0 or error is not None:
-            job = None
             if error is not None and num_external_tokens > 0:
                 # the blocks of the external hit get_num_new_matched_tokens reported (policy "fail"):
                 # releases without failed_recving (0.26) learn of the failure only from its blocks
                 end = request.num_tokens - 1
                 first, last = (end - num_external_tokens) // self.block_size, -(-end // self.block_size)
-                job = RecvJob(req_id=request.request_id, error=error, sync=not asynchronous,
-                              dst_block_ids=self._blocks(block_ids, first, last))
-                self._recvs.append(job)
+                return self._failed(request, error, not asynchronous, self._blocks(block_ids, first, last))
             self.release(request.request_id, request.kv_transfer_params)
-            return job
+            return None
         end = self._load_end(request, remote)
         start = end - num_external_tokens
         first, last = start // self.block_size, -(-end // self.block_size)
@@ -181,12 +178,8 @@ class Consumer:
         try:
             src, dst, index = pairs(remote.block_ids[first * g:last * g], block_ids[first * g:last * g], first * g,
                                     self.groups.windowed)
-        except ValueError as e:  # failed by the worker at once, and the lease released
-            job = RecvJob(req_id=request.request_id, error=str(e), sync=self.is_sync(remote),
-                          dst_block_ids=self._blocks(block_ids, first, last))
-            self._recvs.append(job)
-            self.release(request.request_id, request.kv_transfer_params)
-            return job
+        except ValueError as e:
+            return self._failed(request, str(e), self.is_sync(remote), self._blocks(block_ids, first, last))
         job = RecvJob(
             req_id=request.request_id, lease=remote.lease, lease_host=remote.lease_host,
             lease_port=remote.lease_port, endpoint_id=remote.endpoint_id, fingerprint=remote.fingerprint,
@@ -194,6 +187,13 @@ class Consumer:
             prompt_hash=prompt_hash(request.all_token_ids[:remote.num_tokens]),  # the worker checks the lease's
             src_block_ids=src, dst_block_ids=dst, sync=self.is_sync(remote))
         self._recvs.append(job)
+        return job
+
+    def _failed(self, request, error: str, sync: bool, dst_block_ids: List[int]) -> RecvJob:
+        """A receive the worker fails at once (its blocks `dst_block_ids` invalid), its lease released."""
+        job = RecvJob(req_id=request.request_id, error=error, sync=sync, dst_block_ids=dst_block_ids)
+        self._recvs.append(job)
+        self.release(request.request_id, request.kv_transfer_params)
         return job
 
     def _blocks(self, block_ids: List[int], first: int, last: int) -> List[int]:
