@@ -308,3 +308,8 @@ def test_a_resumed_legs_logprobs_complete_a_character_begun_before_it():
         char = text[-1]
         assert processor({detokenize.GENERATED: len(char.encode()) - 1})._verify_tokens([alone], [last]) == [char]
         assert processor({detokenize.GENERATED: 9})._verify_tokens([alone], [last]) == [char]
+        # prompt logprobs look back at the prompt alone, as vLLM's own
+        resumed = processor({detokenize.GENERATED: 9})
+        assert resumed._get_sampled_context_ids(resumed.prompt_logprobs) == \
+            LogprobsProcessor._get_sampled_context_ids(resumed.prompt_logprobs)
+        assert resumed._get_sampled_context_ids([{t: None} for t in (7, 8)]) == [7, 8]

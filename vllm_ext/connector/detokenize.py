@@ -128,30 +128,36 @@ def generated_context(request) -> List[int]:
 
 
 def _wrap_logprobs(cls) -> None:
-    """A LogprobsProcessor made for a resumed leg completes its first tokens' strings from the
-    generated tokens before the hand-off, as the unmoved request's did from its sampled ones."""
-    make, verify = cls.from_new_request.__func__, cls._verify_tokens
+    """A LogprobsProcessor made for a resumed leg takes the generated tokens before the hand-off
+    as sampled ones where it looks back at its sampled tokens (not at its prompt logprobs), as
+    the unmoved request's did."""
+    make = cls.from_new_request.__func__
 
     @functools.wraps(make)
     def from_new_request(klass, tokenizer, request):
         processor = make(klass, tokenizer, request)
         try:
-            processor._vllm_ext_context = generated_context(request)
+            before = generated_context(request)
+            if before:
+                processor._get_sampled_context_ids = _with_generated(processor, before)
         except Exception:  # noqa: BLE001 - vLLM's own strings stay
             logger.exception("vllm-ext: the logprobs context of request %s failed", getattr(request, "request_id", "?"))
         return processor
 
-    @functools.wraps(verify)
-    def _verify_tokens(self, decoded_tokens_list, tokens, context_token_ids=None):
-        before = getattr(self, "_vllm_ext_context", None)
-        if before:
-            if context_token_ids is None:
-                context_token_ids = self._get_sampled_context_ids(self.logprobs)
-            context_token_ids = (list(before) + list(context_token_ids))[-LOGPROB_CONTEXT:]
-        return verify(self, decoded_tokens_list, tokens, context_token_ids)
-
     cls.from_new_request = classmethod(from_new_request)
-    cls._verify_tokens = _verify_tokens
+
+
+def _with_generated(processor, before: List[int]):
+    """`processor`'s own _get_sampled_context_ids: its sampled logprobs' tokens follow `before`."""
+    sampled = type(processor)._get_sampled_context_ids
+
+    def context(logprobs_source, max_context: int = LOGPROB_CONTEXT) -> List[int]:
+        ids = sampled(logprobs_source, max_context)
+        if logprobs_source is None or logprobs_source is not processor.logprobs:
+            return ids
+        return (list(before) + list(ids))[-max_context:]
+
+    return context
 
 
 def _wrap_init(cls, prime) -> None:
@@ -236,6 +242,6 @@ def install() -> bool:
     except ImportError:
         LogprobsProcessor = None
     # releases whose logprobs complete no character from context have nothing to emulate
-    if LogprobsProcessor is not None and hasattr(LogprobsProcessor, "_verify_tokens"):
+    if LogprobsProcessor is not None and hasattr(LogprobsProcessor, "_get_sampled_context_ids"):
         _wrap_logprobs(LogprobsProcessor)
     return True
