@@ -108,6 +108,16 @@ def delta(after, before):
     return {rank: tuple(a - b for a, b in zip(after[rank], before.get(rank, (0, 0)))) for rank in after}
 
 
+def connector_lines(cluster, names, n=30):
+    """The last `n` warnings and slow-load lines of the connector in each named instance's log:
+    why a transfer failed, when one did."""
+    out = {}
+    for name in names:
+        lines = cluster[name].log_path.read_text(errors="replace").splitlines()
+        out[name] = [line for line in lines if "WARNING" in line or "ERROR" in line or "took" in line][-n:]
+    return out
+
+
 def wait_idle(cluster):
     """Every instance's KV usage and P/D leases back to zero within the deadline."""
     deadline = time.monotonic() + IDLE_TIMEOUT_S
@@ -135,7 +145,8 @@ def test_pd_across_tp_sizes_equals_a_single_instance(cluster, pair):
         want = complete(cluster[prefill].url, prompt)
         assert got == want, f"prompt of {len(prompt)} tokens: P/D {got} != single instance {want}"
     ranks = INSTANCES[decode]
-    assert delta(rank_counters(cluster[decode].url), before) == {rank: (len(prompts), 0) for rank in range(ranks)}
+    moved = delta(rank_counters(cluster[decode].url), before)
+    assert moved == {rank: (len(prompts), 0) for rank in range(ranks)}, (moved, connector_lines(cluster, pair))
     wait_idle(cluster)
 
 
@@ -183,5 +194,6 @@ def test_live_migration_across_tp_sizes(cluster, source, destination):
     assert record["outcome"] == "moved", record
     moved = delta(rank_counters(cluster[destination].url), before)
     ranks = INSTANCES[destination]
-    assert sorted(moved) == list(range(ranks)) and all(t >= 1 and f == 0 for t, f in moved.values()), moved
+    assert sorted(moved) == list(range(ranks)) and all(t >= 1 and f == 0 for t, f in moved.values()), \
+        (moved, connector_lines(cluster, (source, destination)))
     wait_idle(cluster)
