@@ -35,6 +35,9 @@ PD_PROMPT = ("The history of the lighthouse is a history of light and of the peo
              "lenses and watched the sea through storms and fog, so that ships could find their way home. "
              "In this essay we look at three of them, and at what their lonely work taught them.")
 STARTUP_S = 600.0
+# a chat answer streamed again when the previous one ended before its move switched (a busy host:
+# the engine runs far ahead of the client, and the move waits for its next step)
+MOVE_ATTEMPTS = 3
 
 
 def say(message: str) -> None:
@@ -198,6 +201,21 @@ def _stream_and_move(fleet: Fleet, max_tokens: int, move_after: int, ignore_eos:
     return seen
 
 
+def _move_until_it_switches(stream_and_move, attempts: int = MOVE_ATTEMPTS) -> dict:
+    """`stream_and_move()` (a new answer each time) until its move did not find the answer ended
+    (on a busy host the engine may end it before the move reaches it: right, but no move), at
+    most `attempts` times; each move reported. Returns the last one's."""
+    seen = stream_and_move()
+    _report_move(seen)
+    for attempt in range(2, attempts + 1):
+        if (seen["record"] or {}).get("outcome") != "finished":
+            break
+        say(f"the answer ended before the move switched: a new one (attempt {attempt} of {attempts})")
+        seen = stream_and_move()
+        _report_move(seen)
+    return seen
+
+
 def _report_move(seen: dict) -> None:
     record = seen["record"]
     if not record or "error" in record:
@@ -285,9 +303,8 @@ def main(argv=None) -> int:
         # the random tiny model may write its end of text at any token: it runs its max_tokens
         # and it moves by stop-and-copy: pre-copy rounds last longer than its whole answer on a CPU
         tiny = args.model == "tiny"
-        seen = _stream_and_move(fleet, max_tokens, move_after=move_after, ignore_eos=tiny,
-                                how={"stages": 0} if tiny else None)
-        _report_move(seen)
+        seen = _move_until_it_switches(lambda: _stream_and_move(fleet, max_tokens, move_after=move_after,
+                                                                ignore_eos=tiny, how={"stages": 0} if tiny else None))
         _pd(fleet)
     except KeyboardInterrupt:
         say("interrupted")
