@@ -44,13 +44,14 @@ IDLE_TIMEOUT_S = LEASE_S + 15.0
 # kind -> (CPU: writer of a seeded random checkpoint, the servers' extra arguments; GPU: a
 # config.json for dummy weights, the servers' extra arguments after the device's). CPU_MLA, not
 # AMX_MLA (which vLLM prefers on CPUs with AMX): AMX_MLA takes bf16 weights only, the tests serve
-# float32.
+# float32. On a GPU Gemma 3 runs in bfloat16: vLLM refuses float16 (the cuda device's) for it.
+GEMMA_GPU = ("--dtype", "bfloat16")
 KINDS = {
     "mla": ((models.write_random_mla, ("--block-size", "16", "--attention-backend", "CPU_MLA")),
             (models.DEEPSEEK_V2_LITE, ("--gpu-memory-utilization", "0.45"))),  # 16B parameters (31 GB) each
-    "sliding": ((models.write_random_sliding, ()), (models.GEMMA3_1B, ())),
+    "sliding": ((models.write_random_sliding, ()), (models.GEMMA3_1B, GEMMA_GPU)),
     "sliding-one-group": ((models.write_random_sliding, ("--disable-hybrid-kv-cache-manager",)),
-                          (models.GEMMA3_1B, ("--disable-hybrid-kv-cache-manager",))),
+                          (models.GEMMA3_1B, (*GEMMA_GPU, "--disable-hybrid-kv-cache-manager"))),
 }
 
 
