@@ -710,8 +710,12 @@ def start_pairs(args, pairs: Dict[str, Pair], model: Path, env: Dict[str, str], 
 
 
 def healthy(pair: Pair, proc: fleet.Process):
+    """Waits for `proc` (one line when it is up: a GPU's six start-ups take minutes); a server
+    that does not start fails its pair, with the reason from its log."""
+    started = time.monotonic()
     try:
         proc.wait_healthy(STARTUP_TIMEOUT_S)
+        print(f"{proc.name} up (waited {time.monotonic() - started:.0f} s)", flush=True)
     except RuntimeError as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         why = [line for line in lines if "died" in line or "Error" in line or "ERROR" in line]

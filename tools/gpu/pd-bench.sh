@@ -18,10 +18,13 @@
 # Environment: PYTHON (python3); NIXL_WHEELS; BUILD=1; LENGTHS ("128 512 1024 2048 4096 8192");
 #   REPEATS (3); MAX_TOKENS (8); GPU_MEMORY (0.15: six servers and this process's ceiling cache);
 #   CONFIGS (all of benchmarks.pd's); REQUEST_TIMEOUT (20 s: a request that takes longer fails its
-#   configuration, reported); TIME_LIMIT (390 s from the bench's start: no round starts after it,
-#   the report says how far it got); SERVER_ARGS (more vLLM server arguments, words).
-# About 7 minutes in all, at most 8: nixl install ~10 s, six server start-ups ~45 s each, the
-# rounds (6 lengths x 3 repeats x 7 configurations, plus the checks and the ceiling) ~1-2 min.
+#   configuration, reported); TIME_LIMIT (600 s from the bench's start, the servers' start-ups
+#   included: no round starts after it, the report says how far it got); SERVER_ARGS (more vLLM
+#   server arguments, words).
+# About 9 minutes in all: nixl install ~10 s, build ~30 s, six server start-ups one after the other
+# ~60 s each (seen at 2026-12-05 on one H200, vLLM 0.26 eager: 6 minutes before the first round),
+# the rounds (6 lengths x 3 repeats x 7 configurations, plus the checks and the ceiling) ~1-2 min.
+# CONFIGS naming fewer pairs starts fewer servers (e.g. single,ext,nixl: four).
 # Exit status: 3 (no GPU or no vLLM), else the bench's (124 when killed at TIME_LIMIT + 60 s).
 set -euo pipefail
 [ $# -eq 1 ] || { echo "usage: $0 OUT_DIR" >&2; exit 2; }
@@ -32,7 +35,7 @@ REPEATS=${REPEATS:-3}
 MAX_TOKENS=${MAX_TOKENS:-8}
 GPU_MEMORY=${GPU_MEMORY:-0.15}
 REQUEST_TIMEOUT=${REQUEST_TIMEOUT:-20}
-TIME_LIMIT=${TIME_LIMIT:-390}
+TIME_LIMIT=${TIME_LIMIT:-600}
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$repo"
 summary=$out/summary.txt
