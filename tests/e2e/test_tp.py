@@ -108,13 +108,18 @@ def delta(after, before):
     return {rank: tuple(a - b for a, b in zip(after[rank], before.get(rank, (0, 0)))) for rank in after}
 
 
+# where the connector's own log lines come from (vLLM prints each line's file)
+CONNECTOR_LOGGERS = ("[receiver.py:", "[consumer.py:", "[lease_requests.py:", "[worker.py:", "vllm-ext")
+
+
 def connector_lines(cluster, names, n=30):
     """The last `n` warnings and slow-load lines of the connector in each named instance's log:
     why a transfer failed, when one did."""
     out = {}
     for name in names:
         lines = cluster[name].log_path.read_text(errors="replace").splitlines()
-        out[name] = [line for line in lines if "WARNING" in line or "ERROR" in line or "took" in line][-n:]
+        out[name] = [line for line in lines if any(f in line for f in CONNECTOR_LOGGERS)
+                     and ("WARNING" in line or "ERROR" in line or " took " in line)][-n:]
     return out
 
 
