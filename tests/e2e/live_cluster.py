@@ -184,16 +184,22 @@ class Stream(threading.Thread):
             self.first.set()
 
 
-def migrate_async(cluster, to=None, results=None, router=None, after=None, **extra):
+def migrate_async(cluster, to=None, results=None, router=None, after=None, again_while=None, **extra):
     """A hook that moves the request to `to` (default: the router's choice, another instance)
-    through `router` (default: the cluster's); `after`: an Event the move waits for first."""
+    through `router` (default: the cluster's); `after`: an Event the move waits for first;
+    `again_while`: a Stream while which a 409 (the destination queues requests or its cache is
+    full for now, by the router's last /metrics poll) is asked again, as an operator would."""
 
     def hook(rid):
         def go():
             if after is not None:
                 assert after.wait(120), "the move's go-ahead never came"
             body = dict(extra, request_id=rid, **({"to": to} if to else {}))
-            results.append(admin(router or cluster["router"], "/migrate", body))
+            answer = admin(router or cluster["router"], "/migrate", body)
+            while answer[0] == 409 and again_while is not None and again_while.is_alive():
+                time.sleep(0.2)
+                answer = admin(router or cluster["router"], "/migrate", body)
+            results.append(answer)
         t = threading.Thread(target=go, daemon=True)
         t.start()
         results.append(t)

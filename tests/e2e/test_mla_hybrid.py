@@ -22,13 +22,12 @@ request 120 s, KV usage back to zero within LEASE_S + 15 s of the last request.
 """
 
 import random
-import threading
 import time
 
 import pytest
 
 from tests.e2e import live_cluster
-from tests.e2e.live_cluster import Stream, finish, require_vllm, start_pair
+from tests.e2e.live_cluster import Stream, finish, migrate_async, require_vllm, start_pair
 from vllm_ext import fleet
 from vllm_ext.fleet import models
 
@@ -146,27 +145,12 @@ def hybrid_groups(cluster, name) -> bool:
 
 
 def stream_and_move(cluster, rng, prompt):
-    """A greedy stream of `prompt` through the router, asked to move after 2 to 19 of its tokens:
-    (the stream, the move's status and record), once both ended. A move the router answers 409
-    (the destination queues requests or its cache is full for now, by its last /metrics poll)
-    is asked again while the request runs, as an operator would."""
+    """A greedy stream of `prompt` through the router, asked to move after 2 to 19 of its tokens
+    (again on a 409 while it runs): (the stream, the move's status and record), once both ended."""
     results = []
     s = Stream(cluster["router"].url, {"model": "tiny", "prompt": prompt, "max_tokens": LIVE_MAX_TOKENS,
                                        "temperature": 0, "return_token_ids": True})
-
-    def move(rid):
-        def go():
-            while True:
-                status, record = live_cluster.admin(cluster["router"], "/migrate", {"request_id": rid})
-                if status != 409 or not s.is_alive():
-                    results.append((status, record))
-                    return
-                time.sleep(0.2)
-        t = threading.Thread(target=go, daemon=True)
-        t.start()
-        results.append(t)
-
-    s.at(rng.randrange(2, 20), move)
+    s.at(rng.randrange(2, 20), migrate_async(cluster, results=results, again_while=s))
     s.start()
     (status, record), = finish([s], results)
     return s, status, record
