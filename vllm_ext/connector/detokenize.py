@@ -36,14 +36,13 @@ import functools
 import logging
 from typing import List, Optional, Tuple
 
+from ..lease.kv_params import XARG_GENERATED as GENERATED  # vllm_xargs keys the router writes
+from ..lease.kv_params import XARG_STOP_PREFIX as STOP_PREFIX
+
 logger = logging.getLogger("vllm." + __name__)  # under vLLM's handlers
 
 WINDOW = 16  # tokens decoded before a point to tell whether the text there ends inside a character
 REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a character
-# vllm_xargs key of a resumed leg: the client's text before it, for stop strings that straddle
-STOP_PREFIX = "vllm_ext_stop_prefix"
-# vllm_xargs key of a resumed leg: how many of its prompt's last tokens were generated (sampled)
-GENERATED = "vllm_ext_generated"
 # vLLM's logprobs complete a token's character from at most this many sampled tokens before it
 LOGPROB_CONTEXT = 4
 

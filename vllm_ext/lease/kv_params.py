@@ -42,6 +42,12 @@ from ..migration.protocol import geometry_mismatch
 
 PROTOCOL = 4
 MAX_REMOTE_BLOCKS = 1 << 20
+# The vllm_xargs (SamplingParams.extra_args) keys of a live migration's resumed leg, written by the
+# router (router/legs.py) and read in the destination's engine (connector/detokenize.py): the
+# client's text before the leg (for stop strings that straddle the hand-off), and how many of the
+# leg's prompt's last tokens were generated (its logprobs complete a character begun before it).
+XARG_STOP_PREFIX = "vllm_ext_stop_prefix"
+XARG_GENERATED = "vllm_ext_generated"
 _HEX = re.compile(r"^[0-9a-f]+$")
 
 

@@ -13,6 +13,8 @@ strings across it, so a stop string that straddles the hand-off ends the leg at 
 
 from typing import Any, Dict, List, Optional
 
+from ..lease.kv_params import XARG_GENERATED as GENERATED
+from ..lease.kv_params import XARG_STOP_PREFIX as STOP_PREFIX
 from .openai import stop_strings
 
 # Sampling fields a resumed leg carries over unchanged (they mean the same on the destination,
@@ -29,11 +31,6 @@ FIRST_LEG_ONLY = ("model", "prompt", "messages", "stream", "stream_options", "ma
 # Fields the router applies itself (openai.py): each leg carries the values of stop_fields.
 ROUTERS_OWN = ("stop", "include_stop_str_in_output")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's default for /v1/completions
-# The vllm_xargs key of a resumed leg's text before it (connector/detokenize.py reads it).
-STOP_PREFIX = "vllm_ext_stop_prefix"
-# The vllm_xargs key of a resumed leg's count of generated tokens at its prompt's end (its
-# logprobs complete a character begun before the hand-off from them: connector/detokenize.py).
-GENERATED = "vllm_ext_generated"
 
 
 def not_migratable(body: Dict[str, Any], chat: bool) -> Optional[str]:
