@@ -451,9 +451,9 @@ def test_a_body_too_large_gets_413_and_requests_over_the_limit_503_with_retry_af
 
 
 # ---- what a decode server can make the proxy relay or hold -------------------------------------
-def overrunning(tokens, extra_event=None):
-    """A decode server that streams `tokens` one per chunk (with vLLM's continuous usage when
-    asked), whatever max_tokens says, then `extra_event`, usage and [DONE]; the bodies it got."""
+def overrunning(tokens, extra_event=None, per_chunk=1):
+    """A decode server that streams `tokens` `per_chunk` to a chunk (with vLLM's continuous usage
+    when asked), whatever max_tokens says, then `extra_event`, usage and [DONE]; the bodies it got."""
     import json
 
     from aiohttp import web
@@ -466,9 +466,12 @@ def overrunning(tokens, extra_event=None):
         usage = (body.get("stream_options") or {}).get("continuous_usage_stats")
         out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
-        for n, token in enumerate(tokens, 1):
+        for n in range(per_chunk, len(tokens) + per_chunk, per_chunk):
+            some = tokens[n - per_chunk:n]
+            n = min(n, len(tokens))
             chunk = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
-                     "choices": [{"index": 0, "text": f"t{token} ", "token_ids": [token], "finish_reason": None}]}
+                     "choices": [{"index": 0, "text": "".join(f"t{t} " for t in some), "token_ids": some,
+                                  "finish_reason": None}]}
             if usage:
                 chunk["usage"] = {"prompt_tokens": 2, "completion_tokens": n, "total_tokens": 2 + n}
             await out.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
@@ -514,6 +517,21 @@ def test_a_stream_ends_at_the_clients_max_tokens_whatever_the_decode_server_send
     assert [e["usage"]["completion_tokens"] for e in usage_events] == ([5] if usage else []), text
     asked = bodies[0]["stream_options"]
     assert asked["include_usage"] and asked["continuous_usage_stats"] and bodies[0]["max_tokens"] == 5
+
+
+def test_a_crossing_chunk_whose_text_cannot_be_cut_ends_the_stream_with_an_error():
+    """The decode server sends 12 tokens two to a chunk, without logprobs, for max_tokens 5: the
+    client gets the first two chunks (4 tokens and their text), then an error event that says
+    why; never the third chunk, whose text holds a sixth token."""
+    decode, _ = overrunning(list(range(100, 112)), per_chunk=2)
+    status, text = run_with_backends(prefill_answer, decode,
+                                     _stream({"model": "m", "prompt": "hi", "max_tokens": 5, "stream": True}))
+    events = _events(text)
+    assert status == 200 and [e["choices"][0]["token_ids"] for e in events[:-1]] == [[100, 101], [102, 103]], text
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "t100 t101 t102 t103 ", text
+    error = events[-1]["error"]
+    assert error["type"] == "BadGatewayError" and "past the client's max_tokens (5)" in error["message"] \
+        and "cannot cut" in error["message"], text
 
 
 def test_a_whole_answer_past_max_tokens_is_cut_or_refused():

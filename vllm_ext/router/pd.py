@@ -135,10 +135,10 @@ def asked_limit(body: Dict[str, Any], chat: bool) -> Optional[int]:
     return None
 
 
-def _cut_choice(choice: Dict[str, Any], keep: int) -> bool:
-    """`choice` (of a stream chunk or a whole answer) cut to its first `keep` tokens, finishing
-    "length"; False when its text cannot be cut there (several tokens and no logprobs whose
-    tokens spell it), True when it was."""
+def _cut_choice(choice: Dict[str, Any], keep: int, n: int) -> bool:
+    """`choice` (of a stream chunk or a whole answer, `n` tokens) cut to its first `keep` tokens,
+    finishing "length"; False when its text cannot be cut there (several tokens and no logprobs
+    whose tokens spell it), True when it was."""
     keep = max(keep, 0)
     holder = choice.get("delta") if isinstance(choice.get("delta"), dict) else \
         choice.get("message") if isinstance(choice.get("message"), dict) else choice
@@ -156,7 +156,7 @@ def _cut_choice(choice: Dict[str, Any], keep: int) -> bool:
         tokens = [t.get("token") if isinstance(t, dict) else None for t in logprobs["content"]]
         choice["logprobs"] = dict(logprobs, content=logprobs["content"][:keep])
     choice["finish_reason"], choice["stop_reason"] = "length", None
-    if not isinstance(text, str) or not text:
+    if not isinstance(text, str) or not text or keep >= n:
         return True
     if keep == 0:
         holder[key] = ""
@@ -171,7 +171,10 @@ class OutputLimit:
     """What the proxy relays of the decode server's streamed answer: each choice's tokens up to
     the client's limit (counted by the server's own per-chunk usage, which the decode leg asks
     for, else by token ids, else one per chunk with text), the chunk that crosses it cut there
-    and finished "length", nothing after; the usage the client did not ask for taken out again."""
+    and finished "length", nothing after; the usage the client did not ask for taken out again.
+    A crossing chunk of several tokens whose text cannot be cut there (no logprobs that spell it:
+    vLLM sends several tokens in one chunk when its reader lags) is not relayed: `uncut` then
+    says why, and the stream ends with that error (never more text than was asked)."""
 
     def __init__(self, limit: Optional[int], choices: int, want_usage: bool, want_continuous: bool):
         self.limit, self.choices = limit, choices
@@ -181,6 +184,7 @@ class OutputLimit:
         self.prompt_tokens: Optional[int] = None
         self.last: Dict[str, Any] = {}  # id, object, created, model of the last chunk
         self.overran = False
+        self.uncut: Optional[str] = None
 
     @property
     def done(self) -> bool:
@@ -244,9 +248,14 @@ class OutputLimit:
                     self.overran = True
                     logger.warning("the decode server went on past the client's max_tokens (%d): cut there",
                                    self.limit)
-                _cut_choice(choice, self.limit - before)  # a text that cannot be cut is kept whole
                 self.counts[i] = self.limit
                 self.cut.add(i)
+                if not _cut_choice(choice, self.limit - before, now - before):
+                    self.counts[i] = before
+                    self.uncut = (f"the decode server sent past the client's max_tokens ({self.limit}), {now - before} "
+                                  "tokens in one chunk whose text the proxy cannot cut (no logprobs spell it)")
+                    logger.warning("%s: the stream ends here", self.uncut)
+                    continue
             kept.append(choice)
         if not kept:
             return None
@@ -297,7 +306,7 @@ def limit_answer(raw: bytes, limit: Optional[int]) -> Optional[bytes]:
             continue
         if n > limit:
             logger.warning("the decode server answered past the client's max_tokens (%d tokens, %d asked)", n, limit)
-            if not _cut_choice(choice, limit):
+            if not _cut_choice(choice, limit, n):
                 return None
             changed = True
     if not changed:
@@ -576,6 +585,10 @@ class Proxy:
                         shaped = shaper.shape(event)
                         if shaped:
                             await _to_client(out.write(shaped))
+                        if shaper.uncut is not None:
+                            r.close()
+                            await _end_with_error(out, shaper.uncut)
+                            return out, True
                         if shaper.done:  # the server sent past the limit: the rest is the proxy's
                             r.close()
                             await _to_client(out.write(shaper.end()))
