@@ -56,8 +56,9 @@ class LiveFaultConnector(VllmExtConnector):
                 open(waiting, "w").close()
                 try:
                     time.sleep(delay)
-                finally:
-                    os.unlink(waiting)
+                finally:  # the ranks of a TP > 1 server share the file: the first one back removes it
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(waiting)
                 deadline += delay
             receive(job, deadline)
 
