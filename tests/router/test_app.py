@@ -467,6 +467,37 @@ def test_a_backend_that_sends_past_max_tokens_is_cut_there(stream):
         assert choice["text"] == " t10 t11 t12"
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_crossing_event_whose_text_cannot_be_cut_is_computed_elsewhere(stream):
+    """A backend sends, for max_tokens 3, a first token and then three in one event without
+    logprobs: the event's text cannot be cut at the limit, so nothing of it reaches the client;
+    the leg is broken and the other instance computes the rest from the tokens the client got."""
+    bodies = []
+    overrun = _stream_of([_token(10, prompt=[1, 2]), {"id": "x", "choices": [
+        {"index": 0, "text": " t11 t12 t13", "token_ids": [11, 12, 13], "finish_reason": None}]}])
+
+    async def rest(request):
+        bodies.append(await request.json())
+        return await _stream_of([_token(21, prompt=bodies[-1]["prompt"]), _token(22, finish="length")])(request)
+
+    async def calls(s, url, router):
+        body = {"model": "m", "prompt": [1, 2], "max_tokens": 3, "stream": stream, "return_token_ids": True}
+        async with s.post(url + "/v1/completions", json=body) as r:
+            return r.status, await r.text()
+
+    status, text = _router_for([overrun, rest], Settings(health_interval_s=60, policy="round_robin"), calls)
+    assert status == 200, text
+    if stream:
+        events = [e for e in events_of(text) if e.get("choices")]
+        ids = [t for e in events for t in e["choices"][0].get("token_ids") or []]
+        got = "".join(e["choices"][0].get("text") or "" for e in events)
+    else:
+        choice = json.loads(text)["choices"][0]
+        ids, got = choice["token_ids"], choice["text"]
+    assert ids == [10, 21, 22] and got == " t10 t21 t22", text
+    assert len(bodies) == 1 and bodies[0]["prompt"] == [1, 2, 10] and bodies[0]["max_tokens"] == 2, bodies
+
+
 def test_a_backend_event_past_max_event_bytes_breaks_only_that_leg():
     """The finding: the router buffered one 64 MiB event of a backend. An event larger than
     max_event_bytes breaks its leg (the request goes on elsewhere); the instance is not marked

@@ -62,9 +62,10 @@ def asked_limit(body: Dict[str, Any], chat: bool) -> Optional[int]:
     return None
 
 
-def cut_to(piece: openai.Piece, keep: int) -> None:
+def cut_to(piece: openai.Piece, keep: int) -> bool:
     """`piece` cut to its first `keep` tokens, finishing "length": its backend sent past the
-    client's limit. Its text is cut where its logprobs' tokens spell it, else kept whole."""
+    client's limit. Its text is cut where its logprobs' tokens spell it; False (the piece left
+    as it is) when it cannot be: several tokens and no such logprobs."""
     if keep < len(piece.token_ids):
         tokens = piece.logprobs.get("tokens") if isinstance(piece.logprobs, dict) else None
         if keep <= 0:
@@ -72,10 +73,13 @@ def cut_to(piece: openai.Piece, keep: int) -> None:
         elif isinstance(tokens, list) and len(tokens) == len(piece.token_ids) \
                 and all(isinstance(t, str) for t in tokens) and "".join(tokens) == piece.text:
             piece.text = "".join(tokens[:keep])
+        elif piece.text:
+            return False
         piece.token_ids = piece.token_ids[:max(keep, 0)]
         if isinstance(piece.logprobs, dict):
             piece.logprobs = {k: v[:max(keep, 0)] if isinstance(v, list) else v for k, v in piece.logprobs.items()}
     piece.finish_reason, piece.stop_reason = "length", None
+    return True
 
 
 class Relay:
@@ -320,7 +324,13 @@ class Relay:
                 if len(routed.client.token_ids) + len(piece.token_ids) > limit:
                     logger.warning("request %s: %s sent past the client's max_tokens (%d): cut there", routed.rid,
                                    inst.url, limit)
-                cut_to(piece, limit - len(routed.client.token_ids))
+                if not cut_to(piece, limit - len(routed.client.token_ids)):  # its text would say more than its
+                    # tokens: nothing of it is relayed, and the rest is computed elsewhere from what the client got
+                    logger.warning("request %s: %s sent %d tokens in one event whose text cannot be cut at max_tokens "
+                                   "(%d): its leg is broken", routed.rid, inst.url, len(piece.token_ids), limit)
+                    response.close()
+                    routed.let_go(leg, stopped=False)
+                    return "broken"
             if piece.prompt_token_ids is not None and routed.client.prompt_token_ids is None:
                 routed.client.prompt_token_ids = list(piece.prompt_token_ids)
                 await self.write(out, routed.client.start(), leg)
