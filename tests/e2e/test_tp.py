@@ -111,11 +111,12 @@ def delta(after, before):
 # where the connector's own log lines come from (vLLM prints each line's file)
 CONNECTOR_LOGGERS = ("[receiver.py:", "[consumer.py:", "[lease_requests.py:", "[worker.py:", "[control.py:",
                      "[endpoint.py:", "vllm-ext")
-# A receive that failed because the host stalled it: a wait ran past its deadline, or the producer
+# A receive that failed because the host stalled it: a wait ran past its deadline, the producer's
+# engine served the lease's blocks too late (lease_requests.py: "not served yet"), or the producer
 # was in back-off after such a failure (receiver.BACKOFF_S). CI's 2-core host was seen to stall
 # an instance's processes for 20 s (its /metrics unanswered, its endpoint silent). The prompt is
 # then asked again (a fresh one, PD_ATTEMPTS in all); any other cause fails the test at once.
-STALLED = ("deadline", "failed less than")
+STALLED = ("deadline", "its blocks are not served yet", "failed less than")
 PD_ATTEMPTS = 3
 FAILED = "receiving its KV failed: "
 
