@@ -216,7 +216,7 @@ class ReleasingProducer:
         from vllm_ext.lease import messages
         from vllm_ext.lease.channel import LeaseServer
 
-        self.released, self.asked = [], 0
+        self.released, self.asked, self.refused = [], 0, 0
         self.unanswered = 0  # releases to leave unanswered first (a stopped server), each for stall_s
         self.stall_s = 0.0
 
@@ -224,6 +224,9 @@ class ReleasingProducer:
             import time
 
             assert isinstance(request, messages.LeaseRelease)
+            if request.lease in self.released:  # as an instance answers a lease it ended
+                self.refused += 1
+                raise ValueError(f"lease {request.lease[:8]}: unknown, released or expired")
             if self.unanswered:
                 self.unanswered -= 1
                 time.sleep(self.stall_s)  # past the proxy's deadline: it has given this one up
@@ -352,18 +355,46 @@ def test_a_client_that_leaves_frees_the_prefill_lease(producer):
     assert status == "left" and released == [LEASE]
 
 
-def test_a_served_request_releases_nothing_and_its_answer_carries_no_backend_params(producer):
-    """A decode server's whole answer reaches the client without its kv_transfer_params (a
-    producer's tell how much of the prompt its cache holds)."""
+@pytest.mark.parametrize("decode_releases", [True, False], ids=["decode-released", "decode-died-first"])
+def test_a_served_requests_lease_is_released_after_its_answer(producer, decode_releases):
+    """A decode server releases the lease it pulled (or chose not to pull) itself; one killed
+    before its release went out (the soak: B killed just after an answer whose prompt its own
+    prefix cache held) left P's blocks leased until the lease expired. Nothing else may use the
+    lease once its request is answered, so the proxy releases it served_release_s after the
+    answer (refused, and not logged, when D did). The answer reaches the client without the
+    backend's kv_transfer_params (a producer's tell how much of the prompt its cache holds)."""
+    import asyncio
+    import time
+
     from aiohttp import web
+
+    from vllm_ext.lease.channel import LeaseClient
+    from vllm_ext.router.settings import ProxySettings
 
     async def decode(request):
         assert (await request.json())["kv_transfer_params"] == producer.params
+        if decode_releases:  # as a real decode server does, over P's lease channel
+            client = LeaseClient(SECRET.encode(), "127.0.0.1", producer.server.port)
+            await asyncio.get_running_loop().run_in_executor(None, client.release, LEASE, 5.0)
+            client.close()
         return web.json_response({"choices": [{"text": "hello"}], "kv_transfer_params": producer.params})
 
-    (status, body), released = _decode_fails(producer, decode, release_s=0.5)
-    import json
-    assert status == 200 and json.loads(body) == {"choices": [{"text": "hello"}]} and released == []
+    async def calls(session, url):
+        async with session.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4}) as r:
+            answer = r.status, await r.json()
+        at_answer = list(producer.released)
+        # the proxy's release, or (D released it) its refusal: a second release would show
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and len(producer.released) + producer.refused < 1 + decode_releases:
+            await asyncio.sleep(0.05)
+        return answer, at_answer, list(producer.released)
+
+    answer, at_answer, released = run_with_backends(producer.answer, decode, calls,
+                                                    settings=ProxySettings(served_release_s=0.5))
+    assert answer == (200, {"choices": [{"text": "hello"}]})
+    assert at_answer == ([LEASE] if decode_releases else [])  # the proxy waits served_release_s
+    assert released == [LEASE]  # once: by D, else by the proxy after the answer
+    assert producer.refused == (1 if decode_releases else 0)  # the proxy's, after D's
 
 
 def test_a_stalled_prefill_server_is_skipped():

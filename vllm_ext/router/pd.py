@@ -4,31 +4,34 @@
 
 For each /v1/completions or /v1/chat/completions request it asks a prefill server for one token
 with `kv_transfer_params={"do_remote_decode": true}` (not streamed), then sends the original
-request with the returned kv_transfer_params to a decode server and relays its answer,
-streamed or not. A client's own kv_transfer_params are dropped (only the prefill leg's reach
-the decode server), and no backend's reach the client. What the decode server would refuse of
-the fields the prefill leg does not carry (stream_options without stream, bad or inconsistent
-output limits, several choices: one lease serves one) is refused before the prefill server is
-asked; whenever the decode leg fails anyway (refused, unreachable, silent, the client left) the
-prefill server's lease is released at once over its lease channel (with the deployment secret,
-VLLM_EXT_AUTH_SECRET, as the router's). A decode server that answers an internal error before
-any token (what vLLM answers a failed KV load under kv_load_failure_policy "fail") is asked once
-more, without the prefill server's KV: the decode side computes the prompt. The decode server's
-answer ends at the client's max_tokens (max_completion_tokens) whatever it sends, and no event of
-it larger than max_event_bytes is held (OutputLimit). The client's Authorization and
-X-Request-Id headers go to both legs. A prefill server's error answer is relayed as is, one that
-is not JSON gives 502; a server that cannot be reached, or that has begun no answer after
-first_byte_s and answers no /health, is skipped with a log line and the next one tried (503 or
-504 when none is left); a decode server that fails mid-stream ends the stream with an error
-event. Also serves /health and /v1/models; other routes get a JSON 404 as vLLM gives. Needs
-aiohttp (a vLLM dependency); does not import vLLM.
+request with the returned kv_transfer_params to a decode server and relays its answer, streamed
+or not. A client's own kv_transfer_params are dropped (only the prefill leg's reach the decode
+server), and no backend's reach the client. What the decode server would refuse of the fields
+the prefill leg does not carry (stream_options without stream, bad or inconsistent output
+limits, several choices: one lease serves one) is refused before the prefill server is asked;
+whenever the decode leg fails anyway (refused, unreachable, silent, the client left) the prefill
+server's lease is released at once over its lease channel (with the deployment secret,
+VLLM_EXT_AUTH_SECRET, as the router's); a served request's, which its decode server releases
+itself, is released served_release_s after its answer in case that server died first. A decode
+server that answers an internal error before any token (what vLLM answers a failed KV load under
+kv_load_failure_policy "fail") is asked once more, without the prefill server's KV: the decode
+side computes the prompt. The decode server's answer ends at the client's max_tokens
+(max_completion_tokens) whatever it sends, and no event of it larger than max_event_bytes is
+held (OutputLimit). The client's Authorization and X-Request-Id headers go to both legs. A
+prefill server's error answer is relayed as is, one that is not JSON gives 502; a server that
+cannot be reached, or that has begun no answer after first_byte_s and answers no /health, is
+skipped with a log line and the next one tried (503 or 504 when none is left); a decode server
+that fails mid-stream ends the stream with an error event. Also serves /health and /v1/models;
+other routes get a JSON 404 as vLLM gives. Needs aiohttp (a vLLM dependency); does not import
+vLLM.
 """
 
 import argparse
 import asyncio
+import collections
 import json
 import logging
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
 import aiohttp
 from aiohttp import web
@@ -62,6 +65,9 @@ logger = logging.getLogger("vllm_ext.proxy")
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 RELEASE_TRIES = 5  # a release of a prefill lease, asked again while its server does not answer ...
 RELEASE_BACKOFF_S = 1.0  # ... this long after the first, then twice as long each time (40 s in all at most)
+# Served requests' leases waiting for their late release (settings.served_release_s); past this
+# many, the oldest is let go (its lease expires by itself, at the prefill server's lease_s)
+MAX_LATE_RELEASES = 1 << 16
 BACKEND_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError, ConnectionError)
 
 
@@ -341,7 +347,11 @@ class Proxy:
         self.session: Optional[aiohttp.ClientSession] = None
         self._lease_clients: Dict[Tuple[str, int], LeaseClient] = {}
         self._releasing: Set[asyncio.Task] = set()
+        self._late: Deque[Tuple[float, Tuple[str, str, int]]] = collections.deque(maxlen=MAX_LATE_RELEASES)
+        self._late_added: Optional[asyncio.Event] = None
+        self._late_task: Optional[asyncio.Task] = None
         self.released = 0  # leases released after a failed decode leg, since start
+        self.released_late = 0  # served requests' leases their decode server had not released, since start
         self.retried = 0  # requests asked again without remote KV after a failed load, since start
 
     async def start(self, app) -> None:
@@ -349,8 +359,12 @@ class Proxy:
         if self.secret is None:
             logger.warning("no deployment secret (%s): a failed decode leg's prefill lease is held until it "
                            "expires", auth.ENV_SECRET)
+        self._late_added = asyncio.Event()
+        self._late_task = asyncio.get_running_loop().create_task(self._release_late())
 
     async def stop(self, app) -> None:
+        if self._late_task is not None:  # the served requests' leases still waiting expire by themselves
+            self._late_task.cancel()
         if self._releasing:
             _, pending = await asyncio.wait(self._releasing, timeout=self.settings.release_timeout_s)
             for task in pending:  # still asking a server that does not answer: its lease expires by itself
@@ -429,6 +443,8 @@ class Proxy:
         finally:
             if not served:  # also when the client left (this handler cancelled)
                 self._release(params)
+            else:  # released by its decode server, unless that died before its release went out
+                self._release_after_answer(params)
 
     # ---- the prefill server's lease ------------------------------------------------------
     def _release(self, params: Any) -> None:
@@ -441,14 +457,56 @@ class Proxy:
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
 
-    async def _release_now(self, lease: str, host: str, port: int) -> None:
-        """Releases a lease; a prefill server that does not answer (stopped, busy) is asked again,
-        RELEASE_TRIES times in all, BACKOFF_S apart and doubling: otherwise the lease would hold
-        its blocks until it expires."""
+    def _lease_client(self, host: str, port: int) -> LeaseClient:
         client = self._lease_clients.get((host, port))
         if client is None:
             client = self._lease_clients[(host, port)] = LeaseClient(self.secret, host, port,
                                                                      self.settings.release_timeout_s)
+        return client
+
+    def _release_after_answer(self, params: Any) -> None:
+        """A served request's lease: its decode server released it when it pulled (or chose not to
+        pull) the blocks, but one killed before its release went out would leave the blocks held
+        until the lease expired. Nothing else may use the lease now, so the proxy releases it
+        settings.served_release_s after the answer (its refusal, the usual case, is not logged)."""
+        ref = lease_ref(params)
+        if ref is None or self.secret is None or self._late_added is None:
+            return
+        self._late.append((asyncio.get_running_loop().time() + self.settings.served_release_s, ref))
+        self._late_added.set()
+
+    async def _release_late(self) -> None:
+        """_release_after_answer's releases, in the order of their answers (one at a time: a
+        prefill server that does not answer delays the rest, whose leases then expire at worst)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._late:
+                self._late_added.clear()
+                await self._late_added.wait()
+                continue
+            due, (lease, host, port) = self._late[0]
+            if due > loop.time():
+                await asyncio.sleep(due - loop.time())
+                continue
+            self._late.popleft()
+            try:
+                await loop.run_in_executor(None, self._lease_client(host, port).release, lease,
+                                           self.settings.release_timeout_s)
+            except ChannelRefused:  # the decode server released it (or it expired): the usual case
+                continue
+            except ChannelError as e:
+                logger.info("lease %s... of %s:%d not released after its answer (%s): it expires by itself",
+                            lease[:8], host, port, e)
+                continue
+            self.released_late += 1
+            logger.info("lease %s... of %s:%d released %g s after its answer: its decode server had not released it",
+                        lease[:8], host, port, self.settings.served_release_s)
+
+    async def _release_now(self, lease: str, host: str, port: int) -> None:
+        """Releases a lease; a prefill server that does not answer (stopped, busy) is asked again,
+        RELEASE_TRIES times in all, BACKOFF_S apart and doubling: otherwise the lease would hold
+        its blocks until it expires."""
+        client = self._lease_client(host, port)
         for attempt in range(1, RELEASE_TRIES + 1):
             try:
                 await asyncio.get_running_loop().run_in_executor(None, client.release, lease,

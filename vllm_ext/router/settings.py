@@ -89,11 +89,14 @@ class ProxySettings:
     max_body_bytes: int = MAX_BODY_BYTES
     max_event_bytes: int = MAX_EVENT_BYTES  # a backend's larger answer (not streamed) is not relayed: 502
     release_timeout_s: float = 5.0  # a release of the prefill server's lease after a failed decode leg
+    # A served request's lease is released this long after its answer, in case its decode server did
+    # not (it died before its own release went out): the lease serves no one else
+    served_release_s: float = 10.0
 
     def __post_init__(self):
         check_policy(self.policy)
         _check_limits(self)
-        for name in ("timeout_s", "first_byte_s", "health_timeout_s", "release_timeout_s"):
+        for name in ("timeout_s", "first_byte_s", "health_timeout_s", "release_timeout_s", "served_release_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
