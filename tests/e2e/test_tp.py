@@ -146,6 +146,11 @@ def failures(cluster, name, since):
         return [line.split(FAILED, 1)[1] for line in f.read().decode(errors="replace").splitlines() if FAILED in line]
 
 
+def all_stalled(reasons):
+    """Whether there are failure reasons and each names a stall (STALLED)."""
+    return bool(reasons) and all(any(m in reason for m in STALLED) for reason in reasons)
+
+
 def wait_idle(cluster):
     """Every instance's KV usage and P/D leases back to zero within the deadline."""
     deadline = time.monotonic() + IDLE_TIMEOUT_S
@@ -180,9 +185,7 @@ def test_pd_across_tp_sizes_equals_a_single_instance(cluster, pair):
             moved = delta(rank_counters(cluster[decode].url), before)
             if moved == {rank: (1, 0) for rank in range(ranks)}:
                 break
-            why = failures(cluster, decode, logged[decode])
-            stalled = bool(why) and all(any(m in reason for m in STALLED) for reason in why)
-            assert stalled and attempt < PD_ATTEMPTS, (
+            assert all_stalled(failures(cluster, decode, logged[decode])) and attempt < PD_ATTEMPTS, (
                 f"prompt of {n} tokens, attempt {attempt}: {decode}'s ranks moved (transfers, failed) {moved}\n"
                 + connector_lines(cluster, pair, since=logged))
             time.sleep(receiver.BACKOFF_S)  # the producer's back-off after the stalled receive
@@ -222,10 +225,7 @@ def stalled_move(cluster, record, destination, since):
     its reason, or in every receive failure the destination logged after byte `since`)."""
     if record["outcome"] not in ("recomputed", "stayed"):
         return False
-    if any(m in record.get("reason", "") for m in STALLED):
-        return True
-    why = failures(cluster, destination, since)
-    return bool(why) and all(any(m in reason for m in STALLED) for reason in why)
+    return all_stalled([record.get("reason", "")]) or all_stalled(failures(cluster, destination, since))
 
 
 @pytest.mark.parametrize("source,destination", [("A", "C"), ("C", "A")], ids=["tp2-tp1", "tp1-tp2"])
